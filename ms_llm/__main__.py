@@ -1,0 +1,3 @@
+from ms_llm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""`ms-llm` entry point. Each subcommand is a small function; user errors print one line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ms_llm.errors import MsLlmError
+
+
+def _load_plan(args):
+    from ms_llm.config.job import load_job
+    from ms_llm.strategy.cost import estimate
+    from ms_llm.strategy.devices import get_device
+    from ms_llm.strategy.plan import plan
+
+    job = load_job(args.config)
+    device = get_device(args.device or job.device)
+    p = plan(job.model, job.strategy, job.train, args.world_size)
+    return p, estimate(p, device), device
+
+
+def cmd_plan(args) -> int:
+    from ms_llm.strategy.report import plan_json, plan_report
+
+    p, est, device = _load_plan(args)
+    if args.json:
+        print(json.dumps(plan_json(p, est, device), indent=2))
+    else:
+        print(plan_report(p, est, device))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The embedded default job: plan the shipped configurations."""
+    root = Path(__file__).resolve().parents[1] / "configs" / "train"
+    for name in ("tiny_torch_dp2", "llama2_7b_dp8_zero1", "llama2_70b_dp2_tp4_pp8"):
+        print(f"$ ms-llm plan configs/train/{name}.yaml")
+        cmd_plan(argparse.Namespace(config=root / f"{name}.yaml", world_size=None, device=None, json=False))
+        print()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ms-llm", description="Pretrain LLaMA-family models on Ascend "
+                                     "(MindSpore) and GPU (PyTorch) from one parallel-strategy IR.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="validate a job and print mesh, memory, communication and time per rank")
+    p.add_argument("config", help="job YAML (model + strategy + train)")
+    p.add_argument("--world-size", type=int, default=None, help="devices; default: from the strategy")
+    p.add_argument("--device", default=None, help="h100, h200, a100, 910b or cpu; default: the job's device")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_plan)
+
+    d = sub.add_parser("demo", help="run the embedded default job")
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MsLlmError as exc:
+        print(f"ms-llm {args.command}: error: {exc}", file=sys.stderr)
+        return 2

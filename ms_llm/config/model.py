@@ -1,0 +1,74 @@
+"""ModelConfig: the shape of a LLaMA-family decoder. Sizes only; no parallelism here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ms_llm.config.schema import spec
+from ms_llm.errors import ConfigError
+
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = spec("model", "Flavor name, used in run folders and tables.")
+    vocab_size: int = spec(doc="Embedding rows and lm_head outputs.", ge=2)
+    hidden_size: int = spec(doc="Model width d_model.", ge=1)
+    num_layers: int = spec(doc="Decoder layers.", ge=1)
+    num_heads: int = spec(doc="Query heads.", ge=1)
+    num_kv_heads: int = spec(0, "Key/value heads (GQA); 0 means num_heads (plain multi-head).", ge=0)
+    ffn_hidden_size: int = spec(doc="SwiGLU inner width (gate_proj/up_proj outputs).", ge=1)
+    max_seq_len: int = spec(2048, "Longest sequence the rotary tables are built for.", ge=1)
+    rope_theta: float = spec(10000.0, "Rotary base frequency.", ge=1.0)
+    norm_eps: float = spec(1e-5, "RMSNorm epsilon.", ge=0.0)
+    tie_embeddings: bool = spec(False, "Share embed_tokens and lm_head weights.")
+    dtype: DType = spec("bfloat16", "Parameter dtype on the device.")
+    num_experts: int = spec(0, "Routed experts per MoE layer; 0 means a dense SwiGLU MLP.", ge=0)
+    moe_top_k: int = spec(2, "Experts each token is routed to (MoE only).", ge=1)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"model.hidden_size: {self.hidden_size} is not divisible by "
+                              f"model.num_heads={self.num_heads}; pick sizes with an integer head_dim")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_kv_heads: {self.num_kv_heads} must divide "
+                              f"model.num_heads={self.num_heads} (each kv head serves a group of query heads)")
+        if self.num_experts and self.moe_top_k > self.num_experts:
+            raise ConfigError(f"model.moe_top_k: {self.moe_top_k} exceeds model.num_experts={self.num_experts}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_param_count(self) -> int:
+        """Parameters of one decoder layer: attention, MLP (or experts + router), two norms."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        attn = 2 * h * h + 2 * h * self.kv_dim
+        mlp = 3 * h * f
+        if self.num_experts:
+            mlp = self.num_experts * mlp + self.num_experts * h
+        return attn + mlp + 2 * h
+
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_embeddings else embed
+        return embed + self.num_layers * self.layer_param_count() + self.hidden_size + head
+
+    def active_params(self) -> int:
+        """Parameters touched per token (for FLOPs): only top_k experts of an MoE layer."""
+        if not self.num_experts:
+            return self.num_params()
+        dense_experts = self.num_experts - self.moe_top_k
+        return self.num_params() - self.num_layers * dense_experts * 3 * self.hidden_size * self.ffn_hidden_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus causal attention scores (PaLM's 12*L*h*s, halved)."""
+        return 6.0 * self.active_params() + 6.0 * self.num_layers * self.hidden_size * seq_len

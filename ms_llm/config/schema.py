@@ -1,0 +1,171 @@
+"""Typed dataclass <-> plain dict conversion with errors that name the full key path.
+
+Config sections are frozen dataclasses whose fields carry their own documentation and
+allowed range (see `spec`). `from_dict` walks a parsed YAML mapping into them and raises
+ConfigError("strategy.pipeline.micro_batches: ...") on the first bad value; `to_dict`
+writes back only what differs from the defaults, so YAML -> IR -> YAML is the identity.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from ms_llm.errors import ConfigError
+
+
+def spec(default: Any = dataclasses.MISSING, doc: str = "", *, ge: float | None = None,
+         le: float | None = None, choices: tuple | None = None, default_factory: Any = dataclasses.MISSING):
+    """A dataclass field with a docstring and a range that `from_dict` enforces."""
+    meta = {"doc": doc, "ge": ge, "le": le, "choices": choices}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is tuple:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for option in get_args(tp):
+            try:
+                return _convert(option, value, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: got {value!r}; allowed: {_type_name(tp)}")
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in get_args(tp)):
+            return value
+        raise ConfigError(f"{path}: got {value!r}; allowed: {_type_name(tp)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: got {value!r}; expected a list of {_type_name(get_args(tp)[0])}")
+        item = get_args(tp)[0]
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{path}: got {value!r}; expected null")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: got {value!r}; expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{path}: got {value!r}; expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "1e-4" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: got {value!r}; expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: got {value!r}; expected a string")
+    raise TypeError(f"unsupported config type {tp!r} at {path}")
+
+
+def _check_range(f: dataclasses.Field, value: Any, path: str) -> None:
+    meta = f.metadata
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        values = value if isinstance(value, tuple) else ()
+        for i, v in enumerate(values):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                _check_number(meta, v, f"{path}[{i}]")
+    else:
+        _check_number(meta, value, path)
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{path}: got {value!r}; allowed: {', '.join(map(repr, meta['choices']))}")
+
+
+def _check_number(meta: dict, value: float, path: str) -> None:
+    ge, le = meta.get("ge"), meta.get("le")
+    if ge is not None and value < ge:
+        raise ConfigError(f"{path}: got {value!r}; must be >= {ge}")
+    if le is not None and value > le:
+        raise ConfigError(f"{path}: got {value!r}; must be <= {le}")
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from a mapping; every error names the key path."""
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or cls.__name__}: got {data!r}; expected a mapping of {cls.__name__} fields")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), list(fields), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
+        raise ConfigError(f"{_join(path, str(key))}: unknown key{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        key_path = _join(path, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key_path}: missing; expected {_type_name(hints[name])}")
+            continue
+        value = _convert(hints[name], data[name], key_path)
+        _check_range(f, value, key_path)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path and not str(exc).startswith(path) else str(exc)) from None
+
+
+def to_dict(obj: Any, *, full: bool = False) -> dict:
+    """The mapping `from_dict` reads back; only non-default fields unless `full`."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            sub = to_dict(value, full=full)
+            if sub or full:
+                out[f.name] = sub
+            continue
+        if not full:
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+            if value == default:
+                continue
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> documentation, for `--help` style listings."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}

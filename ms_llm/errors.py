@@ -1,0 +1,21 @@
+"""The error types users see. Each message names the offending field and a fix."""
+
+
+class MsLlmError(ValueError):
+    """Base class: a problem with the user's input, reported without a deep traceback."""
+
+
+class ConfigError(MsLlmError):
+    """A config file or value is malformed: unknown key, wrong type, out of range, missing."""
+
+
+class StrategyError(MsLlmError):
+    """A parallel strategy that cannot run with this model, batch or world size."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            text = self.problems[0]
+        else:
+            text = f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(text)

@@ -1,0 +1,259 @@
+"""Memory, communication and step-time model of a ModelPlan on a device.
+
+Model states follow ZeRO (Rajbhandari et al.): with psi parameters, 2-byte params and
+grads and K bytes of optimizer state per parameter (K = 12 for mixed-precision Adam:
+fp32 master, m, v), a rank holds (2+2+K)psi at stage 0, 2psi+2psi+K psi/Nd at stage 1,
+2psi+(2+K)psi/Nd at stage 2 and (2+2+K)psi/Nd at stage 3. Activations are counted per
+saved tensor of a LLaMA layer in the manner of Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models": tensors inside the tp region are split by tp,
+norm inputs/outputs only with sequence parallel, everything by cp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ms_llm.config.model import DTYPE_BYTES
+from ms_llm.strategy.devices import DeviceSpec
+from ms_llm.strategy.plan import ModelPlan
+
+ADAM_STATE_BYTES = 8       # m and v in fp32
+
+
+def zero_model_state_bytes(psi: float, stage: int, nd: int, k: float = 12,
+                           param_bytes: float = 2, grad_bytes: float = 2) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per rank for ZeRO `stage` over `nd` ranks."""
+    params, grads, optim = param_bytes * psi, grad_bytes * psi, k * psi
+    if stage >= 1:
+        optim /= nd
+    if stage >= 2:
+        grads /= nd
+    if stage >= 3:
+        params /= nd
+    return params, grads, optim
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device of the busiest pipeline stage."""
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    zero3_gather: float
+    host_offload: float          # bytes moved to host memory (not counted in total)
+    in_flight_micro_batches: float
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.logits + self.zero3_gather
+
+    def components(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "logits": self.logits, "zero3_gather": self.zero3_gather}
+
+
+@dataclass(frozen=True)
+class CommVolume:
+    """Bytes each rank sends per step, by mesh axis, and the collective that carries them."""
+    bytes_by_axis: dict[str, float] = field(default_factory=dict)
+    collective_by_axis: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    memory: MemoryBreakdown
+    comm: CommVolume
+    compute_s: float
+    bubble_s: float
+    exposed_comm_s: dict[str, float]
+    step_s: float
+    tokens_per_step: int
+    mfu: float
+    fits: bool
+    world_size: int
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens_per_step / self.step_s / self.world_size if self.step_s else 0.0
+
+
+def _optimizer_bytes_per_param(plan: ModelPlan) -> float:
+    prec = plan.strategy.precision
+    master = DTYPE_BYTES[prec.master_dtype] if prec.master_dtype != prec.param_dtype else 0
+    states = ADAM_STATE_BYTES if plan.train.optimizer.name == "adamw" else 0
+    return master + states
+
+
+def _activation_bytes_per_token_layer(plan: ModelPlan, mode: str) -> float:
+    """Bytes one decoder layer keeps for backward per (local) token."""
+    m, s = plan.model, plan.strategy
+    tp = s.tp
+    h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_dim
+    if m.num_experts:
+        f = f * m.moe_top_k
+    act = DTYPE_BYTES[s.precision.compute_dtype]
+    norm_io = 4 * h / (tp if s.sequence_parallel else 1)       # attn/mlp norm inputs and outputs
+    if mode == "full":
+        return act * h / (tp if s.sequence_parallel else 1)    # the layer input only
+    inside = (h + 2 * kv + h + 4 * f) / tp                     # q, k, v, attn out, gate/up/silu/product
+    if mode == "selective":
+        inside -= 2 * f / tp                                   # silu output and product are recomputed
+    return act * (norm_io + inside)
+
+
+def _in_flight(plan: ModelPlan, stage: int) -> float:
+    s = plan.strategy
+    pp, m, v = s.pp, plan.micro_batches, s.pipeline.virtual_stages
+    if pp == 1:
+        return 1.0
+    schedule = s.pipeline.schedule
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved_1f1b":
+        return min(m * v, (pp - stage) * (1 + (pp - 1) / (pp * v)) * 1.0)
+    return float(min(m, pp - stage))
+
+
+def memory(plan: ModelPlan) -> MemoryBreakdown:
+    """Per-device memory of the busiest stage."""
+    best = None
+    for stage in range(plan.strategy.pp):
+        mb = _stage_memory(plan, stage)
+        if best is None or mb.total > best.total:
+            best = mb
+    return best
+
+
+def _stage_memory(plan: ModelPlan, stage: int) -> MemoryBreakdown:
+    s, m, t = plan.strategy, plan.model, plan.train
+    psi = plan.local_param_count(stage)
+    pbytes = DTYPE_BYTES[s.precision.param_dtype]
+    nd = plan.zero.group_size
+    params, grads, optim = zero_model_state_bytes(psi, s.zero.stage, nd, _optimizer_bytes_per_param(plan),
+                                                  pbytes, pbytes)
+    host = 0.0
+    if s.offload.optimizer:
+        host += optim
+        optim = 0.0
+    gather = 0.0
+    if s.zero.stage == 3:
+        # One layer unsharded for compute plus the next one prefetched.
+        layer_params = max((sum(p.numel for p in plan.params.values() if p.layer == l) / s.tp
+                            for c in plan.chunks_of_stage(stage) for l in c.layers), default=0)
+        gather = 2 * layer_params * pbytes
+        if s.offload.params:
+            host += params
+            params = 0.0
+    tokens = t.micro_batch_size * t.seq_len / s.cp
+    layers = [l for c in plan.chunks_of_stage(stage) for l in c.layers]
+    per_mb = sum(_activation_bytes_per_token_layer(plan, plan.recompute[l]) for l in layers) * tokens
+    if any(plan.recompute[l] == "full" for l in layers):
+        per_mb_working = _activation_bytes_per_token_layer(plan, "none") * tokens
+    else:
+        per_mb_working = 0.0
+    in_flight = _in_flight(plan, stage)
+    activations = per_mb * in_flight + per_mb_working
+    has_head = any(c.has_head for c in plan.chunks_of_stage(stage))
+    logits = 0.0
+    if has_head:
+        # fp32 logits for the loss plus their gradient, vocab-parallel over tp.
+        logits = 2 * 4 * tokens * m.vocab_size / s.tp
+    return MemoryBreakdown(stage, params, grads, optim, activations, logits, gather, host, in_flight)
+
+
+def communication(plan: ModelPlan) -> CommVolume:
+    s, m, t = plan.strategy, plan.model, plan.train
+    act = DTYPE_BYTES[s.precision.compute_dtype]
+    pbytes = DTYPE_BYTES[s.precision.param_dtype]
+    gbytes = DTYPE_BYTES[s.precision.grad_reduce_dtype]
+    mb = plan.micro_batches
+    tokens = t.micro_batch_size * t.seq_len / s.cp                  # per micro-batch per rank
+    layers = max(sum(len(c.layers) for c in plan.chunks_of_stage(st)) for st in range(s.pp))
+    psi = max(plan.local_param_count(st) for st in range(s.pp))
+    vol: dict[str, float] = {}
+    kind: dict[str, str] = {}
+
+    n = s.dp * s.cp
+    if n > 1:
+        ring = (n - 1) / n
+        G, P = psi * gbytes, psi * pbytes
+        if s.zero.stage == 0:
+            vol["dp_cp"], kind["dp_cp"] = 2 * ring * G, "all-reduce grads"
+        elif s.zero.stage in (1, 2):
+            vol["dp_cp"], kind["dp_cp"] = ring * (G + P), "reduce-scatter grads + all-gather params"
+        else:
+            vol["dp_cp"], kind["dp_cp"] = ring * (G + 2 * P), "all-gather params (fwd, bwd) + reduce-scatter grads"
+        if plan.zero.replicate_size > 1 and s.zero.stage:
+            r = plan.zero.replicate_size
+            vol["dp_cp"] += 2 * (r - 1) / r * G / plan.zero.group_size
+            kind["dp_cp"] += " + all-reduce across replicas"
+    if s.tp > 1:
+        a = tokens * m.hidden_size * act
+        per_layer = 4 + (2 if "full" in plan.recompute else 0)
+        vol["tp"] = per_layer * layers * mb * 2 * (s.tp - 1) / s.tp * a
+        kind["tp"] = "all-gather + reduce-scatter (sequence parallel)" if s.sequence_parallel else "all-reduce"
+    if s.cp > 1:
+        kv = tokens * m.kv_dim / s.tp * act
+        vol["cp"] = 3 * 2 * kv * (s.cp - 1) * layers * mb
+        kind["cp"] = "ring p2p of K/V (fwd) and dK/dV (bwd)"
+    if s.pp > 1:
+        boundary = tokens * m.hidden_size * act / (s.tp if s.sequence_parallel else 1)
+        vol["pp"] = 2 * boundary * mb * s.pipeline.virtual_stages
+        kind["pp"] = "p2p send/recv of activations and their gradients"
+    if s.ep > 1 and m.num_experts:
+        moe_layers = layers
+        vol["ep"] = 4 * tokens * m.moe_top_k * m.hidden_size * act * (s.ep - 1) / s.ep * moe_layers * mb
+        kind["ep"] = "all-to-all dispatch/combine"
+    return CommVolume(vol, kind)
+
+
+def _group_bandwidth(plan: ModelPlan, axis: str, device: DeviceSpec) -> float:
+    """Intra-node links if the whole group fits in one node, else the network."""
+    s = plan.strategy
+    inner = {"tp": 1, "cp": s.tp, "dp_cp": s.tp, "ep": s.tp, "pp": s.tp * s.cp * s.dp}[axis]
+    span = inner * {"tp": s.tp, "cp": s.cp, "dp_cp": s.dp * s.cp, "ep": s.ep, "pp": 2}[axis]
+    return device.intra_node_bw if span <= device.devices_per_node else device.inter_node_bw
+
+
+def estimate(plan: ModelPlan, device: DeviceSpec) -> StepEstimate:
+    s, m, t = plan.strategy, plan.model, plan.train
+    mem = memory(plan)
+    comm = communication(plan)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    model_flops = m.flops_per_token(t.seq_len) * tokens_per_step
+    n_full = sum(1 for r in plan.recompute if r == "full") / m.num_layers
+    n_sel = sum(1 for r in plan.recompute if r == "selective") / m.num_layers
+    attention_share = 6.0 * m.num_layers * m.hidden_size * t.seq_len / m.flops_per_token(t.seq_len)
+    recompute_factor = 1 + n_full / 3 + n_sel * attention_share / 3
+    flops_per_rank = model_flops * recompute_factor / plan.world_size
+    compute = flops_per_rank / (device.peak_flops * device.matmul_efficiency)
+    pp, mb, v = s.pp, plan.micro_batches, s.pipeline.virtual_stages
+    bubble_fraction = 0.0
+    if pp > 1:
+        bubble_fraction = (pp - 1) / (mb * (v if s.pipeline.schedule == "interleaved_1f1b" else 1))
+        if s.pipeline.schedule == "zero_bubble":
+            bubble_fraction /= 3
+        elif s.pipeline.schedule == "zbv":
+            bubble_fraction /= 6
+    bubble = compute * bubble_fraction
+    exposed = {}
+    for axis, nbytes in comm.bytes_by_axis.items():
+        seconds = nbytes / _group_bandwidth(plan, axis, device)
+        if axis == "dp_cp":
+            overlap = 0.8 * compute * (1.0 if s.zero.stage == 3 else 2 / 3)   # hidden under backward
+            seconds = max(0.0, seconds - overlap)
+        elif axis == "cp":
+            seconds = max(0.0, seconds - 0.5 * compute * attention_share)
+        exposed[axis] = seconds
+    if s.offload.optimizer:
+        exposed["host"] = 2 * mem.host_offload / 50e9      # PCIe round trip of the offloaded states
+    step = compute + bubble + sum(exposed.values())
+    mfu = model_flops / (step * plan.world_size * device.peak_flops) if step else 0.0
+    return StepEstimate(mem, comm, compute, bubble, exposed, step, tokens_per_step, mfu,
+                        mem.total <= device.memory_bytes, plan.world_size)

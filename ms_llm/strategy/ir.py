@@ -1,0 +1,136 @@
+"""ParallelStrategy: the backend-neutral description of how a job is split over devices.
+
+Degrees use "1 means off". `dp = -1` means "the ranks left over" once tp, pp and cp are
+placed, resolved by `resolve(world_size)`. Rules that involve the model or the batch are
+checked in validate.py; this file only holds the values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from ms_llm.config.schema import spec
+from ms_llm.config.model import DType
+from ms_llm.errors import StrategyError
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+# Schedules that place several model chunks on one rank.
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zbv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroSpec:
+    stage: int = spec(0, "0: replicated (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters.",
+                      ge=0, le=3)
+    shard_size: int = spec(-1, "Ranks a shard group spans (HSDP: shard inside, replicate across); "
+                               "-1 = all of dp.", ge=-1)
+    bucket_mb: float = spec(25.0, "Gradient / parameter bucket size for fused collectives.", ge=0.0)
+    engine: Literal["auto", "shared", "native"] = spec(
+        "auto", "'shared': ms_llm's ZeRO engine (same partition on both backends); 'native': the "
+                "backend's own (torch DDP / FSDP2 fully_shard, MindSpore parallel optimizer); "
+                "'auto' = shared where the backend has it.")
+
+    def __post_init__(self) -> None:
+        if self.shard_size == 0:
+            raise StrategyError("strategy.zero.shard_size: 0 is not a group size; use -1 (all of dp) or a divisor of dp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    schedule: Schedule = spec("1f1b", "Pipeline schedule (ignored when pp = 1).")
+    virtual_stages: int = spec(1, "Model chunks per pipeline rank (interleaved / V schedules).", ge=1)
+    micro_batches: int = spec(-1, "Micro-batches per step per data-parallel rank (= gradient "
+                                  "accumulation); -1 = global_batch / (micro_batch_size * dp).", ge=-1)
+    layer_split: Optional[tuple[int, ...]] = spec(None, "Layers per (stage, chunk) in pipeline order, "
+                                                        "pp * virtual_stages entries; null = even.")
+
+    def __post_init__(self) -> None:
+        if self.micro_batches == 0:
+            raise StrategyError("strategy.pipeline.micro_batches: 0 micro-batches cannot train; "
+                                "use -1 (derived from the batch) or a positive count")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeSpec:
+    policy: Literal["none", "selective", "full"] = spec(
+        "none", "none: keep activations; selective: recompute attention core and MLP activation; "
+                "full: keep only each layer's input.")
+    num_layers: int = spec(-1, "Recompute only the first N layers of each stage; -1 = all.", ge=-1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionSpec:
+    param_dtype: DType = spec("bfloat16", "Parameters as the forward pass reads them.")
+    compute_dtype: DType = spec("bfloat16", "Matmul / activation dtype.")
+    grad_reduce_dtype: DType = spec("float32", "Dtype gradients are reduced in across data parallel.")
+    master_dtype: DType = spec("float32", "Optimizer's copy of the weights.")
+    loss_scale: Literal["none", "dynamic", "static"] = spec("none", "fp16 needs 'dynamic' or 'static'.")
+    initial_loss_scale: float = spec(65536.0, "Starting (or static) loss scale.", ge=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadSpec:
+    optimizer: bool = spec(False, "Keep optimizer states (and master weights) in host memory (ZeRO-Offload).")
+    params: bool = spec(False, "Keep sharded parameters in host memory between uses (ZeRO-3 only).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelStrategy:
+    dp: int = spec(-1, "Data-parallel degree (replicate x shard); -1 = world / (tp * pp * cp).", ge=-1)
+    tp: int = spec(1, "Tensor-parallel degree.", ge=1)
+    pp: int = spec(1, "Pipeline-parallel degree.", ge=1)
+    cp: int = spec(1, "Context-parallel degree (splits the sequence).", ge=1)
+    ep: int = spec(1, "Expert-parallel degree, carved out of dp * cp for expert layers.", ge=1)
+    sequence_parallel: bool = spec(False, "Shard norm/residual activations on the sequence over tp.")
+    zero: ZeroSpec = field(default_factory=ZeroSpec)
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    recompute: RecomputeSpec = field(default_factory=RecomputeSpec)
+    precision: PrecisionSpec = field(default_factory=PrecisionSpec)
+    offload: OffloadSpec = field(default_factory=OffloadSpec)
+
+    def __post_init__(self) -> None:
+        if self.dp == 0:
+            raise StrategyError("strategy.dp: 0 ranks cannot hold a replica; use -1 (the leftover ranks) or >= 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that together hold one replica: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    def world_size(self) -> int:
+        """World size this strategy names; only defined once dp is resolved."""
+        if self.dp < 0:
+            raise StrategyError("strategy.dp: -1 needs a world size to resolve; pass --world-size N")
+        return self.dp * self.model_parallel_size
+
+    def resolve(self, world_size: int | None = None) -> "ParallelStrategy":
+        """Fill dp = -1 and zero.shard_size = -1 from the world size; check the product."""
+        dp = self.dp
+        if dp < 0:
+            if world_size is None:
+                raise StrategyError("strategy.dp: -1 needs a world size to resolve; pass --world-size N")
+            if world_size % self.model_parallel_size:
+                raise StrategyError(
+                    f"strategy.dp: -1 cannot be resolved: world size {world_size} is not divisible by "
+                    f"tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size}; "
+                    f"change the world size or the model-parallel degrees")
+            dp = world_size // self.model_parallel_size
+        elif world_size is not None and dp * self.model_parallel_size != world_size:
+            raise StrategyError(
+                f"strategy: dp*tp*pp*cp = {dp}*{self.tp}*{self.pp}*{self.cp} = {dp * self.model_parallel_size} "
+                f"but the world size is {world_size}; set dp: -1 to use the leftover ranks, or change a degree")
+        zero = self.zero
+        if zero.shard_size == -1:
+            zero = dataclasses.replace(zero, shard_size=dp)
+        return dataclasses.replace(self, dp=dp, zero=zero)
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks a ZeRO shard group spans along dp (1 when ZeRO is off: plain replication)."""
+        return self.zero.shard_size if self.zero.stage > 0 else 1
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard

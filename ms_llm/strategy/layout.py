@@ -1,0 +1,219 @@
+"""Placements per mesh axis and the tensor layouts built from them.
+
+A TensorLayout says, for each axis of a named mesh, whether a tensor is split along one
+of its dimensions (Shard(dim)), copied (Replicate) or holds a partial sum (Partial). This
+is torch DTensor's vocabulary one to one; a MindSpore device matrix + tensor map (and the
+op.shard strategy tuple) is derived from it. When several mesh axes split the same
+dimension, the outer axis is the major split (DTensor's and MindSpore's convention)
+unless `order` says otherwise: ZeRO splits the tensor-parallel shard further, so its
+layouts nest the data-parallel axes inside tp (what DTensor calls a strided shard and
+MindSpore's parallel optimizer does to the tp slice).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+from ms_llm.errors import StrategyError
+from ms_llm.strategy.mesh import MeshSpec, rank_to_coords
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    reduce_op: str = "sum"
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+
+Placement = Union[Shard, Replicate, Partial]
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of str(placement): 'S(0)', 'R', 'P(sum)'."""
+    if text == "R":
+        return Replicate()
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    if text.startswith("P(") and text.endswith(")"):
+        return Partial(text[2:-1])
+    raise StrategyError(f"placement: cannot parse {text!r}; expected 'S(dim)', 'R' or 'P(sum)'")
+
+
+@dataclass(frozen=True)
+class MsLayout:
+    """MindSpore's view: device matrix (outermost first) and a tensor map per tensor dim.
+
+    tensor_map[d] = k means dim d is split along dev_matrix[len(dev_matrix) - 1 - k];
+    -1 means not split; a tuple means split along several device axes (major first).
+    """
+    dev_matrix: tuple[int, ...]
+    tensor_map: tuple[Union[int, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    shape: tuple[int, ...]
+    mesh: MeshSpec
+    placements: tuple[Placement, ...]
+    order: tuple[str, ...] = ()    # split nesting, major first; () = mesh order
+
+    def __post_init__(self) -> None:
+        if self.order and sorted(self.order) != sorted(self.mesh.names):
+            raise StrategyError(f"layout: order {self.order} must list each mesh axis {self.mesh.names} once")
+        if len(self.placements) != len(self.mesh.names):
+            raise StrategyError(f"layout: {len(self.placements)} placements for mesh {self.mesh.describe()}")
+        for axis, p in zip(self.mesh.names, self.placements):
+            if isinstance(p, Shard) and not 0 <= p.dim < len(self.shape):
+                raise StrategyError(f"layout: axis {axis} shards dim {p.dim} of a {len(self.shape)}-d tensor")
+        for d, size in enumerate(self.shape):
+            parts = self.split_count(d)
+            if size % parts:
+                axes = "*".join(self.axes_of(d))
+                raise StrategyError(f"layout: dim {d} of shape {self.shape} ({size}) is not divisible by "
+                                    f"{axes} = {parts}")
+
+    @classmethod
+    def replicated(cls, shape: tuple[int, ...], mesh: MeshSpec) -> "TensorLayout":
+        return cls(tuple(shape), mesh, tuple(Replicate() for _ in mesh.names))
+
+    @classmethod
+    def build(cls, shape: tuple[int, ...], mesh: MeshSpec, **shards: int) -> "TensorLayout":
+        """Layout with Shard(dim) on each named axis (`tp=0`), Replicate elsewhere."""
+        unknown = [a for a in shards if a not in mesh.names]
+        if unknown:
+            raise StrategyError(f"layout: mesh {mesh.describe()} has no axis {unknown[0]!r}")
+        return cls(tuple(shape), mesh, tuple(Shard(shards[n]) if n in shards else Replicate()
+                                             for n in mesh.names))
+
+    def axes_of(self, dim: int) -> tuple[str, ...]:
+        """Mesh axes that split tensor dimension `dim`, outermost (major) first."""
+        axes = [n for n, p in zip(self.mesh.names, self.placements) if p == Shard(dim)]
+        if self.order:
+            axes.sort(key=self.order.index)
+        return tuple(axes)
+
+    def split_count(self, dim: int) -> int:
+        return math.prod(self.mesh.axis_size(a) for a in self.axes_of(dim))
+
+    @property
+    def partial_axes(self) -> tuple[str, ...]:
+        return tuple(n for n, p in zip(self.mesh.names, self.placements) if isinstance(p, Partial))
+
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(size // self.split_count(d) for d, size in enumerate(self.shape))
+
+    def shard_box(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) in the global tensor of the piece mesh-rank `rank` holds."""
+        coords = dict(zip(self.mesh.names, rank_to_coords(rank, self.mesh.shape)))
+        local = self.local_shape()
+        offsets = []
+        for d in range(len(self.shape)):
+            index = 0
+            for axis in self.axes_of(d):
+                index = index * self.mesh.axis_size(axis) + coords[axis]
+            offsets.append(index * local[d])
+        return tuple(offsets), local
+
+    def ms_strategy(self) -> tuple[int, ...]:
+        """The per-dimension split counts MindSpore's Primitive.shard takes for this input."""
+        return tuple(self.split_count(d) for d in range(len(self.shape)))
+
+    def to_dtensor(self) -> tuple[str, ...]:
+        """DTensor placements per mesh axis, as DTensor prints them ('S(0)', 'R', 'P(sum)')."""
+        for d in range(len(self.shape)):
+            axes = self.axes_of(d)
+            if list(axes) != sorted(axes, key=self.mesh.names.index):
+                raise StrategyError(f"layout: dim {d} is split {'/'.join(axes)} inner-to-outer; plain DTensor "
+                                    "placements cannot say that (FSDP2 builds its strided shard itself)")
+        return tuple(str(p) for p in self.placements)
+
+    @classmethod
+    def from_dtensor(cls, shape: tuple[int, ...], mesh: MeshSpec, placements) -> "TensorLayout":
+        return cls(tuple(shape), mesh, tuple(parse_placement(str(p)) for p in placements))
+
+    def with_order(self, major_first: tuple[str, ...]) -> "TensorLayout":
+        return TensorLayout(self.shape, self.mesh, self.placements, tuple(major_first))
+
+    def to_ms(self) -> MsLayout:
+        """Device matrix = mesh shape; each dim maps to the device axes that split it."""
+        if self.partial_axes:
+            raise StrategyError(f"layout: a partial sum over {self.partial_axes} has no MindSpore tensor map; "
+                                "reduce it first")
+        n = len(self.mesh.names)
+        tmap = []
+        for d in range(len(self.shape)):
+            ks = tuple(n - 1 - self.mesh.names.index(a) for a in self.axes_of(d))
+            tmap.append(-1 if not ks else ks[0] if len(ks) == 1 else ks)
+        return MsLayout(tuple(self.mesh.shape), tuple(tmap))
+
+    @classmethod
+    def from_ms(cls, shape: tuple[int, ...], ms: MsLayout, names: tuple[str, ...]) -> "TensorLayout":
+        if len(names) != len(ms.dev_matrix):
+            raise StrategyError(f"layout: {len(names)} axis names for device matrix {ms.dev_matrix}")
+        n = len(names)
+        placements: list[Placement] = [Replicate() for _ in names]
+        nesting: list[str] = []
+        for d, k in enumerate(ms.tensor_map):
+            for kk in (k if isinstance(k, tuple) else (k,)):
+                if kk == -1:
+                    continue
+                if not 0 <= kk < n:
+                    raise StrategyError(f"layout: tensor map value {kk} outside device matrix {ms.dev_matrix}")
+                placements[n - 1 - kk] = Shard(d)
+                nesting.append(names[n - 1 - kk])
+        mesh = MeshSpec(tuple(names), tuple(ms.dev_matrix))
+        layout = cls(tuple(shape), mesh, tuple(placements))
+        order = tuple(nesting) + tuple(a for a in names if a not in nesting)
+        if any(list(layout.axes_of(d)) != [a for a in order if a in layout.axes_of(d)] for d in range(len(shape))):
+            layout = layout.with_order(order)
+        return layout
+
+    def to_ms_merged(self) -> MsLayout:
+        """The same layout with adjacent device axes that split one dim merged into one axis and
+        size-1 axes dropped: the single-int-per-dim form strategy checkpoint files hold."""
+        for d in range(len(self.shape)):
+            axes = self.axes_of(d)
+            if list(axes) != sorted(axes, key=self.mesh.names.index):
+                raise StrategyError(f"layout: dim {d} is split inner-to-outer ({'/'.join(axes)}); a strategy file "
+                                    "says that with opt_weight_shard_size/step, not the tensor map")
+        groups: list[list[int]] = []   # runs of mesh axes that become one device axis
+        owner: list[object] = []
+        for i, (size, p) in enumerate(zip(self.mesh.shape, self.placements)):
+            if size == 1:
+                continue
+            key = p.dim if isinstance(p, Shard) else None
+            if groups and key is not None and owner[-1] == key and groups[-1][-1] == i - 1:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+                owner.append(key)
+        for key in set(k for k in owner if k is not None):
+            if owner.count(key) > 1:
+                raise StrategyError(f"layout: dim {key} is split by non-adjacent mesh axes {self.axes_of(key)}; "
+                                    "MindSpore needs them adjacent in the device matrix")
+        if self.partial_axes:
+            raise StrategyError(f"layout: a partial sum over {self.partial_axes} has no MindSpore tensor map")
+        dev = tuple(math.prod(self.mesh.shape[i] for i in g) for g in groups) or (1,)
+        n = len(dev)
+        tmap = tuple(n - 1 - owner.index(d) if d in owner else -1 for d in range(len(self.shape)))
+        return MsLayout(dev, tmap)
+
+    def describe(self) -> str:
+        parts = [f"{n}:{p}" for n, p in zip(self.mesh.names, self.placements) if not isinstance(p, Replicate)]
+        return ", ".join(parts) or "replicated"

@@ -1,0 +1,289 @@
+"""ModelPlan: strategy x model -> where every tensor of the LLaMA model lives.
+
+Both backends read this object and derive nothing themselves. Layout rules follow
+Megatron / MindFormers practice: column-parallel q/k/v and gate/up (weight rows split),
+row-parallel o and down (weight columns split), vocab-parallel embedding and lm_head,
+sequence-parallel norms, the sequence split over cp, experts split over ep.
+Weights are stored [out, in] like torch.nn.Linear and Hugging Face checkpoints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from ms_llm.config.model import ModelConfig
+from ms_llm.config.train import TrainConfig
+from ms_llm.strategy.ir import ParallelStrategy
+from ms_llm.strategy.layout import Partial, Replicate, Shard, TensorLayout
+from ms_llm.strategy.mesh import DENSE_AXES, EXPERT_AXES, MeshSpec
+from ms_llm.strategy.validate import validate
+
+ParamKind = Literal["embedding", "column", "row", "norm", "head", "expert_column", "expert_row", "router"]
+RecomputeMode = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter: its global shape, where it is split, and which model chunk owns it."""
+    name: str                      # Hugging Face LLaMA name
+    shape: tuple[int, ...]
+    kind: ParamKind
+    layout: TensorLayout           # over the stage mesh (pp removed): params live on one stage
+    stage: int                     # pipeline rank holding it
+    chunk: int                     # virtual chunk on that rank
+    layer: Optional[int]           # decoder layer index, None for embedding / final norm / head
+    zero_layout: TensorLayout      # where optimizer states (and grads / params per ZeRO stage) live
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ZeroPartition:
+    """What ZeRO shards over which ranks. Flat-buffer offsets live in ms_llm.zero."""
+    stage: int
+    axes: tuple[str, ...]          # mesh axes a shard group spans
+    group_size: int
+    replicate_size: int
+    shard_optimizer: bool
+    shard_grads: bool
+    shard_params: bool
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One pipeline model chunk: the modules (by FQN prefix) it runs, in order."""
+    index: int                     # position in the model, 0 = holds the embedding
+    stage: int
+    virtual: int
+    layers: tuple[int, ...]
+    has_embedding: bool
+    has_head: bool
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    model: ModelConfig
+    strategy: ParallelStrategy     # resolved: no -1 left
+    train: TrainConfig
+    world_size: int
+    mesh: MeshSpec                 # pp x dp_replicate x dp_shard x cp x tp
+    expert_mesh: Optional[MeshSpec]
+    params: dict[str, ParamPlan]
+    activations: dict[str, TensorLayout]
+    chunks: tuple[ChunkPlan, ...]
+    layer_chunk: tuple[int, ...]   # decoder layer -> chunk index
+    recompute: tuple[RecomputeMode, ...]
+    zero: ZeroPartition
+    micro_batches: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def stage_mesh(self) -> MeshSpec:
+        return self.mesh.without("pp")
+
+    def layer_stage(self, layer: int) -> tuple[int, int]:
+        """(pipeline rank, virtual chunk) of a decoder layer."""
+        chunk = self.chunks[self.layer_chunk[layer]]
+        return chunk.stage, chunk.virtual
+
+    def chunks_of_stage(self, stage: int) -> tuple[ChunkPlan, ...]:
+        return tuple(sorted((c for c in self.chunks if c.stage == stage), key=lambda c: c.virtual))
+
+    def params_of_stage(self, stage: int) -> list[ParamPlan]:
+        return [p for p in self.params.values() if p.stage == stage]
+
+    def stage_rank(self, rank: int) -> int:
+        """Rank within its stage mesh (what a stage-local layout's shard_box takes)."""
+        coords = self.mesh.coords(rank)
+        return self.stage_mesh.rank(**{n: coords[n] for n in self.stage_mesh.names})
+
+    def local_param_count(self, stage: int) -> int:
+        total = 0
+        for p in self.params_of_stage(stage):
+            n = 1
+            for s in p.layout.local_shape():
+                n *= s
+            total += n
+        return total
+
+
+def _chunk_layers(model: ModelConfig, s: ParallelStrategy) -> list[tuple[int, ...]]:
+    chunks = s.pp * s.pipeline.virtual_stages
+    counts = s.pipeline.layer_split or tuple([model.num_layers // chunks] * chunks)
+    out, start = [], 0
+    for n in counts:
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return out
+
+
+def _chunk_stage(index: int, pp: int, schedule: str) -> tuple[int, int]:
+    """Model chunk -> (rank, virtual). Looped schedules put chunk c on rank c % pp; the V
+    schedule (zbv) runs down the ranks and back up, so the last chunk sits on rank 0."""
+    virtual, pos = divmod(index, pp)
+    if schedule == "zbv" and virtual % 2 == 1:
+        return pp - 1 - pos, virtual
+    return pos, virtual
+
+
+def _recompute_modes(model: ModelConfig, s: ParallelStrategy, chunks: list[ChunkPlan]) -> tuple[RecomputeMode, ...]:
+    policy, limit = s.recompute.policy, s.recompute.num_layers
+    modes: list[RecomputeMode] = ["none"] * model.num_layers
+    if policy == "none":
+        return tuple(modes)
+    for stage in range(s.pp):
+        layers = [l for c in sorted((c for c in chunks if c.stage == stage), key=lambda c: c.virtual)
+                  for l in c.layers]
+        for i, layer in enumerate(layers):
+            if limit == -1 or i < limit:
+                modes[layer] = policy
+    return tuple(modes)
+
+
+def _zero_layout(layout: TensorLayout, zero: ZeroPartition) -> TensorLayout:
+    """Add the ZeRO shard axes on the first dimension that divides evenly (dim 0 normally,
+    like FSDP2 and MindSpore's parallel optimizer); keep the TP layout where none does."""
+    if zero.stage == 0 or zero.group_size == 1:
+        return layout
+    local = layout.local_shape()
+    for d, size in enumerate(local):
+        if size % zero.group_size == 0:
+            placements = list(layout.placements)
+            for axis in zero.axes:
+                placements[layout.mesh.names.index(axis)] = Shard(d)
+            order = tuple(a for a in layout.mesh.names if a not in zero.axes) + zero.axes
+            return TensorLayout(layout.shape, layout.mesh, tuple(placements), order)
+    return layout
+
+
+def _activation_layouts(model: ModelConfig, s: ParallelStrategy, train: TrainConfig,
+                        mesh: MeshSpec) -> dict[str, TensorLayout]:
+    """Layouts of the main activations of one micro-batch, over the stage mesh.
+    Batch is split over dp, sequence over cp (and over tp in sequence-parallel regions)."""
+    b, t = train.micro_batch_size * s.dp, train.seq_len
+    h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    nh, nkv, hd = model.num_heads, model.num_kv_heads, model.head_dim
+    names = mesh.names
+
+    def lay(shape, seq_tp=False, tp_dim=None, partial=False):
+        placements = []
+        for n in names:
+            if n in ("dp_replicate", "dp_shard"):
+                placements.append(Shard(0))
+            elif n == "cp":
+                placements.append(Shard(1))
+            elif n == "tp" and partial:
+                placements.append(Partial())
+            elif n == "tp" and seq_tp:
+                placements.append(Shard(1))
+            elif n == "tp" and tp_dim is not None:
+                placements.append(Shard(tp_dim))
+            else:
+                placements.append(Replicate())
+        return TensorLayout(tuple(shape), mesh, tuple(placements))
+
+    sp = s.sequence_parallel
+    return {
+        "tokens": lay((b, t)),
+        "hidden": lay((b, t, h), seq_tp=sp),             # residual stream and norm outputs
+        "attn_input": lay((b, t, h)),                    # norm output gathered over tp
+        "q": lay((b, t, nh, hd), tp_dim=2),
+        "k": lay((b, t, nkv, hd), tp_dim=2),
+        "v": lay((b, t, nkv, hd), tp_dim=2),
+        "attn_output": lay((b, t, h), tp_dim=2),         # o_proj input: local heads
+        "o_proj_output": lay((b, t, h), partial=True),   # summed by all-reduce or reduce-scatter
+        "mlp_input": lay((b, t, h)),
+        "mlp_hidden": lay((b, t, f), tp_dim=2),          # silu(gate) * up
+        "down_proj_output": lay((b, t, h), partial=True),
+        "logits": lay((b, t, v), tp_dim=2),              # vocab-parallel: loss_parallel consumes it
+    }
+
+
+def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | None = None,
+         world_size: int | None = None) -> ModelPlan:
+    """Validate and lay out. Raises StrategyError listing every broken rule."""
+    train = train or TrainConfig()
+    s = validate(model, strategy, train, world_size)
+    world = s.world_size()
+    mesh = MeshSpec(DENSE_AXES, (s.pp, s.dp_replicate, s.dp_shard, s.cp, s.tp))
+    stage_mesh = mesh.without("pp")
+    expert_mesh = None
+    if model.num_experts:
+        expert_mesh = MeshSpec(EXPERT_AXES, (s.pp, s.dp * s.cp // s.ep, s.ep, s.tp))
+
+    zero_axes = tuple(a for a in ("dp_shard", "cp") if mesh.axis_size(a) > 1) if s.zero.stage else ()
+    group = 1
+    for a in zero_axes:
+        group *= mesh.axis_size(a)
+    zero = ZeroPartition(stage=s.zero.stage, axes=zero_axes, group_size=group,
+                         replicate_size=s.dp_replicate,
+                         shard_optimizer=s.zero.stage >= 1, shard_grads=s.zero.stage >= 2,
+                         shard_params=s.zero.stage >= 3)
+
+    chunk_layers = _chunk_layers(model, s)
+    n_chunks = len(chunk_layers)
+    chunks = []
+    for i, layers in enumerate(chunk_layers):
+        stage, virtual = _chunk_stage(i, s.pp, s.pipeline.schedule)
+        chunks.append(ChunkPlan(i, stage, virtual, layers, i == 0, i == n_chunks - 1))
+    layer_chunk = tuple(i for i, layers in enumerate(chunk_layers) for _ in layers)
+
+    h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    kv = model.kv_dim
+    params: dict[str, ParamPlan] = {}
+
+    def add(name, shape, kind, layer, chunk, tp_dim=None, ep_dim=None):
+        if ep_dim is not None:
+            lay_mesh = expert_mesh.without("pp")
+            shards = {"ep": ep_dim}
+            if tp_dim is not None:
+                shards["tp"] = tp_dim
+            layout = TensorLayout.build(shape, lay_mesh, **shards)
+            zl = layout
+        else:
+            layout = TensorLayout.build(shape, stage_mesh, **({"tp": tp_dim} if tp_dim is not None else {}))
+            zl = _zero_layout(layout, zero)
+        c = chunks[chunk]
+        params[name] = ParamPlan(name, tuple(shape), kind, layout, c.stage, c.virtual, layer, zl)
+
+    add("model.embed_tokens.weight", (v, h), "embedding", None, 0, tp_dim=0)
+    for layer in range(model.num_layers):
+        c = layer_chunk[layer]
+        p = f"model.layers.{layer}."
+        add(p + "self_attn.q_proj.weight", (h, h), "column", layer, c, tp_dim=0)
+        add(p + "self_attn.k_proj.weight", (kv, h), "column", layer, c, tp_dim=0)
+        add(p + "self_attn.v_proj.weight", (kv, h), "column", layer, c, tp_dim=0)
+        add(p + "self_attn.o_proj.weight", (h, h), "row", layer, c, tp_dim=1)
+        if model.num_experts:
+            e = model.num_experts
+            add(p + "mlp.gate.weight", (e, h), "router", layer, c)
+            add(p + "mlp.experts.gate_proj.weight", (e, f, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
+            add(p + "mlp.experts.up_proj.weight", (e, f, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
+            add(p + "mlp.experts.down_proj.weight", (e, h, f), "expert_row", layer, c, tp_dim=2, ep_dim=0)
+        else:
+            add(p + "mlp.gate_proj.weight", (f, h), "column", layer, c, tp_dim=0)
+            add(p + "mlp.up_proj.weight", (f, h), "column", layer, c, tp_dim=0)
+            add(p + "mlp.down_proj.weight", (h, f), "row", layer, c, tp_dim=1)
+        add(p + "input_layernorm.weight", (h,), "norm", layer, c)
+        add(p + "post_attention_layernorm.weight", (h,), "norm", layer, c)
+    add("model.norm.weight", (h,), "norm", None, n_chunks - 1)
+    if not model.tie_embeddings:
+        add("lm_head.weight", (v, h), "head", None, n_chunks - 1, tp_dim=0)
+
+    notes = []
+    unsharded = [p.name for p in params.values() if zero.group_size > 1 and p.zero_layout == p.layout
+                 and p.kind not in ("expert_column", "expert_row")]
+    if unsharded:
+        notes.append(f"{len(unsharded)} parameter(s) have no dimension divisible by the ZeRO group "
+                     f"({zero.group_size}); their optimizer states stay replicated, e.g. {unsharded[0]}")
+
+    return ModelPlan(
+        model=model, strategy=s, train=train, world_size=world, mesh=mesh, expert_mesh=expert_mesh,
+        params=params, activations=_activation_layouts(model, s, train, stage_mesh),
+        chunks=tuple(chunks), layer_chunk=layer_chunk, recompute=_recompute_modes(model, s, chunks),
+        zero=zero, micro_batches=s.pipeline.micro_batches, notes=tuple(notes))
