@@ -108,6 +108,7 @@ def test_zero_layout_splits_the_tp_shard_further():
         (r0, c0), (rs, cs) = q.layout.shard_box(rank)
         (z0, _), (zs, _) = q.zero_layout.shard_box(rank)
         assert zs == rs // 2 and r0 <= z0 < r0 + rs        # the ZeRO piece lies inside this rank's tp shard
+    assert q.optimizer_layout == q.zero_layout and q.grad_layout == q.layout == q.stored_layout
     boxes = {q.zero_layout.shard_box(r) for r in range(stage_mesh.size)}
     assert len(boxes) == 4 and sum(b[1][0] * b[1][1] for b in boxes) == full.size
 
