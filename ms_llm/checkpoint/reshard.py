@@ -10,6 +10,8 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from ms_llm.checkpoint.boxes import Region
 from ms_llm.checkpoint.commit import step_dir
 from ms_llm.checkpoint.format import run_config, split_optim_name
@@ -63,3 +65,14 @@ def reshard(src: str | Path | Checkpoint, dst_root: str | Path, target: ModelPla
         writer.close()
     ckpt.close()
     return step_dir(Path(dst_root), ckpt.step)
+
+
+def write_full(arrays: dict[str, tuple[np.ndarray, str]], dst_root: str | Path, model: ModelConfig, *,
+               step: int = 0, backend: str = "", state: Optional[dict] = None) -> Path:
+    """A one-rank checkpoint of whole tensors {name: (array, dtype)} (what importers write)."""
+    target = layout_plan(model, ParallelStrategy(dp=1), 1)
+    items = [SaveItem(Piece(n, a.shape, Region((0,) * a.ndim, a.shape)), a, d) for n, (a, d) in arrays.items()]
+    writer = CheckpointWriter(dst_root, 0, 1, session=f"import-{step}")
+    writer.save(step, items, state=state, config=run_config(target, backend))
+    writer.close()
+    return step_dir(Path(dst_root), step)

@@ -41,22 +41,21 @@ def layout_piece(name: str, layout: TensorLayout, mesh_rank: int) -> Piece:
 
 
 def param_pieces(plan, rank: int, names: Iterable[str] | None = None) -> dict[str, Piece]:
-    """Pieces of the model weights on global `rank`: the ZeRO layout when ZeRO-3 shards the
-    parameters, the tensor-parallel layout otherwise. Only parameters of the rank's stage."""
+    """Pieces of the model weights on global `rank` where they rest between steps (the plan's
+    stored_layout: ZeRO-3 shards, else the tensor-parallel layout). Only the rank's stage."""
     stage = plan.mesh.coords(rank)["pp"]
     srank = plan.stage_rank(rank)
     out = {}
     for p in plan.params.values():
         if p.stage != stage or (names is not None and p.name not in names):
             continue
-        layout = p.zero_layout if plan.zero.shard_params else p.layout
-        out[p.name] = layout_piece(p.name, layout, srank)
+        out[p.name] = layout_piece(p.name, p.stored_layout, srank)
     return out
 
 
 def optim_pieces(plan, rank: int, states: Sequence[str]) -> dict[str, Piece]:
-    """Pieces of optimizer states (exp_avg, exp_avg_sq, master, ...) on `rank`: each state
-    lives where the plan's zero_layout puts it (the TP layout when ZeRO is off)."""
+    """Pieces of optimizer states (exp_avg, exp_avg_sq, master, ...) on `rank`, where the
+    plan's optimizer_layout puts them (ZeRO-1+ shards, else the tensor-parallel layout)."""
     stage = plan.mesh.coords(rank)["pp"]
     srank = plan.stage_rank(rank)
     out = {}
@@ -65,7 +64,7 @@ def optim_pieces(plan, rank: int, states: Sequence[str]) -> dict[str, Piece]:
             continue
         for state in states:
             name = optim_name(state, p.name)
-            out[name] = layout_piece(name, p.zero_layout, srank)
+            out[name] = layout_piece(name, p.optimizer_layout, srank)
     return out
 
 
