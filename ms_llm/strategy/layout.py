@@ -81,12 +81,24 @@ class TensorLayout:
         for axis, p in zip(self.mesh.names, self.placements):
             if isinstance(p, Shard) and not 0 <= p.dim < len(self.shape):
                 raise StrategyError(f"layout: axis {axis} shards dim {p.dim} of a {len(self.shape)}-d tensor")
+        object.__setattr__(self, "order", self._canonical_order())
         for d, size in enumerate(self.shape):
             parts = self.split_count(d)
             if size % parts:
                 axes = "*".join(self.axes_of(d))
                 raise StrategyError(f"layout: dim {d} of shape {self.shape} ({size}) is not divisible by "
                                     f"{axes} = {parts}")
+
+    def _canonical_order(self) -> tuple[str, ...]:
+        """Only the nesting of axes that split the same dim matters: () when it is mesh order,
+        else each dim's axes (major first) followed by the rest, so equal layouts compare equal."""
+        if not self.order:
+            return ()
+        per_dim = [self.axes_of(d) for d in range(len(self.shape))]
+        if all(list(a) == sorted(a, key=self.mesh.names.index) for a in per_dim):
+            return ()
+        used = [a for axes in per_dim for a in axes]
+        return tuple(used) + tuple(a for a in self.mesh.names if a not in used)
 
     @classmethod
     def replicated(cls, shape: tuple[int, ...], mesh: MeshSpec) -> "TensorLayout":
@@ -161,6 +173,15 @@ class TensorLayout:
             ks = tuple(n - 1 - self.mesh.names.index(a) for a in self.axes_of(d))
             tmap.append(-1 if not ks else ks[0] if len(ks) == 1 else ks)
         return MsLayout(tuple(self.mesh.shape), tuple(tmap))
+
+    def to_ms_aliases(self) -> tuple[Union[str, tuple[str, ...]], ...]:
+        """Per dim, the argument MindSpore's Layout(dev_matrix, mesh names)(...) takes:
+        an axis name, a tuple of names (major first), or "None"."""
+        out = []
+        for d in range(len(self.shape)):
+            axes = self.axes_of(d)
+            out.append("None" if not axes else axes[0] if len(axes) == 1 else axes)
+        return tuple(out)
 
     @classmethod
     def from_ms(cls, shape: tuple[int, ...], ms: MsLayout, names: tuple[str, ...]) -> "TensorLayout":
