@@ -34,7 +34,7 @@ SUFFIXES = {".json": "deepspeed", ".toml": "torchtitan", ".sh": "megatron", ".ba
 MINDFORMERS_KEYS = ("parallel_config", "runner_config", "recompute_config", "use_parallel", "runner_wrapper")
 
 __all__ = ["FORMATS", "ConversionError", "Converted", "ReadOptions", "Written", "detect_format", "read",
-           "load", "dump", "convert", "format_for_output"]
+           "load", "dump", "convert", "format_for_output", "from_job"]
 
 
 def detect_format(text: str, source: str) -> str:
@@ -83,6 +83,11 @@ def load(path: str | Path, fmt: str | None = None, options: ReadOptions = ReadOp
     """Read a file ('-' reads standard input)."""
     text = sys.stdin.read() if str(path) == "-" else read_text(Path(path))
     return read(text, str(path), fmt, options)
+
+
+def from_job(job, world_size: int | None, source: str = "job") -> Converted:
+    """A JobConfig built in code (e.g. by the search), validated and canonical, ready for dump()."""
+    return _canonical(Converted(job, world_size), source, "ms_llm")
 
 
 def _canonical(conv: Converted, source: str, fmt: str) -> Converted:

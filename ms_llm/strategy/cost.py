@@ -235,7 +235,13 @@ def memory(plan: Union[ModelPlan, CostShape]) -> MemoryBreakdown:
     shape = _shape(plan)
     per_token_layer = {mode: _activation_bytes_per_token_layer(shape, mode) for mode in ("none", "selective", "full")}
     best = None
+    seen = set()
     for stage in range(shape.strategy.pp):
+        # A later stage shaped like an earlier one holds no more micro-batches in flight, so it
+        # cannot be busier: price each distinct stage shape once.
+        if shape.stages[stage] in seen:
+            continue
+        seen.add(shape.stages[stage])
         mb = _stage_memory(shape, stage, per_token_layer)
         if best is None or mb.total > best.total:
             best = mb

@@ -54,7 +54,8 @@ class Candidate:
 @dataclass(frozen=True)
 class SearchResult:
     ranked: tuple[Candidate, ...]       # fits in memory, fastest first
-    enumerated: int                     # points priced or rejected
+    enumerated: int                     # strategies up to the recompute policy = invalid + too_big + ranked
+    priced: int                         # validate + cost evaluations, recompute policies included
     invalid: int                        # rejected by validate()
     too_big: int                        # valid, but no recompute policy makes them fit
     seconds: float
@@ -103,7 +104,9 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
     max_tp = space.max_tp or device.devices_per_node
     start = time.perf_counter()
     found: list[Candidate] = []
-    enumerated = invalid = too_big = 0
+    enumerated = priced = invalid = too_big = 0
+    zeros = {stage: dataclasses.replace(base.zero, stage=stage, shard_size=-1) for stage in space.zero_stages}
+    policies = [RecomputeSpec(policy=p) for p in space.recompute]
     for tp in (d for d in _divisors(world_size) if d <= max_tp):
         for cp in (d for d in _divisors(world_size // tp) if d <= space.max_cp):
             for pp in (d for d in _divisors(world_size // (tp * cp)) if d <= model.num_layers):
@@ -116,13 +119,14 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
                         pipe = PipelineSpec(schedule=schedule, virtual_stages=vpp,
                                             micro_batches=train.global_batch_size // (mbs * dp))
                         for sp in ((False, True) if tp > 1 else (False,)):
-                            for stage in space.zero_stages:
-                                zero = dataclasses.replace(base.zero, stage=stage, shard_size=-1)
-                                for policy in space.recompute:
-                                    enumerated += 1
-                                    s = dataclasses.replace(
-                                        base, dp=dp, tp=tp, pp=pp, cp=cp, sequence_parallel=sp, zero=zero,
-                                        pipeline=pipe, recompute=RecomputeSpec(policy=policy))
+                            for zero in zeros.values():
+                                enumerated += 1
+                                for recompute in policies:
+                                    priced += 1
+                                    s = ParallelStrategy(
+                                        dp=dp, tp=tp, pp=pp, cp=cp, ep=base.ep, sequence_parallel=sp, zero=zero,
+                                        pipeline=pipe, recompute=recompute, precision=base.precision,
+                                        offload=base.offload)
                                     try:
                                         s = validate(model, s, t, world_size)
                                     except StrategyError:
@@ -135,7 +139,7 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
                                 else:
                                     too_big += 1
     found.sort(key=lambda c: c.key)
-    return SearchResult(tuple(found), enumerated, invalid, too_big, time.perf_counter() - start)
+    return SearchResult(tuple(found), enumerated, priced, invalid, too_big, time.perf_counter() - start)
 
 
 def describe(s: ParallelStrategy) -> dict[str, object]:
