@@ -12,8 +12,9 @@ mindspore.train.node_strategy_pb2.ParallelStrategyMap; per parameter:
                     nested inside the tensor-parallel split: group size and rank stride
     param_split_shape, indices_offset   one empty entry each (MindSpore requires them)
 
-Pipeline stages get one file per stage (current_stage = stage), holding that stage's
-parameters; MindSpore's merge_pipeline_strategys joins them.
+Op strategies (parallel_strategy_item: node name, stage, split counts per input) ride
+along; merge_pipeline_strategys reads each file's stage from them. Pipeline stages get one
+file per stage (current_stage = stage) holding that stage's parameters.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from typing import Mapping, Optional
 
 from ms_llm.errors import StrategyError
 from ms_llm.strategy.layout import Shard, TensorLayout
+
+
+OpStrategies = Mapping[str, tuple[tuple[int, ...], ...]]
 
 
 @dataclass(frozen=True)
@@ -73,12 +77,18 @@ def _entry(layout: TensorLayout) -> ParamStrategy:
     return ParamStrategy(tuple(ms.dev_matrix), tuple(int(k) for k in ms.tensor_map))
 
 
-def strategy_map(params: Mapping[str, ParamStrategy], stage: int = 0):
-    """The ParallelStrategyMap protobuf message for these parameters."""
+def strategy_map(params: Mapping[str, ParamStrategy], stage: int = 0, ops: Optional[OpStrategies] = None):
+    """The ParallelStrategyMap protobuf message for these parameters (and op strategies)."""
     from mindspore.train.node_strategy_pb2 import ParallelStrategyMap
 
     msg = ParallelStrategyMap()
     msg.current_stage = stage
+    for name in sorted(ops or {}):
+        item = msg.parallel_strategy_item.add()
+        item.node_name = name
+        item.parallel_strategys.stage = stage
+        for dims in ops[name]:
+            item.parallel_strategys.parallel_strategy.add().dim.extend(dims)
     for name in sorted(params):
         entry = params[name]
         item = msg.parallel_layout_item.add()
@@ -94,11 +104,14 @@ def strategy_map(params: Mapping[str, ParamStrategy], stage: int = 0):
     return msg
 
 
-def write_strategy_file(path: str | Path, params: Mapping[str, ParamStrategy], stage: int = 0) -> Path:
-    """Write atomically (temporary name, fsync, rename): a reader never sees half a file."""
+def write_strategy_file(path: str | Path, params: Mapping[str, ParamStrategy], stage: int = 0,
+                        ops: Optional[OpStrategies] = None) -> Path:
+    """Write atomically (temporary name, fsync, rename): a reader never sees half a file.
+    `ops` (op name -> split counts per input) carries the stage that merge_pipeline_strategys
+    reads; MindSpore's own files always have them."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = strategy_map(params, stage).SerializeToString()
+    data = strategy_map(params, stage, ops).SerializeToString()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -124,19 +137,3 @@ def read_strategy_file(path: str | Path) -> tuple[int, dict[str, ParamStrategy]]
         out[item.param_name] = ParamStrategy(tuple(lay.dev_matrix[0].dim), tuple(lay.tensor_map[0].dim),
                                              lay.opt_weight_shard_size, lay.opt_weight_shard_step, lay.field)
     return msg.current_stage, out
-
-
-def plan_param_strategies(plan, stage: int) -> dict[str, ParamStrategy]:
-    """Entries for the parameters pipeline stage `stage` of a ModelPlan holds."""
-    return {p.name: param_strategy(p.layout, p.optimizer_layout) for p in plan.params_of_stage(stage)}
-
-
-def write_plan_strategy_files(plan, folder: str | Path) -> list[Path]:
-    """One file per rank, named as MindFormers names them (ckpt_strategy_rank_{rank}.ckpt)."""
-    folder = Path(folder)
-    per_stage = {s: plan_param_strategies(plan, s) for s in range(plan.strategy.pp)}
-    paths = []
-    for rank in range(plan.world_size):
-        stage = plan.mesh.coords(rank)["pp"]
-        paths.append(write_strategy_file(folder / f"ckpt_strategy_rank_{rank}.ckpt", per_stage[stage], stage))
-    return paths
