@@ -13,13 +13,10 @@ pytestmark = pytest.mark.mindspore
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
-from ms_llm.errors import StrategyError
 from ms_llm.init import init_param
-from ms_llm.mindspore.lower import lower, stage_param_strategies, write_strategy_files
-from ms_llm.mindspore.strategy_file import param_strategy, read_strategy_file
+from ms_llm.mindspore.lower import stage_param_entries, write_strategy_files
+from ms_llm.mindspore.strategy_file import read_strategy_file
 from ms_llm.strategy.ir import ParallelStrategy
-from ms_llm.strategy.layout import TensorLayout
-from ms_llm.strategy.mesh import MeshSpec
 from ms_llm.strategy.plan import plan
 
 MODEL = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -46,12 +43,13 @@ def _full(p):
 
 
 def _cut(p, full, folder):
-    """Per-rank checkpoints as MindSpore's parallel optimizer holds weights: the ZeRO-split slice."""
+    """Per-rank checkpoints as MindSpore's parallel optimizer holds weights (ZeRO-split slices)."""
     for rank in range(p.world_size):
         stage, local = p.mesh.coords(rank)["pp"], p.stage_rank(rank)
         items = []
         for q in p.params_of_stage(stage):
-            offsets, sizes = q.optimizer_layout.shard_box(local)
+            _, held = stage_param_entries(p, stage)[q.name]
+            offsets, sizes = held.shard_box(local)
             piece = full[q.name][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
             items.append({"name": q.name, "data": ms.Tensor(np.ascontiguousarray(piece))})
         (folder / f"rank_{rank}").mkdir(parents=True)
@@ -61,12 +59,14 @@ def _cut(p, full, folder):
 @pytest.mark.parametrize("name", CASES)
 def test_build_searched_strategy_reads_our_layouts(name, tmp_path):
     p = _plan(name)
-    files = write_strategy_files(lower(p), tmp_path)
+    files = write_strategy_files(p, tmp_path)
     assert len(files) == p.world_size
+    zero_split = 0
     for rank, path in enumerate(files):
         stage = p.mesh.coords(rank)["pp"]
-        want = stage_param_strategies(p, stage)
-        assert read_strategy_file(path) == (stage, want)
+        want = {n: e for n, (e, _) in stage_param_entries(p, stage).items()}
+        zero_split += sum(e.opt_shard_size > 0 for e in want.values())
+        assert read_strategy_file(path) == (want, stage)
         got = ms.parallel.build_searched_strategy(str(path))
         assert set(got) == set(want)
         for pname, entry in want.items():
@@ -75,13 +75,14 @@ def test_build_searched_strategy_reads_our_layouts(name, tmp_path):
             assert tuple(lay.tensor_map[0].dim) == entry.tensor_map
             assert (lay.opt_weight_shard_size, lay.opt_weight_shard_step) == (entry.opt_shard_size,
                                                                                entry.opt_shard_step)
+    assert (zero_split > 0) == (p.zero.stage > 0)
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_transform_checkpoints_rebuilds_the_full_tensors(name, tmp_path):
     p = _plan(name)
     full = _full(p)
-    files = write_strategy_files(lower(p), tmp_path / "strategy")
+    files = write_strategy_files(p, tmp_path / "strategy")
     _cut(p, full, tmp_path / "src")
     src_strategy = str(files[0])
     if p.strategy.pp > 1:
@@ -99,7 +100,7 @@ def test_transform_checkpoints_rebuilds_the_full_tensors(name, tmp_path):
 def test_merge_sliced_parameter_follows_a_tensor_parallel_layout(tmp_path):
     p = _plan("tp2_pp2")
     full = _full(p)
-    (path,) = [f for i, f in enumerate(write_strategy_files(lower(p), tmp_path)) if i == 0]
+    path = write_strategy_files(p, tmp_path)[0]
     strategy = ms.parallel.build_searched_strategy(str(path))
     for q in p.params_of_stage(0):
         slices = []
@@ -109,13 +110,3 @@ def test_merge_sliced_parameter_follows_a_tensor_parallel_layout(tmp_path):
             slices.append(ms.Parameter(ms.Tensor(np.ascontiguousarray(piece)), name=q.name))
         merged = ms.parallel.merge_sliced_parameter(slices, strategy)
         assert np.array_equal(merged.asnumpy(), full[q.name]), q.name
-
-
-def test_a_zero_split_mindspore_cannot_describe_is_refused():
-    mesh = MeshSpec(("dp_shard", "tp"), (2, 2))
-    layout = TensorLayout.build((4, 8), mesh, tp=0)
-    zero_dim1 = TensorLayout.build((4, 8), mesh, tp=0, dp_shard=1)
-    assert param_strategy(layout, zero_dim1).opt_shard_size == 0          # plain tensor map: fine
-    nested_dim1 = TensorLayout.build((4, 8), mesh, tp=1, dp_shard=1).with_order(("tp", "dp_shard"))
-    with pytest.raises(StrategyError, match="dimension other than 0"):
-        param_strategy(TensorLayout.build((4, 8), mesh, tp=1), nested_dim1)

@@ -14,13 +14,12 @@ This module imports no MindSpore: `ms-llm train --dry-run` prints it on any mach
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
 from ms_llm.errors import StrategyError
-from ms_llm.mindspore.strategy_file import ParamStrategy, param_strategy, write_strategy_file
+from ms_llm.mindspore.strategy_file import MsParamLayout, ms_param_layout, write_strategy_file
 from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
 from ms_llm.strategy.plan import ModelPlan
 
@@ -247,35 +246,24 @@ def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strate
                     tuple(notes))
 
 
-def stage_of_op(low: Lowering, op: str) -> int:
-    """Pipeline stage of an op: that of the longest cell path containing it."""
-    cells = [c for c in low.cell_stages if op.startswith(c + ".")]
-    return low.cell_stages[max(cells, key=len)][0]
+def stage_param_entries(plan: ModelPlan, stage: int) -> dict[str, tuple[MsParamLayout, TensorLayout]]:
+    """Strategy-file entry of each parameter of a stage, held as MindSpore's parallel optimizer
+    holds it (ZeRO-split where a strategy file can say so), with the layout of the slices a
+    per-rank checkpoint under that entry holds."""
+    return {p.name: ms_param_layout(p.layout, p.optimizer_layout) for p in plan.params_of_stage(stage)}
 
 
-def split_counts(s: Strategy | tuple[()]) -> tuple[int, ...]:
-    if isinstance(s, LayoutStrategy):
-        size = dict(zip(s.names, s.dev_matrix))
-        return tuple(math.prod(size[a] for a in d) for d in s.dims)
-    return tuple(s)
-
-
-def stage_param_strategies(plan: ModelPlan, stage: int) -> dict[str, ParamStrategy]:
-    """Strategy-file entries of a stage's parameters: held as the parallel optimizer holds them
-    (weights and optimizer states split by ZeRO, MindSpore's parallel optimizer semantics)."""
-    return {p.name: param_strategy(p.layout, p.optimizer_layout) for p in plan.params_of_stage(stage)}
-
-
-def write_strategy_files(low: Lowering, folder: str | Path) -> list[Path]:
-    """One strategy checkpoint per rank, named as MindFormers names them (ckpt_strategy_rank_{rank}.ckpt)."""
-    plan = low.plan
-    stage_ops: dict[int, dict] = {s: {} for s in range(plan.strategy.pp)}
-    for op in low.ops:
-        stage_ops[stage_of_op(low, op.op)][op.op] = tuple(split_counts(s) for s in op.inputs)
-    params = {s: stage_param_strategies(plan, s) for s in range(plan.strategy.pp)}
+def write_strategy_files(plan: ModelPlan, folder: str | Path) -> list[Path]:
+    """One strategy checkpoint per rank, named as MindFormers names them (ckpt_strategy_rank_{rank}.ckpt):
+    what MindSpore would save through strategy_ckpt_config, which it cannot compile on CPU."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = {s: {n: e for n, (e, _) in stage_param_entries(plan, s).items()} for s in range(plan.strategy.pp)}
+    splits = {p.name: p.layout.ms_strategy() for p in plan.params.values()}
     paths = []
     for rank in range(plan.world_size):
         stage = plan.mesh.coords(rank)["pp"]
-        paths.append(write_strategy_file(Path(folder) / f"ckpt_strategy_rank_{rank}.ckpt", params[stage], stage,
-                                         stage_ops[stage]))
+        path = folder / f"ckpt_strategy_rank_{rank}.ckpt"
+        write_strategy_file(path, entries[stage], stage, {n: splits[n] for n in entries[stage]})
+        paths.append(path)
     return paths

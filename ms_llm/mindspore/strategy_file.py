@@ -1,139 +1,169 @@
-"""MindSpore strategy checkpoint files, written from our layouts (layouts in -> file out).
+"""MindSpore strategy checkpoint files from ms_llm TensorLayouts, and back.
 
-MindSpore writes these itself only when it compiles a sharded graph, which it refuses
-to do on CPU; its checkpoint tools (build_searched_strategy, merge_sliced_parameter,
-transform_checkpoints, load_distributed_checkpoint) read them to know how each rank's
-slice of a parameter sits in the full tensor. The format is the protobuf
-mindspore.train.node_strategy_pb2.ParallelStrategyMap; per parameter:
+A strategy file (protobuf `mindspore.train.node_strategy_pb2.ParallelStrategyMap`, or its
+JSON form) gives each parameter a device matrix, a tensor map (value k = split along
+dev_matrix[len - 1 - k], -1 = not split) and the parallel optimizer's opt_weight_shard_size
+/ opt_weight_shard_step (a further split of dim 0 inside its model-parallel slice over the
+innermost repeated device axes). MindSpore's transform_checkpoints, merge_sliced_parameter
+and load_distributed_checkpoint read these files; the MindSpore lowering writes the same
+files for its parameters by calling `write_strategy_file`.
 
-    dev_matrix      device matrix, outermost first; ranks are row-major over it
-    tensor_map      per tensor dim, k = split along dev_matrix[len - 1 - k], -1 = not split
-    opt_weight_shard_size / _step   the parallel optimizer's (ZeRO's) extra split of dim 0,
-                    nested inside the tensor-parallel split: group size and rank stride
-    param_split_shape, indices_offset   one empty entry each (MindSpore requires them)
-
-Op strategies (parallel_strategy_item: node name, stage, split counts per input) ride
-along; merge_pipeline_strategys reads each file's stage from them. Pipeline stages get one
-file per stage (current_stage = stage) holding that stage's parameters.
+A ZeRO layout is written as an optimizer shard only when MindSpore's rule reproduces it:
+ZeRO splits dim 0 and no replicated device axis lies inside the ZeRO axes. Otherwise the
+tensor-parallel layout is written and the per-rank files hold tensor-parallel slices.
 """
 from __future__ import annotations
 
+import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional, Union
 
-from ms_llm.errors import StrategyError
-from ms_llm.strategy.layout import Shard, TensorLayout
+from mindspore.train import node_strategy_pb2 as pb
 
+from ms_llm.errors import CheckpointError
+from ms_llm.strategy.layout import MsLayout, Replicate, Shard, TensorLayout
+from ms_llm.strategy.mesh import MeshSpec
 
-OpStrategies = Mapping[str, tuple[tuple[int, ...], ...]]
+TensorMap = tuple[Union[int, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
-class ParamStrategy:
-    """One parameter's entry: how its full tensor is cut over the ranks of one stage."""
+class MsParamLayout:
     dev_matrix: tuple[int, ...]
-    tensor_map: tuple[int, ...]
-    opt_shard_size: int = 0
+    tensor_map: TensorMap
+    opt_shard_size: int = 0          # 0 = no optimizer shard; -1 = all repeated devices
     opt_shard_step: int = 0
-    field: int = 0
 
 
-def param_strategy(layout: TensorLayout, optimizer_layout: Optional[TensorLayout] = None) -> ParamStrategy:
-    """The entry for a parameter whose slices were cut by `optimizer_layout` (ZeRO's split
-    added to the tensor-parallel `layout`; None or equal: no ZeRO split).
-
-    A ZeRO split that is the only split of its dimension is an ordinary tensor map. One
-    nested inside the tensor-parallel split of dim 0 is what opt_weight_shard_* describe;
-    MindSpore gives that split to the innermost replicated device axes, so those must be
-    exactly the ZeRO axes.
-    """
-    if optimizer_layout is None or optimizer_layout == layout:
-        return _entry(layout)
-    try:
-        return _entry(optimizer_layout)
-    except StrategyError:
-        pass                                   # nested inside tp: needs the optimizer-shard fields
-    mesh = layout.mesh
-    zero_axes = [a for a, p, q in zip(mesh.names, layout.placements, optimizer_layout.placements)
-                 if p != q and mesh.axis_size(a) > 1]
-    if {optimizer_layout.placements[mesh.names.index(a)] for a in zero_axes} != {Shard(0)}:
-        raise StrategyError(f"strategy file: ZeRO splits a {layout.shape} parameter inside its tensor-parallel "
-                            "split of a dimension other than 0; MindSpore's parallel optimizer splits dim 0 only")
-    replicated = [a for a, p in zip(mesh.names, layout.placements) if not isinstance(p, Shard) and mesh.axis_size(a) > 1]
-    if replicated[len(replicated) - len(zero_axes):] != zero_axes:
-        raise StrategyError(f"strategy file: ZeRO axes {zero_axes} are not the innermost replicated axes "
-                            f"{replicated} of a {layout.shape} parameter; MindSpore cannot describe that split")
-    size = math.prod(mesh.axis_size(a) for a in zero_axes)
-    step = math.prod(mesh.shape[mesh.names.index(zero_axes[-1]) + 1:])
-    base = _entry(layout)
-    return ParamStrategy(base.dev_matrix, base.tensor_map, size, step)
-
-
-def _entry(layout: TensorLayout) -> ParamStrategy:
+def ms_param_layout(layout: TensorLayout, zero_layout: Optional[TensorLayout] = None
+                    ) -> tuple[MsParamLayout, TensorLayout]:
+    """The strategy-file entry for a parameter, and the TensorLayout whose slices the per-rank
+    checkpoint files must hold under it (`zero_layout` when expressible, else `layout`)."""
     ms = layout.to_ms_merged()
-    return ParamStrategy(tuple(ms.dev_matrix), tuple(int(k) for k in ms.tensor_map))
+    base = MsParamLayout(ms.dev_matrix, ms.tensor_map)
+    if zero_layout is None or zero_layout == layout:
+        return base, layout
+    names = layout.mesh.names
+    added = [a for a, p, q in zip(names, layout.placements, zero_layout.placements) if p != q]
+    if any(q != Shard(0) for a, q in zip(names, zero_layout.placements) if a in added):
+        return base, layout
+    if list(zero_layout.axes_of(0))[-len(added):] != added:
+        return base, layout
+    inner = names[names.index(added[-1]) + 1:]
+    if any(layout.mesh.axis_size(a) > 1 and isinstance(p, Replicate)
+           for a, p in zip(names, layout.placements) if a in inner):
+        return base, layout
+    size = math.prod(layout.mesh.axis_size(a) for a in added)
+    step = math.prod(layout.mesh.axis_size(a) for a in inner)
+    return MsParamLayout(ms.dev_matrix, ms.tensor_map, size, step), zero_layout
 
 
-def strategy_map(params: Mapping[str, ParamStrategy], stage: int = 0, ops: Optional[OpStrategies] = None):
-    """The ParallelStrategyMap protobuf message for these parameters (and op strategies)."""
-    from mindspore.train.node_strategy_pb2 import ParallelStrategyMap
+def to_layout(shape: tuple[int, ...], entry: MsParamLayout) -> TensorLayout:
+    """The TensorLayout of an entry, optimizer shard included (MindSpore's rule: take repeated
+    device axes innermost first, splitting the last one taken if it is larger than needed).
+    Device axis i is named d<i>; a split axis becomes d<i>r (outer) and d<i>o."""
+    dev, tmap = entry.dev_matrix, entry.tensor_map
+    names = tuple(f"d{i}" for i in range(len(dev)))
+    base = TensorLayout.from_ms(tuple(shape), MsLayout(tuple(dev), tuple(tmap)), names)
+    if entry.opt_shard_size == 0:
+        return base
+    used = {n for d in range(len(shape)) for n in base.axes_of(d)}
+    repeated = [i for i, n in enumerate(dev) if n > 1 and names[i] not in used]
+    remaining = entry.opt_shard_size if entry.opt_shard_size > 0 else math.prod(dev[i] for i in repeated)
+    take: dict[int, int] = {}
+    for i in reversed(repeated):
+        if remaining == 1:
+            break
+        part = min(dev[i], remaining)
+        if dev[i] % part or remaining % part:
+            raise CheckpointError(f"strategy file: optimizer shard size {entry.opt_shard_size} does not divide the "
+                                  f"repeated device axes of dev_matrix {dev}")
+        take[i] = part
+        remaining //= part
+    if remaining != 1:
+        raise CheckpointError(f"strategy file: optimizer shard size {entry.opt_shard_size} exceeds the repeated "
+                              f"devices of dev_matrix {dev}")
+    mesh_names, sizes, placements, opt_axes = [], [], [], []
+    for i, n in enumerate(dev):
+        if i in take and take[i] < n:
+            mesh_names += [f"d{i}r", f"d{i}o"]
+            sizes += [n // take[i], take[i]]
+            placements += [Replicate(), Shard(0)]
+            opt_axes.append(f"d{i}o")
+        else:
+            mesh_names.append(names[i])
+            sizes.append(n)
+            placements.append(Shard(0) if i in take else base.placements[i])
+            if i in take:
+                opt_axes.append(names[i])
+    order = tuple(base.axes_of(0)) + tuple(opt_axes)
+    order += tuple(a for a in mesh_names if a not in order)
+    return TensorLayout(tuple(shape), MeshSpec(tuple(mesh_names), tuple(sizes)), tuple(placements), order)
 
-    msg = ParallelStrategyMap()
-    msg.current_stage = stage
-    for name in sorted(ops or {}):
-        item = msg.parallel_strategy_item.add()
+
+def write_strategy_file(path: str | Path, entries: dict[str, MsParamLayout], stage: int = 0,
+                        strategies: Optional[dict[str, tuple[int, ...]]] = None) -> None:
+    """Write a protobuf ParallelStrategyMap for one pipeline stage. `strategies` optionally
+    gives the per-dim split counts recorded as each parameter's operator strategy."""
+    smap = pb.ParallelStrategyMap()
+    smap.current_stage = stage
+    for name, e in entries.items():
+        item = smap.parallel_strategy_item.add()
         item.node_name = name
         item.parallel_strategys.stage = stage
-        for dims in ops[name]:
-            item.parallel_strategys.parallel_strategy.add().dim.extend(dims)
-    for name in sorted(params):
-        entry = params[name]
-        item = msg.parallel_layout_item.add()
-        item.param_name = name
-        lay = item.parallel_layouts
-        lay.dev_matrix.add().dim.extend(entry.dev_matrix)
-        lay.tensor_map.add().dim.extend(entry.tensor_map)
-        lay.param_split_shape.add()
-        lay.indices_offset.add()
-        lay.field = entry.field
-        lay.opt_weight_shard_step = entry.opt_shard_step
-        lay.opt_weight_shard_size = entry.opt_shard_size
-    return msg
+        ps = item.parallel_strategys.parallel_strategy.add()
+        ps.dim.extend((strategies or {}).get(name, ()))
+        lay = smap.parallel_layout_item.add()
+        lay.param_name = name
+        layouts = lay.parallel_layouts
+        layouts.dev_matrix.add().dim.extend(e.dev_matrix)
+        if any(isinstance(k, tuple) for k in e.tensor_map):
+            for k in e.tensor_map:
+                layouts.tensor_map.add().dim.extend(k if isinstance(k, tuple) else (k,))
+        else:
+            layouts.tensor_map.add().dim.extend(e.tensor_map)
+        layouts.param_split_shape.add()      # one empty entry each: MindSpore's readers index [0]
+        layouts.indices_offset.add()
+        layouts.field = 0
+        layouts.opt_weight_shard_size = e.opt_shard_size
+        layouts.opt_weight_shard_step = e.opt_shard_step
+    Path(path).write_bytes(smap.SerializeToString())
 
 
-def write_strategy_file(path: str | Path, params: Mapping[str, ParamStrategy], stage: int = 0,
-                        ops: Optional[OpStrategies] = None) -> Path:
-    """Write atomically (temporary name, fsync, rename): a reader never sees half a file.
-    `ops` (op name -> split counts per input) carries the stage that merge_pipeline_strategys
-    reads; MindSpore's own files always have them."""
+def read_strategy_file(path: str | Path) -> tuple[dict[str, MsParamLayout], Optional[int]]:
+    """Entries of a protobuf or JSON strategy file and its pipeline stage (None if unrecorded).
+    Names keep MindSpore's '<stage>-' prefix in files merged by merge_pipeline_strategys."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = strategy_map(params, stage, ops).SerializeToString()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
-
-def read_strategy_file(path: str | Path) -> tuple[int, dict[str, ParamStrategy]]:
-    """(current_stage, {name: entry}) of a file written by us or by MindSpore."""
-    from google.protobuf.message import DecodeError
-    from mindspore.train.node_strategy_pb2 import ParallelStrategyMap
-
-    msg = ParallelStrategyMap()
     try:
-        msg.ParseFromString(Path(path).read_bytes())
-    except (OSError, DecodeError) as exc:
-        raise StrategyError(f"{path}: not a readable MindSpore strategy file ({exc})") from None
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: strategy file is missing") from None
+    if path.suffix == ".json":
+        data = json.loads(raw)
+        items = data.get("parallel_strategy_item") or {}
+        stage = next(iter(items.values())).get("stage") if items else None
+        return {n: _entry(v["dev_matrix"], v["tensor_map"], v.get("opt_weight_shard_size", 0),
+                          v.get("opt_weight_shard_step", 0))
+                for n, v in data.get("parallel_layout_item", {}).items()}, stage
+    smap = pb.ParallelStrategyMap()
+    try:
+        smap.ParseFromString(raw)
+    except Exception as exc:                  # protobuf's DecodeError has no stable import path
+        raise CheckpointError(f"{path}: not a MindSpore strategy file ({exc})") from None
+    stage = smap.parallel_strategy_item[0].parallel_strategys.stage if smap.parallel_strategy_item else None
     out = {}
-    for item in msg.parallel_layout_item:
+    for item in smap.parallel_layout_item:
         lay = item.parallel_layouts
-        out[item.param_name] = ParamStrategy(tuple(lay.dev_matrix[0].dim), tuple(lay.tensor_map[0].dim),
-                                             lay.opt_weight_shard_size, lay.opt_weight_shard_step, lay.field)
-    return msg.current_stage, out
+        maps = [list(t.dim) for t in lay.tensor_map]
+        tmap = maps[0] if len(maps) == 1 else [m[0] if len(m) == 1 else m for m in maps if m]
+        out[item.param_name] = _entry(list(lay.dev_matrix[0].dim), tmap, lay.opt_weight_shard_size,
+                                      lay.opt_weight_shard_step)
+    return out, stage
+
+
+def _entry(dev, tmap, size, step) -> MsParamLayout:
+    return MsParamLayout(tuple(int(d) for d in dev),
+                         tuple(tuple(int(x) for x in k) if isinstance(k, list) else int(k) for k in tmap),
+                         int(size or 0), int(step or 0))
