@@ -10,7 +10,8 @@ cases MindFormers covers the results equal its LLaMA strategies (tests/test_ms_g
 A strategy is a tuple of split counts when MindSpore's default device matrix for it (split
 dims in tensor order, replicas innermost) puts the ranks where the mesh does; otherwise
 (context parallel after the heads transpose) it is a Layout over the named stage mesh.
-This module imports no MindSpore: `ms-llm train --dry-run` prints it on any machine.
+Computing the lowering imports no MindSpore (`ms-llm train --dry-run` prints it without
+compiling); applying it is apply.py, writing strategy files needs MindSpore's protobuf.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ms_llm.errors import StrategyError
-from ms_llm.mindspore.strategy_file import MsParamLayout, ms_param_layout, write_strategy_file
 from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
 from ms_llm.strategy.plan import ModelPlan
 
@@ -94,9 +94,11 @@ class OpShard:
     def __str__(self) -> str:
         def fmt(s):
             return str(s) if isinstance(s, LayoutStrategy) else str(tuple(s))
-        text = f"{self.op}: in " + "(" + ", ".join(fmt(s) for s in self.inputs) + ")"
+        def group(items):                      # the Python tuple shard() receives
+            return "(" + ", ".join(fmt(s) for s in items) + ("," if len(items) == 1 else "") + ")"
+        text = f"{self.op}: in {group(self.inputs)}"
         if self.output is not None:
-            text += " out (" + ", ".join(fmt(s) for s in self.output) + ")"
+            text += f" out {group(self.output)}"
         return text
 
 
@@ -246,16 +248,20 @@ def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strate
                     tuple(notes))
 
 
-def stage_param_entries(plan: ModelPlan, stage: int) -> dict[str, tuple[MsParamLayout, TensorLayout]]:
-    """Strategy-file entry of each parameter of a stage, held as MindSpore's parallel optimizer
-    holds it (ZeRO-split where a strategy file can say so), with the layout of the slices a
-    per-rank checkpoint under that entry holds."""
+def stage_param_entries(plan: ModelPlan, stage: int) -> dict:
+    """Strategy-file entry (MsParamLayout) of each parameter of a stage, held as MindSpore's
+    parallel optimizer holds it (ZeRO-split where a strategy file can say so), with the layout
+    of the slices a per-rank checkpoint under that entry holds."""
+    from ms_llm.mindspore.strategy_file import ms_param_layout
+
     return {p.name: ms_param_layout(p.layout, p.optimizer_layout) for p in plan.params_of_stage(stage)}
 
 
 def write_strategy_files(plan: ModelPlan, folder: str | Path) -> list[Path]:
     """One strategy checkpoint per rank, named as MindFormers names them (ckpt_strategy_rank_{rank}.ckpt):
     what MindSpore would save through strategy_ckpt_config, which it cannot compile on CPU."""
+    from ms_llm.mindspore.strategy_file import write_strategy_file
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     entries = {s: {n: e for n, (e, _) in stage_param_entries(plan, s).items()} for s in range(plan.strategy.pp)}
