@@ -42,6 +42,18 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from ms_llm.config.job import load_job
+    from ms_llm.errors import ConfigError
+
+    job = load_job(args.config)
+    backend = args.backend or job.backend
+    if backend != "mindspore":
+        raise ConfigError(f"--backend {backend}: the torch trainer is not part of this build; use --backend mindspore")
+    from ms_llm.mindspore import launch
+    return launch.cli_train(job, run_dir=args.run_dir, world_size=args.world_size, dry_run=args.dry_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ms-llm", description="Pretrain LLaMA-family models on Ascend "
                                      "(MindSpore) and GPU (PyTorch) from one parallel-strategy IR.")
@@ -54,8 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 
+    t = sub.add_parser("train", help="train a job (launches msrun / torchrun itself)")
+    t.add_argument("config", help="job YAML (model + strategy + train)")
+    t.add_argument("--backend", choices=("torch", "mindspore"), default=None, help="default: the job's backend")
+    t.add_argument("--run-dir", default=None, help="run folder; default runs/<name>-<time>")
+    t.add_argument("--world-size", type=int, default=None, help="devices; default: from the strategy")
+    t.add_argument("--dry-run", action="store_true", help="print the parallel lowering without compiling")
+    t.set_defaults(func=cmd_train)
+
     d = sub.add_parser("demo", help="run the embedded default job")
     d.set_defaults(func=cmd_demo)
+
+    from ms_llm.commands import convert, estimate, search
+    for name, module, summary in (
+            ("convert-strategy", convert, "convert strategy configs between Megatron-LM, DeepSpeed, MindFormers, "
+                                          "torchtitan and ms_llm"),
+            ("estimate", estimate, "per-device memory breakdown and step time of one or more strategies"),
+            ("search", search, "search parallel strategies with the cost model and rank them")):
+        c = sub.add_parser(name, help=summary, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(c)
+        c.set_defaults(func=module.run)
     return parser
 
 
