@@ -14,7 +14,7 @@ from ms_llm.strategy import cost
 from ms_llm.strategy.plan import plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from zero_cases import MODEL, case_name, clip_for, optimizer_config, strategy_for, train_config  # noqa: E402
+from zero_cases import MICRO, MODEL, STEPS, case_name, clip_for, optimizer_config, strategy_for, train_config  # noqa: E402
 from zero_torch_worker import Transformer, reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +69,18 @@ def test_matches_single_process_training(runs, references, world, case):
         worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
         assert worst <= 1e-6, worst
     assert losses == pytest.approx(ref_losses, abs=1e-5, rel=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,case", [(w, c) for w, c in ALL if c.startswith("3:")])
+def test_stage3_gathers_layer_by_layer(runs, world, case):
+    """Each unit is gathered before its forward and again before its backward (the last
+    unit stays whole from its forward into its backward); at most the unit in use, the
+    prefetched one and one whose gradients are still arriving are whole at once."""
+    got = json.loads((runs[world] / f"{case_name(case)}.json").read_text())
+    units = MODEL.num_layers + 2
+    assert got["gathers"] == STEPS * MICRO * (2 * units - 1)
+    assert got["peak_live"] <= 3
 
 
 @pytest.mark.slow

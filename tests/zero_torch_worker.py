@@ -78,12 +78,14 @@ def run_case(rank: int, world: int, stage: int, opt_name: str, shard: int, dtype
         mean = torch.tensor([total / world])
         torch.distributed.all_reduce(mean)
         losses.append(mean.item())
-    if dp.engine.gather is not None:
-        dp.engine.gather.gather_all()
+    gather = dp.engine.gather
+    gathers = {"gathers": gather.gathers, "peak_live": gather.peak_live} if gather is not None else {}
+    if gather is not None:
+        gather.gather_all()
     name = case_name(f"{stage}:{opt_name}:{shard}:{dtype}:{int(offload)}")
     if rank == 0:
         save_file({n: p.detach().float().contiguous() for n, p in model.named_parameters()}, out / f"{name}.safetensors")
-        (out / f"{name}.json").write_text(json.dumps({"losses": losses}))
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses, **gathers}))
     (out / f"{name}.bytes{rank}.json").write_text(json.dumps(state_bytes))
     dp.remove_hooks()
 
