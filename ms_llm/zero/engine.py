@@ -203,17 +203,21 @@ class ZeroEngine:
             if follow and self.groups[follow[0].group] is not None:
                 second = self.comm.all_reduce(own, self.groups[follow[0].group], async_op=True)
             reduced.append((b, own, second))
-        for b, own, second in reduced:
+        for (b, own, second), (_, buf, _) in zip(reduced, self._inflight):
             if second is not None:
                 second.wait()
             own = self.ops.scale(own, 1.0 / self.zplan.dp_cp_size)
             st = self.state[b.index]
+            full = st.grad_full
             if self.zplan.stage >= 2 and b.sharded:
                 st.grad_shard = (self.ops.cast(own, self._dtype(b)) if st.grad_shard is None
                                  else self.ops.add(st.grad_shard, own))
                 st.grad_full = None
+                self.ops.free(full)
             else:
-                st.grad_full = self.ops.write(st.grad_full, self._own_start(b), own)
+                st.grad_full = self.ops.write(full, self._own_start(b), own)
+            if buf is not full:
+                self.ops.free(buf)
         self._inflight = []
         self._next_launch = 0
         for st in self.state.values():
@@ -279,11 +283,15 @@ class ZeroEngine:
                     pbuf = ops.zeros(b.numel, self._dtype(b))
                 pbuf = ops.write(pbuf, self._own_start(b), p)
                 gathers.append((b, pbuf, self._gather(b, pbuf)))
+            for t in (st.grad_full, st.grad_shard):
+                if t is not None:
+                    ops.free(t)
             st.grad_full = st.grad_shard = None
         for b, pbuf, handle in gathers:
             handle.wait()
             for s in b.slots:
                 ops.unpack(pbuf, 0, b.segment, s, self.params[s.name])
+            ops.free(pbuf)
         return norm
 
     def _gather(self, b: Bucket, pbuf: Tensor) -> Handle:

@@ -59,6 +59,7 @@ class UnitGather:
                 param = e.params[s.name]
                 ops.materialize(param)
                 ops.unpack(pbuf, 0, b.segment, s, param)
+            ops.free(pbuf)
         self.status[u.name] = "ready"
 
     def _ensure(self, i: int, prefetch: int) -> None:

@@ -36,13 +36,25 @@ class TorchOps:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._restoring: set[int] = set()
+        # Bucket buffers come and go every step; keeping freed ones spares the allocator
+        # (on CPU, fresh pages for every multi-megabyte buffer).
+        self._pool: dict[tuple, list[torch.Tensor]] = {}
 
     def _where(self, host: bool) -> torch.device:
         return torch.device("cpu") if host else self.device
 
-    def zeros(self, numel: int, dtype: str, host: bool = False) -> torch.Tensor:
+    def _take(self, numel: int, dtype: torch.dtype, host: bool) -> tuple[torch.Tensor, bool]:
+        free = self._pool.get((numel, dtype, self._where(host)))
+        if free:
+            return free.pop(), True
         pin = host and self.device.type == "cuda"
-        return torch.zeros(numel, dtype=DTYPES[dtype], device=self._where(host), pin_memory=pin)
+        return torch.empty(numel, dtype=dtype, device=self._where(host), pin_memory=pin), False
+
+    def zeros(self, numel: int, dtype: str, host: bool = False) -> torch.Tensor:
+        return self._take(numel, DTYPES[dtype], host)[0].zero_()
+
+    def free(self, buf: torch.Tensor) -> None:
+        self._pool.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
 
     def read(self, buf: torch.Tensor, start: int, numel: int) -> torch.Tensor:
         return buf.narrow(0, start, numel)
@@ -60,9 +72,8 @@ class TorchOps:
         return t.mul_(factor)
 
     def cast(self, t: torch.Tensor, dtype: str, host: bool = False) -> torch.Tensor:
-        out = torch.empty(t.numel(), dtype=DTYPES[dtype], device=self._where(host),
-                          pin_memory=host and self.device.type == "cuda")
-        return out.copy_(t.reshape(-1))
+        out, _ = self._take(t.numel(), DTYPES[dtype], host)
+        return out.copy_(t.reshape(-1), non_blocking=True)
 
     @torch.no_grad()
     def pack(self, buf, start, segment, slot, value, accumulate):
