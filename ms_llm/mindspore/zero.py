@@ -115,6 +115,12 @@ class MsOps:
     def read(self, buf: Tensor, start: int, numel: int) -> Tensor:
         return buf[start:start + numel]
 
+    def view(self, buf: Tensor, start: int, shape: tuple[int, ...]) -> Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        return buf[start:start + n].reshape(shape)
+
     def write(self, buf: Tensor, start: int, src: Tensor) -> Tensor:
         buf[start:start + src.shape[0]] = src.reshape(-1).astype(buf.dtype)
         return buf
