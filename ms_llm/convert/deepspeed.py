@@ -58,8 +58,8 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": _zero(f, dp, warnings),
                 "precision": _precision(f, warnings), "recompute": _recompute(f, warnings)}
     strategy["offload"] = strategy["zero"].pop("offload")
-    if pp > 1 and f.get("pipeline.partition", str, "parameters") != "uniform":
-        warnings.append(f"pipeline.partition = {f.get('pipeline.partition', str, 'parameters')!r}: read as an "
+    if pp > 1 and f.get("pipeline.partition", str, "best") != "uniform":
+        warnings.append(f"pipeline.partition = {f.get('pipeline.partition', str, 'best')!r}: read as an "
                         "even split of the layers (uniform)")
     model_dict = {**to_dict(model, full=True), "dtype": strategy["precision"]["param_dtype"]}
     train = {"global_batch_size": gbs, "micro_batch_size": mbs, "seq_len": model.max_seq_len,

@@ -102,6 +102,8 @@ def _check_mode(f: Fields, tp: int, pp: int, warnings: list[str]) -> None:
     if name == "data_parallel" and (tp > 1 or pp > 1):
         raise f.error("parallel.parallel_mode", "data_parallel (0) cannot run model_parallel or pipeline_stage > 1; "
                                                 "use semi_auto_parallel (1)")
+    if name == "data_parallel" and f.raw("parallel.full_batch", False) is True:
+        raise f.error("parallel.full_batch", "must be False in data_parallel mode (each rank reads its own batch)")
     if name in ("auto_parallel", "hybrid_parallel"):
         warnings.append(f"parallel.parallel_mode = {name}: MindSpore picks the operator strategies; the "
                         "parallel_config degrees are used as given")
