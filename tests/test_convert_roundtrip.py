@@ -58,7 +58,7 @@ def test_x_to_ms_llm_to_x_keeps_every_field(name):
     fmt = detect_format((FIXTURES / name).read_text(), name)
     _, as_ms_llm = reread(conv, "ms_llm")
     assert differences(ir(conv), ir(as_ms_llm)) == {}
-    out, back = reread(as_ms_llm, fmt)
+    _, back = reread(as_ms_llm, fmt)
     assert differences(ir(conv), ir(back)) == {}
     assert back.world_size == conv.world_size
 
@@ -149,7 +149,7 @@ def test_megatron_to_mindformers_is_what_one_would_write():
 def test_strict_turns_warnings_into_an_error():
     with pytest.raises(ConversionError, match=r"--strict and \d+ thing\(s\) would not carry over"):
         convert(FIXTURES / "megatron_llama3_8b.sh", "deepspeed", strict=True)
-    text, warnings = convert(FIXTURES / "torchtitan_llama3_8b.toml", "torchtitan", options=ReadOptions(world_size=64))
+    _, warnings = convert(FIXTURES / "torchtitan_llama3_8b.toml", "torchtitan", options=ReadOptions(world_size=64))
     assert all(w.startswith("read:") for w in warnings)      # nothing lost on the write side
 
 

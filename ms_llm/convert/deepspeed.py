@@ -55,8 +55,8 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
         dp = world // (tp * pp * cp)
     gbs, mbs, dp = _batch(f, dp, warnings)
     world = dp * tp * pp * cp
-    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": _zero(f, dp, warnings),
-                "precision": _precision(f, warnings), "recompute": _recompute(f, warnings)}
+    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": _zero(f, warnings),
+                "precision": _precision(f), "recompute": _recompute(f, warnings)}
     strategy["offload"] = strategy["zero"].pop("offload")
     if pp > 1 and f.get("pipeline.partition", str, "best") != "uniform":
         warnings.append(f"pipeline.partition = {f.get('pipeline.partition', str, 'best')!r}: read as an "
@@ -120,7 +120,7 @@ def _batch(f: Fields, dp: int | None, warnings: list[str]) -> tuple[int, int, in
     return tbs, mbs, dp
 
 
-def _zero(f: Fields, dp: int, warnings: list[str]) -> dict:
+def _zero(f: Fields, warnings: list[str]) -> dict:
     z = "zero_optimization"
     zero: dict = {"stage": f.get(f"{z}.stage", int, 0, ir="strategy.zero.stage")}
     elements = f.get(f"{z}.reduce_bucket_size", float, 5e8, ir="strategy.zero.bucket_mb")
@@ -147,7 +147,7 @@ def _zero(f: Fields, dp: int, warnings: list[str]) -> dict:
     return zero
 
 
-def _precision(f: Fields, warnings: list[str]) -> dict:
+def _precision(f: Fields) -> dict:
     bf16 = f.get("bf16.enabled", bool, False, ir="strategy.precision")
     fp16 = f.get("fp16.enabled", bool, False, ir="strategy.precision")
     if bf16 and fp16:

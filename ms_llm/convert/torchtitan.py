@@ -65,8 +65,8 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     model_dict = {**to_dict(model, full=True), "dtype": strategy["precision"]["param_dtype"]}
     if f.get("training.enable_cpu_offload", bool, False, ir="strategy.offload"):
         strategy["offload"] = {"optimizer": True, "params": True}
-    train, local, mbs = _batch(f, dp, pp)
-    strategy["pipeline"] = _pipeline(f, model.num_layers, pp, local, mbs)
+    train = _batch(f, dp, pp)
+    strategy["pipeline"] = _pipeline(f, model.num_layers, pp)
     strategy["recompute"] = _recompute(f, model.num_layers, pp, warnings)
     train.update(_optimizer(f, warnings))
     train["checkpoint"] = _checkpoint(f, warnings)
@@ -126,7 +126,7 @@ def _precision(f: Fields, fsdp: bool, tp: int, pp: int, warnings: list[str]) -> 
     return {"param_dtype": param, "compute_dtype": param, "master_dtype": master, "grad_reduce_dtype": reduce}
 
 
-def _batch(f: Fields, dp: int, pp: int) -> tuple[dict, int, int]:
+def _batch(f: Fields, dp: int, pp: int) -> dict:
     key = "training.local_batch_size" if f.has("training.local_batch_size") or not f.has("training.batch_size") \
         else "training.batch_size"
     local = f.get(key, int, 8, ir="train.micro_batch_size")
@@ -146,7 +146,7 @@ def _batch(f: Fields, dp: int, pp: int) -> tuple[dict, int, int]:
              "seq_len": f.get("training.seq_len", int, 2048, ir="train.seq_len"),
              "steps": f.get("training.steps", int, 10000, ir="train.steps"),
              "log_every": f.get("metrics.log_freq", int, 10, ir="train.log_every")}
-    return train, local, mbs
+    return train
 
 
 def fqn_parts(num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1) -> list[int]:
@@ -170,7 +170,7 @@ def fqn_parts(num_stages: int, num_layers: int, input_weight: int = 1, output_we
     return counts
 
 
-def _pipeline(f: Fields, layers: int, pp: int, local: int, mbs: int) -> dict:
+def _pipeline(f: Fields, layers: int, pp: int) -> dict:
     par = "parallelism"
     raw = f.get(f"{par}.pipeline_parallel_schedule", str, "1F1B", ir="strategy.pipeline.schedule")
     key = raw.lower().replace("_", "")
