@@ -24,7 +24,8 @@ def test_zero3_offload_config():
     assert (s.precision.param_dtype, s.precision.grad_reduce_dtype) == ("bfloat16", "bfloat16")
     assert (t.global_batch_size, t.micro_batch_size, t.seq_len) == (64, 2, 4096)
     assert (t.steps, t.schedule.warmup_steps, t.schedule.decay, t.schedule.min_lr_ratio) == (20000, 2000, "cosine", 0.1)
-    assert (t.optimizer.lr, t.optimizer.beta2, t.optimizer.weight_decay, t.optimizer.grad_clip) == (3e-4, 0.95, 0.1, 1.0)
+    o = t.optimizer
+    assert (o.lr, o.beta2, o.weight_decay, o.grad_clip) == (3e-4, 0.95, 0.1, 1.0)
     text = "\n".join(conv.warnings)
     assert "stage3_prefetch_bucket_size" in text and "seq_len" in text
 
@@ -47,7 +48,8 @@ def test_batch_triple(cfg, world, expected):
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 8,
      r"ds.json: train_batch_size: .* micro \* accumulation \* dp = 2\*2\*8 = 32"),
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}, None, "pass --world-size"),
-    ({"train_batch_size": 60, "train_micro_batch_size_per_gpu": 2}, 8, "ds.json: train_batch_size: 60 is not divisible"),
+    ({"train_batch_size": 60, "train_micro_batch_size_per_gpu": 2}, 8,
+     "ds.json: train_batch_size: 60 is not divisible"),
     ({"gradient_accumulation_steps": 2}, 8, "neither it nor train_micro_batch_size_per_gpu"),
     ({"train_batch_size": 64, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, 8, "fp16.enabled: true together"),
     ({"train_batch_size": 64, "zero_optimization": {"stage": "three"}}, 8, "zero_optimization.stage: got 'three'"),

@@ -54,7 +54,8 @@ def test_gradient_accumulation_is_ignored_under_pipeline_parallel():
 
 
 def test_interleave_offsets_recompute_and_shard_size():
-    text = SEVEN_B.replace("  pipeline_stage: 1", "  pipeline_stage: 4").replace("  data_parallel: 8", "  data_parallel: 2") \
+    text = SEVEN_B.replace("  pipeline_stage: 1", "  pipeline_stage: 4") \
+        .replace("  data_parallel: 8", "  data_parallel: 2") \
         .replace("  micro_batch_num: 1", "  micro_batch_num: 8").replace("    offset: 0", "    offset: [1, -1, 0, 0]") \
         .replace("  recompute: False", "  recompute: [2, 2, 2, 2]") \
         .replace("    gradient_accumulation_shard: False", "    gradient_accumulation_shard: True\n"
@@ -91,7 +92,8 @@ def test_contradictions_name_the_key(change, message):
 
 
 def test_data_parallel_mode_refuses_model_parallel():
-    text = SEVEN_B.replace("parallel_mode: 1", "parallel_mode: 0").replace("  model_parallel: 1", "  model_parallel: 2") \
+    text = SEVEN_B.replace("parallel_mode: 1", "parallel_mode: 0") \
+        .replace("  model_parallel: 1", "  model_parallel: 2") \
         .replace("  data_parallel: 8", "  data_parallel: 4")
     with pytest.raises(ConversionError, match="7b.yaml: parallel.parallel_mode: data_parallel"):
         read(text, "7b.yaml")

@@ -114,8 +114,8 @@ def test_deepspeed_to_torchtitan_is_what_one_would_write():
         toml["parallelism"]["data_parallel_replicate_degree"] == 1
     assert {k: toml["training"][k] for k in ("local_batch_size", "global_batch_size", "enable_cpu_offload",
                                              "mixed_precision_param", "max_norm")} == \
-        {"local_batch_size": 2, "global_batch_size": 64, "enable_cpu_offload": True, "mixed_precision_param": "bfloat16",
-         "max_norm": 1.0}
+        {"local_batch_size": 2, "global_batch_size": 64, "enable_cpu_offload": True,
+         "mixed_precision_param": "bfloat16", "max_norm": 1.0}
     assert toml["lr_scheduler"] == {"warmup_steps": 2000, "decay_type": "cosine", "min_lr_factor": 0.1}
     assert toml["activation_checkpoint"] == {"mode": "none"}
     assert any("grad_reduce_dtype = bfloat16" in w for w in warnings)   # DeepSpeed reduced in bf16
@@ -124,7 +124,8 @@ def test_deepspeed_to_torchtitan_is_what_one_would_write():
 def test_torchtitan_to_deepspeed_is_what_one_would_write():
     text, warnings = convert(FIXTURES / "torchtitan_llama3_8b.toml", "deepspeed", options=ReadOptions(world_size=64))
     ds = json.loads(text)
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (64, 1, 1)
+    batch = (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"])
+    assert batch == (64, 1, 1)
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True}
     assert ds["communication_data_type"] == "fp32" and ds["gradient_clipping"] == 1.0
     assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,

@@ -45,7 +45,8 @@ def test_hsdp_tp_and_explicit_degrees():
     s = conv.job.strategy
     assert conv.world_size == 64 and (s.dp, s.tp, s.zero.stage, s.zero.shard_size) == (8, 8, 3, 4)
     assert s.sequence_parallel                                               # torchtitan's TP plan shards norms
-    with pytest.raises(ConversionError, match=r"replicate\*shard\*cp\*tp\*pp = 2\*4\*1\*8\*1 = 64, but the world size is 32"):
+    with pytest.raises(ConversionError,
+                       match=r"replicate\*shard\*cp\*tp\*pp = 2\*4\*1\*8\*1 = 64, but the world size is 32"):
         _read(text, world=32)
 
 
@@ -66,8 +67,9 @@ def test_pipeline_split_follows_torchtitan():
 def test_module_fqns_and_every_nth_layer_recompute():
     parts = [["tok_embeddings"] + [f"layers.{i}" for i in range(16)], [f"layers.{i}" for i in range(16, 32)] +
              ["norm", "output"]]
-    text = LLAMA3.replace("pipeline_parallel_degree = 1", f"pipeline_parallel_degree = 2\nmodule_fqns_per_model_part = "
-                          f"{parts!r}".replace("'", '"')).replace('selective_ac_option = "op"', 'selective_ac_option = "2"') \
+    fqns = f"pipeline_parallel_degree = 2\nmodule_fqns_per_model_part = {parts!r}".replace("'", '"')
+    text = LLAMA3.replace("pipeline_parallel_degree = 1", fqns) \
+        .replace('selective_ac_option = "op"', 'selective_ac_option = "2"') \
         .replace("local_batch_size = 1", "local_batch_size = 4")
     s = _read(text).job.strategy
     assert s.pipeline.layer_split is None                                    # [16, 16] is the even split

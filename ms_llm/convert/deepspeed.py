@@ -90,9 +90,9 @@ def _batch(f: Fields, dp: int | None, warnings: list[str]) -> tuple[int, int, in
     tbs = _batch_value(f, "train_batch_size", warnings)
     mbs = _batch_value(f, "train_micro_batch_size_per_gpu", warnings)
     gas = _batch_value(f, "gradient_accumulation_steps", warnings)
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        f.sources[{"train_batch_size": "train.global_batch_size", "train_micro_batch_size_per_gpu":
-                   "train.micro_batch_size", "gradient_accumulation_steps": "strategy.pipeline.micro_batches"}[key]] = key
+    f.sources.update({"train.global_batch_size": "train_batch_size",
+                      "train.micro_batch_size": "train_micro_batch_size_per_gpu",
+                      "strategy.pipeline.micro_batches": "gradient_accumulation_steps"})
     triple = f"train_batch_size={tbs}, train_micro_batch_size_per_gpu={mbs}, gradient_accumulation_steps={gas}"
     if tbs and mbs and gas:
         if dp is None:
@@ -103,10 +103,10 @@ def _batch(f: Fields, dp: int | None, warnings: list[str]) -> tuple[int, int, in
             raise f.error("train_batch_size", f"{triple} but micro * accumulation * dp = {mbs}*{gas}*{dp} = "
                                               f"{mbs * gas * dp}; fix one of the three (or the world size)")
         return tbs, mbs, dp
-    if dp is None:
-        raise ConversionError(f"{f.source}: the batch triple ({triple}) does not fix dp; pass --world-size N")
     if tbs is None and mbs is None:
         raise f.error("train_batch_size", "neither it nor train_micro_batch_size_per_gpu is set; DeepSpeed needs one")
+    if dp is None:
+        raise ConversionError(f"{f.source}: the batch triple ({triple}) does not fix dp; pass --world-size N")
     gas = gas or (1 if tbs is None or mbs is None else None)
     if tbs is None:
         return mbs * gas * dp, mbs, dp
@@ -239,7 +239,8 @@ def write(job: JobConfig, world_size: int) -> Written:
     out["zero_optimization"] = _write_zero(s, warnings)
     o = t.optimizer
     if o.name != "adamw":
-        warnings.append(f"train.optimizer.name = {o.name}: DeepSpeed configs name Adam-family optimizers; AdamW written")
+        warnings.append(f"train.optimizer.name = {o.name}: DeepSpeed configs name Adam-family optimizers; "
+                        "AdamW written")
     out["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
                                                     "weight_decay": o.weight_decay}}
     out["scheduler"] = _write_schedule(t, warnings)

@@ -32,7 +32,10 @@ def parse_args(words: list[str], source: str) -> dict[str, object]:
             raise ConversionError(f"{source}: {word!r} comes before any --flag; Megatron-LM takes only --flags")
         else:
             current = out[flag]
-            out[flag] = word if current is True else (current + [word] if isinstance(current, list) else [current, word])
+            if current is True:
+                out[flag] = word
+            else:
+                out[flag] = (current if isinstance(current, list) else [current]) + [word]
     return out
 
 

@@ -71,6 +71,8 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     train.update(_optimizer(f, warnings))
     train["checkpoint"] = _checkpoint(f, warnings)
     if train["seq_len"] > model_dict["max_seq_len"]:
+        warnings.append(f"model.max_seq_len raised from {model_dict['max_seq_len']} to training.seq_len = "
+                        f"{train['seq_len']} (torchtitan sizes the rotary table from seq_len)")
         model_dict["max_seq_len"] = train["seq_len"]
     job = make_job(f, name=Path(source).stem, model=model_dict, strategy=strategy, train=train,
                    device=options.device or "h100")
