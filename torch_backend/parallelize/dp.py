@@ -11,7 +11,7 @@ The trainer only ever calls, in this order:
 so an engine that reduces gradients explicitly (the shared ZeRO engine) plugs in beside the
 native ones, which hook the reduction into backward:
 
-    stage 0: DistributedDataParallel (or FSDP2's `replicate` when parameters are TP DTensors)
+    stage 0: DistributedDataParallel (FSDP2's `replicate` under tensor or pipeline parallelism)
     stage 1: DDP + ZeroRedundancyOptimizer (optimizer states sharded over dp)
     stage 2: FSDP2 fully_shard, parameters kept unsharded between forward and backward
     stage 3: FSDP2 fully_shard, parameters resharded after forward
@@ -93,7 +93,9 @@ class ZeroOptimizer(DDP):
 
 
 class Replicate(DataParallel):
-    """ZeRO-0 for DTensor (tensor-parallel) parameters, which DDP cannot take: FSDP2's replicate."""
+    """ZeRO-0 where DDP does not fit: DTensor (tensor-parallel) parameters, which DDP cannot take,
+    and pipeline stages, whose schedules drive FSDP2-style modules' reduction but not DDP's
+    bucket rebuild. FSDP2's replicate: an all-reduce per parameter group in backward."""
     name = "replicate"
 
     def __init__(self, mesh: DeviceMesh, mp: MixedPrecisionPolicy):
@@ -140,7 +142,7 @@ def build_data_parallel(plan: ModelPlan, meshes: Meshes) -> DataParallel:
         raise StrategyError("strategy.precision.grad_reduce_dtype: DDP's bf16 gradient compression needs "
                             "CUDA; use float32 (or float16) on CPU")
     if zero.stage == 0 or zero.group_size == 1:
-        if s.tp > 1:
+        if s.tp > 1 or s.pp > 1:
             return Replicate(meshes["dp"], mixed_precision(plan))
         return DDP(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
     if zero.stage == 1:
