@@ -32,7 +32,22 @@ class ParamPlan:
     stage: int                     # pipeline rank holding it
     chunk: int                     # virtual chunk on that rank
     layer: Optional[int]           # decoder layer index, None for embedding / final norm / head
-    zero_layout: TensorLayout      # where optimizer states (and grads / params per ZeRO stage) live
+    zero_layout: TensorLayout      # the layout with ZeRO's shard axes added
+    zero_stage: int
+
+    @property
+    def optimizer_layout(self) -> TensorLayout:
+        return self.zero_layout if self.zero_stage >= 1 else self.layout
+
+    @property
+    def grad_layout(self) -> TensorLayout:
+        """Where the reduced gradient lives between backward and the optimizer step."""
+        return self.zero_layout if self.zero_stage >= 2 else self.layout
+
+    @property
+    def stored_layout(self) -> TensorLayout:
+        """Where the parameter rests between uses (ZeRO-3 gathers it just before use)."""
+        return self.zero_layout if self.zero_stage >= 3 else self.layout
 
     @property
     def numel(self) -> int:
@@ -200,6 +215,7 @@ def _activation_layouts(model: ModelConfig, s: ParallelStrategy, train: TrainCon
         "mlp_input": lay((b, t, h)),
         "mlp_hidden": lay((b, t, f), tp_dim=2),          # silu(gate) * up
         "down_proj_output": lay((b, t, h), partial=True),
+        "head_input": lay((b, t, h)),                    # final norm output gathered over tp
         "logits": lay((b, t, v), tp_dim=2),              # vocab-parallel: loss_parallel consumes it
     }
 
@@ -249,7 +265,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
             layout = TensorLayout.build(shape, stage_mesh, **({"tp": tp_dim} if tp_dim is not None else {}))
             zl = _zero_layout(layout, zero)
         c = chunks[chunk]
-        params[name] = ParamPlan(name, tuple(shape), kind, layout, c.stage, c.virtual, layer, zl)
+        params[name] = ParamPlan(name, tuple(shape), kind, layout, c.stage, c.virtual, layer, zl, zero.stage)
 
     add("model.embed_tokens.weight", (v, h), "embedding", None, 0, tp_dim=0)
     for layer in range(model.num_layers):

@@ -1,0 +1,6 @@
+"""What every training run shares across backends: its folder, progress/metrics output, LR schedule."""
+from ms_llm.run.folder import RunFolder
+from ms_llm.run.lr import lr_at
+from ms_llm.run.metrics import MetricsLogger, StepMetrics
+
+__all__ = ["RunFolder", "MetricsLogger", "StepMetrics", "lr_at"]

@@ -1,0 +1,52 @@
+"""One folder per run: launcher and worker logs, metrics.jsonl, the resolved config, checkpoints.
+
+    runs/<name>-<YYYYmmdd-HHMMSS>/
+        config.yaml        the job as resolved (dp, micro-batches filled in)
+        launcher.log       what the launcher (torchrun / msrun) printed
+        logs/              one log per worker
+        metrics.jsonl      one JSON object per logged step (rank 0)
+        checkpoints/       step-N folders and the `latest` pointer
+        data/              the tokenized default corpus cache
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    @classmethod
+    def create(cls, name: str, run_dir: str | Path | None = None, base: str | Path = "runs") -> "RunFolder":
+        root = Path(run_dir) if run_dir else Path(base) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        folder = cls(root.resolve())
+        for sub in (folder.logs, folder.checkpoints, folder.data):
+            sub.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.root / "launcher.log"

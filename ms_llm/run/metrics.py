@@ -1,0 +1,59 @@
+"""Progress lines and metrics.jsonl, identical for both backends."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    mfu: float
+    memory_gb: float
+    grad_norm: float = float("nan")
+    step_time_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def line(self, total_steps: int) -> str:
+        text = (f"step {self.step:>5}/{total_steps} | loss {self.loss:.4f} | lr {self.lr:.2e} | "
+                f"{self.tokens_per_s:,.0f} tok/s | MFU {100 * self.mfu:.2f}% | mem {self.memory_gb:.2f} GB")
+        if self.grad_norm == self.grad_norm:
+            text += f" | gnorm {self.grad_norm:.3f}"
+        return text
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing, so callers need no branches."""
+
+    def __init__(self, path: Path | None, total_steps: int, every: int, stream: TextIO = sys.stdout):
+        self.path, self.total, self.every, self.stream = path, total_steps, every, stream
+        self._file = open(path, "a") if path is not None else None
+
+    def log(self, m: StepMetrics, force: bool = False) -> None:
+        if self._file is None:
+            return
+        record = {k: v for k, v in asdict(m).items() if k != "extra"} | m.extra
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if force or m.step % self.every == 0 or m.step == self.total:
+            print(m.line(self.total), file=self.stream, flush=True)
+
+    def event(self, **fields) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(fields) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,145 @@
+"""LLaMA in PyTorch, parameter for parameter the Hugging Face LlamaForCausalLM.
+
+Names and shapes match transformers' (model.layers.N.self_attn.q_proj.weight, ...), and so
+does the rotary convention (rotate_half over the two halves of each head), so a state dict
+moves between the two unchanged. No parallelism here: torch_backend/parallelize applies it
+from the ModelPlan. Layers live in a ModuleDict keyed by index, and forward skips modules
+that are None, so a pipeline stage is this model with the other stages' parts removed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ms_llm.config.model import ModelConfig
+from ms_llm.init import init_param
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)   # normalise in fp32
+        return self.weight * x.to(dtype)
+
+
+def rotary_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_seq_len, head_dim), HF layout: the frequencies repeated twice."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    t = torch.arange(cfg.max_seq_len, dtype=torch.int64, device=device).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, nh, T, hs); cos/sin: (T, hs)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # The first T rotary rows: under sequence parallelism the caller only knows its shard
+        # of the sequence, while attention sees the whole (gathered) sequence.
+        cos, sin = cos[:T], sin[:T]
+        # -1 heads: under tensor parallelism each rank sees only its local heads.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        y = y.transpose(1, 2).reshape(B, T, -1)                             # (B, T, nh*hs)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.num_experts:
+            raise ValueError("model.num_experts: the torch model is dense; MoE layers are not built yet")
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rotary_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (B, T) -> logits (B, T, V); a pipeline stage takes / returns hidden states
+        (B, T, H) when it has no embedding / no head."""
+        if positions is None:
+            cos, sin = self.rope_cos, self.rope_sin                 # each attention takes its first T rows
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if self.model.embed_tokens is not None:
+            x = self.model.embed_tokens(x)
+        for layer in self.model.layers.values():
+            x = layer(x, cos, sin)
+        if self.model.norm is not None:
+            x = self.model.norm(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Same values as every other backend for the same seed (ms_llm.init)."""
+        for name, p in self.named_parameters():
+            p.copy_(torch.from_numpy(init_param(name, tuple(p.shape), seed, std)))
