@@ -144,7 +144,9 @@ def _batch(f: Fields, dp: int, pp: int) -> dict:
                                                     f"{local}*{dp} (gradient accumulation needs whole steps)")
     seed = f.get("training.seed", int, None, ir="train.seed")
     seed = f.get("debug.seed", int, seed if seed is not None else 1234, ir="train.seed")
+    compile_key = "compile.enable" if f.has("compile.enable") or not f.has("training.compile") else "training.compile"
     train = {"global_batch_size": gbs, "micro_batch_size": mbs, "seed": seed,
+             "compile": f.get(compile_key, bool, False, ir="train.compile"),
              "seq_len": f.get("training.seq_len", int, 2048, ir="train.seq_len"),
              "steps": f.get("training.steps", int, 10000, ir="train.steps"),
              "log_every": f.get("metrics.log_freq", int, 10, ir="train.log_every")}

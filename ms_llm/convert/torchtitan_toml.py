@@ -81,6 +81,7 @@ def write(job: JobConfig, world_size: int) -> Written:
                 "lr_scheduler": {"warmup_steps": sch.warmup_steps, "decay_type": sch.decay,
                                  "min_lr_factor": sch.min_lr_ratio},
                 "training": training, "parallelism": parallel,
+                "compile": {"enable": t.compile},
                 "checkpoint": _checkpoint(ck, warnings),
                 "activation_checkpoint": _recompute(s, m.num_layers // s.pp, warnings),
                 "metrics": {"log_freq": t.log_every}}
