@@ -193,7 +193,9 @@ def _shape(plan: Union[ModelPlan, CostShape]) -> CostShape:
 
 def _optimizer_bytes_per_param(plan: CostShape) -> float:
     prec = plan.strategy.precision
-    master = DTYPE_BYTES[prec.master_dtype] if prec.master_dtype != prec.param_dtype else 0
+    # An offloaded optimizer steps on the host, so it keeps its own copy of the weights there.
+    keep_master = prec.master_dtype != prec.param_dtype or plan.strategy.offload.optimizer
+    master = DTYPE_BYTES[prec.master_dtype] if keep_master else 0
     states = ADAM_STATE_BYTES if plan.train.optimizer.name == "adamw" else 0
     return master + states
 
