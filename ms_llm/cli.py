@@ -35,7 +35,7 @@ def cmd_plan(args) -> int:
 def cmd_train(args) -> int:
     from ms_llm.launch import TrainRequest, train
 
-    return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps))
+    return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps, args.dry_run))
 
 
 def cmd_demo(args) -> int:
@@ -47,7 +47,7 @@ def cmd_demo(args) -> int:
         print()
     print("$ ms-llm train configs/train/tiny_torch_dp2.yaml --backend torch", flush=True)
     return cmd_train(argparse.Namespace(config=root / "tiny_torch_dp2.yaml", backend="torch", nproc=None,
-                                        run_dir=None, steps=None))
+                                        run_dir=None, steps=None, dry_run=False))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=None, help="processes; default: the strategy's world size")
     t.add_argument("--run-dir", default=None, help="run folder; default: runs/<name>-<time>")
     t.add_argument("--steps", type=int, default=None, help="override train.steps")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the lowering (MindSpore: parallel context and every op's strategy) without compiling")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="run the embedded default job")

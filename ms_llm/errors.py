@@ -19,3 +19,8 @@ class StrategyError(MsLlmError):
         else:
             text = f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(text)
+
+
+class CheckpointError(MsLlmError):
+    """A checkpoint that cannot be read as asked: missing, corrupted, truncated or incompatible.
+    The message names the folder or file and the tensor."""

@@ -35,6 +35,7 @@ class TrainRequest:
     nproc: Optional[int] = None        # processes on this machine; None: the strategy's world size
     run_dir: Optional[Path] = None     # None: runs/<name>-<time>
     steps: Optional[int] = None        # override train.steps
+    dry_run: bool = False              # print the lowering, start nothing
 
 
 def free_port() -> int:
@@ -99,13 +100,23 @@ def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, str]:
     if req.steps is not None:
         job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=req.steps))
     backend = req.backend or job.backend
-    if backend not in COMMANDS:
+    if backend not in COMMANDS and backend != "mindspore":
         raise ConfigError(f"--backend: {backend!r} cannot train from this launcher; available: {', '.join(COMMANDS)}")
     return job, plan(job.model, job.strategy, job.train, world_size(job, req.nproc)), backend
 
 
 def train(req: TrainRequest) -> int:
     job, p, backend = prepare(req)
+    if backend == "mindspore":
+        # msrun, the CPU data-parallel runtime and the Ascend checks live with the backend.
+        from ms_llm.mindspore.launch import cli_train
+        return cli_train(job, req.run_dir, p.world_size, req.dry_run)
+    if req.dry_run:
+        from ms_llm.strategy.cost import estimate
+        from ms_llm.strategy.devices import get_device
+        from ms_llm.strategy.report import plan_report
+        print(plan_report(p, estimate(p, get_device(job.device)), get_device(job.device)))
+        return 0
     run = RunFolder.create(job.name, req.run_dir)
     print(f"ms-llm train: {job.name} on {backend}, {p.world_size} process(es), mesh {p.mesh.describe()}, "
           f"run folder {run.root}", flush=True)

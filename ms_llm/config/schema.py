@@ -47,7 +47,12 @@ def _type_name(tp: Any) -> str:
 def _convert(tp: Any, value: Any, path: str) -> Any:
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        for option in get_args(tp):
+        options = [a for a in get_args(tp) if a is not type(None)]
+        if value is None and len(options) < len(get_args(tp)):
+            return None
+        if len(options) == 1:
+            return _convert(options[0], value, path)
+        for option in options:
             try:
                 return _convert(option, value, path)
             except ConfigError:

@@ -49,7 +49,6 @@ def validate(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig,
              "choose tp dividing the MLP width")
     _divides(problems, "strategy.tp", model.vocab_size, "model.vocab_size", tp,
              f"pad model.vocab_size to a multiple of {tp} (vocab-parallel embedding and head)")
-    _divides(problems, "strategy.tp", model.hidden_size, "model.hidden_size", tp, "choose tp dividing the width")
     if s.sequence_parallel and tp == 1:
         problems.append("strategy.sequence_parallel: needs tp > 1 (it shards activations over the tp group); "
                         "set tp >= 2 or sequence_parallel: false")

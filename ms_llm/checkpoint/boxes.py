@@ -1,0 +1,134 @@
+"""Pieces of a global tensor and the arithmetic to move data between them.
+
+A Region is what one rank holds of a global tensor: a box (offsets, sizes) and, for ZeRO
+flat-buffer slices, the run [start, stop) of that box's row-major order it owns (the
+whole box when `flat` is None). Any region splits into at most 2*ndim - 1 sub-boxes, each
+contiguous in the region's flat data, so copying between any saved region and any wanted
+region is a handful of box intersections done with numpy slicing.
+
+    >>> [(b.offsets, b.sizes, b.start) for b in Region((0, 0), (4, 4), (2, 13)).pieces()]
+    [((0, 2), (1, 2), 0), ((1, 0), (2, 4), 2), ((3, 0), (1, 1), 10)]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class SubBox:
+    """A box contiguous in a region's flat data, starting at element `start` of it."""
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class Region:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat: Optional[tuple[int, int]] = None   # [start, stop) of the box's row-major order
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if self.flat is not None:
+            a, b = int(self.flat[0]), int(self.flat[1])
+            if not 0 <= a <= b <= math.prod(self.sizes):
+                raise ValueError(f"flat range {self.flat} outside a box of {math.prod(self.sizes)} elements")
+            object.__setattr__(self, "flat", None if (a, b) == (0, math.prod(self.sizes)) else (a, b))
+
+    @property
+    def numel(self) -> int:
+        return self.flat[1] - self.flat[0] if self.flat else math.prod(self.sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the data array this region holds: the box, or 1-d for a flat slice."""
+        return (self.numel,) if self.flat else self.sizes
+
+    def pieces(self) -> list[SubBox]:
+        """Sub-boxes covering the region, each contiguous in its flat data (start is relative
+        to the region's first element)."""
+        a, b = self.flat or (0, math.prod(self.sizes))
+        return [SubBox(tuple(o + off for o, off in zip(p.offsets, self.offsets)), p.sizes, p.start - a)
+                for p in _flat_to_boxes(self.sizes, a, b)]
+
+    def to_json(self) -> dict:
+        out = {"offsets": list(self.offsets), "sizes": list(self.sizes)}
+        if self.flat:
+            out["flat"] = list(self.flat)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Region":
+        flat = data.get("flat")
+        return cls(tuple(data["offsets"]), tuple(data["sizes"]), tuple(flat) if flat else None)
+
+
+def _flat_to_boxes(shape: tuple[int, ...], a: int, b: int) -> list[SubBox]:
+    """Elements [a, b) of a row-major `shape` as contiguous boxes (offsets local to shape)."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [SubBox((a,), (b - a,), a)] if shape else [SubBox((), (), 0)]
+    inner = math.prod(shape[1:])
+    rest = shape[1:]
+    zeros = (0,) * len(rest)
+    i0, r0 = divmod(a, inner)
+    i1, r1 = divmod(b, inner)
+    if i0 == i1:                                    # inside one row-block
+        return [SubBox((i0,) + p.offsets, (1,) + p.sizes, i0 * inner + p.start)
+                for p in _flat_to_boxes(rest, r0, r1)]
+    out = []
+    if r0:                                          # partial first row-block
+        out += [SubBox((i0,) + p.offsets, (1,) + p.sizes, i0 * inner + p.start)
+                for p in _flat_to_boxes(rest, r0, inner)]
+        i0 += 1
+    if i1 > i0:                                     # whole row-blocks
+        out.append(SubBox((i0,) + zeros, (i1 - i0,) + rest, i0 * inner))
+    if r1:                                          # partial last row-block
+        out += [SubBox((i1,) + p.offsets, (1,) + p.sizes, i1 * inner + p.start)
+                for p in _flat_to_boxes(rest, 0, r1)]
+    return out
+
+
+def intersect(a_off, a_size, b_off, b_size) -> Optional[Box]:
+    """The overlap of two boxes, or None."""
+    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+def local_slices(box: Box, within: SubBox) -> tuple[slice, ...]:
+    """numpy index of `box` inside the array of sub-box `within`."""
+    return tuple(slice(o - w, o - w + s) for o, s, w in zip(box[0], box[1], within.offsets))
+
+
+def touched_bytes(box: Box, within: SubBox, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte runs [start, end) relative to the sub-box's first byte that reading `box` touches:
+    one run per row of the non-contiguous leading dims (vectorised, for checksum blocks)."""
+    sizes, n = within.sizes, len(within.sizes)
+    # Trailing dims the box covers fully merge into one contiguous run.
+    k = n
+    while k > 1 and box[1][k - 1] == sizes[k - 1]:
+        k -= 1
+    run_elems = math.prod(box[1][k - 1:]) if n else 1
+    strides = [math.prod(sizes[d + 1:]) for d in range(n)]
+    base = sum((o - w) * st for o, w, st in zip(box[0], within.offsets, strides))
+    starts = np.array([base], dtype=np.int64)
+    for d in range(k - 1):
+        starts = (starts[:, None] + np.arange(box[1][d], dtype=np.int64)[None, :] * strides[d]).ravel()
+    starts = starts * itemsize
+    return starts, starts + run_elems * itemsize

@@ -1,0 +1,174 @@
+"""Atomic commit of a checkpoint folder written by many ranks, and retention.
+
+    <root>/latest                 text file naming the newest committed folder
+    <root>/step_00000200.tmp/     being written: rank_*.safetensors, then rank_*.json
+    <root>/step_00000100/         committed: has index.json
+
+Each rank writes its shard file into the temporary folder, fsyncs it, then publishes a
+small fragment (rank_XXXXX.json) by write-fsync-rename. The committing rank waits for
+every rank's fragment of this save session, merges them into index.json, fsyncs, renames
+the folder to its final name, fsyncs the root, then replaces `latest` the same way.
+A crash at any point leaves `latest` naming the previous complete checkpoint; nothing
+partial is ever named by it. Ranks coordinate only through the file system, so the same
+code serves both backends and a shared file system across nodes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from ms_llm.checkpoint.boxes import Region
+from ms_llm.checkpoint.format import INDEX, Index, ShardEntry, TensorEntry, check_coverage
+from ms_llm.errors import CheckpointError
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}.tmp"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write-fsync-rename: `path` holds either its old content or all of `data`."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    fsync_dir(path.parent)
+
+
+def fragment_name(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def write_fragment(folder: Path, rank: int, fragment: dict) -> None:
+    write_durable(folder / fragment_name(rank), json.dumps(fragment).encode())
+
+
+def _read_fragments(folder: Path, world_size: int, session: str) -> Optional[list[dict]]:
+    frags = []
+    for rank in range(world_size):
+        path = folder / fragment_name(rank)
+        try:
+            frag = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        if frag.get("session") != session:
+            return None                       # left over from an earlier, crashed attempt
+        frags.append(frag)
+    return frags
+
+
+def merge_fragments(frags: list[dict], step: int, world_size: int) -> Index:
+    """One index from every rank's fragment; rank 0's training state is the shared one."""
+    tensors: dict[str, TensorEntry] = {}
+    for frag in frags:
+        for name, info in frag["tensors"].items():
+            entry = tensors.setdefault(name, TensorEntry(name, tuple(info["shape"]), info["dtype"], info.get("layout", "")))
+            if entry.shape != tuple(info["shape"]) or entry.dtype != info["dtype"]:
+                raise CheckpointError(f"tensor {name!r}: rank {frag['rank']} saved shape {info['shape']} "
+                                      f"{info['dtype']}, another rank {list(entry.shape)} {entry.dtype}")
+        for s in frag["shards"]:
+            tensors[s["name"]].shards.append(ShardEntry(frag["file"], s["key"], Region.from_json(s),
+                                                        s["block"], tuple(s["crc32"])))
+    for entry in tensors.values():
+        check_coverage(entry, f"step {step}")
+    first = frags[0]
+    return Index(step=step, world_size=world_size, config=first["config"], state=first["state"],
+                 rank_states={f["rank"]: f["rank_state"] for f in frags if f.get("rank_state")},
+                 tensors=tensors, save_stats=first.get("stats", {}))
+
+
+def commit(root: Path, step: int, world_size: int, session: str, keep_last: int,
+           timeout_s: float = 1800.0) -> Path:
+    """Wait for all fragments of `session`, write the index, publish the folder. Returns it."""
+    root = Path(root)
+    folder = tmp_dir(root, step)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while (frags := _read_fragments(folder, world_size, session)) is None:
+        if time.monotonic() > deadline:
+            have = sorted(p.name for p in folder.glob("rank_*.json")) if folder.exists() else []
+            raise CheckpointError(f"{folder}: gave up after {timeout_s:.0f} s waiting for {world_size} rank "
+                                  f"fragments of this save (have {have}); a rank died or could not write")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    index = merge_fragments(frags, step, world_size)
+    write_durable(folder / INDEX, index.dumps())
+    for rank in range(world_size):
+        (folder / fragment_name(rank)).unlink()
+    fsync_dir(folder)
+    final = step_dir(root, step)
+    if final.exists():                        # the same step saved again (a resumed run)
+        old = final.with_name(final.name + ".old")
+        os.replace(final, old)
+        os.replace(folder, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(folder, final)
+    fsync_dir(root)
+    write_durable(root / LATEST, final.name.encode())
+    retain(root, keep_last)
+    return final
+
+
+def committed(root: Path) -> list[Path]:
+    """Committed checkpoint folders under `root`, newest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / INDEX).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest(root: Path) -> Optional[Path]:
+    """The folder `latest` names, or None when nothing was committed under `root`."""
+    pointer = Path(root) / LATEST
+    try:
+        name = pointer.read_text().strip()
+    except FileNotFoundError:
+        return None
+    folder = Path(root) / name
+    if not (folder / INDEX).is_file():
+        raise CheckpointError(f"{pointer}: names {name!r}, which has no {INDEX}; the folder was removed by hand")
+    return folder
+
+
+def retain(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` committed folders (always the one `latest` names) and drop
+    temporary folders of steps older than the newest commit (crashed saves)."""
+    folders = committed(root)
+    if not folders:
+        return
+    newest_step = int(_STEP_DIR.match(folders[0].name).group(1))
+    pinned = latest(root)
+    for old in folders[keep_last:]:
+        if old != pinned:
+            shutil.rmtree(old, ignore_errors=True)
+    for p in Path(root).glob("step_*.tmp"):
+        if int(p.name[5:-4]) < newest_step:
+            shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,234 @@
+"""Two-stage save: snapshot to host memory on the training thread, persist in the background.
+
+    writer = CheckpointWriter(root, rank, world_size, session=run_id)
+    stats = writer.save(step, items, state=..., config=run_config(plan, "torch"))  # returns after the copy
+    ...training continues...
+    writer.wait()                                     # only needed before exit
+
+Stage 1 (the training stall): wait for this rank's previous save, then copy every primary
+piece into one reusable host buffer laid out as the final safetensors file image.
+Stage 2 (a background thread): CRC32 per block, then the image goes to the memory tier
+(/dev/shm, if enabled) and to <root>/step_N.tmp/ with fsync, then this rank's fragment;
+rank 0 commits (commit.py) once every rank's fragment is there. Errors from stage 2 are
+raised by the next save() or wait(), so a failed save is never silent.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from ms_llm.checkpoint import commit as commit_mod
+from ms_llm.checkpoint.format import encode_state, rank_file
+from ms_llm.checkpoint.safetensors_io import dtype_name, header_bytes, storage_dtype
+from ms_llm.checkpoint.shards import Piece
+from ms_llm.errors import CheckpointError
+
+# A local tensor as numpy (a view is fine: it is copied before save() returns) or a function
+# that fills a given numpy array (lets a backend copy device memory straight into the buffer).
+Data = Union[np.ndarray, Callable[[np.ndarray], None]]
+CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class SaveItem:
+    piece: Piece
+    data: Data
+    dtype: str = ""                 # our dtype name; required for callables and for bfloat16
+
+
+@dataclass
+class SaveStats:
+    step: int
+    bytes: int = 0                  # bytes this rank wrote
+    wait_s: float = 0.0             # part of the stall spent waiting for the previous save
+    stall_s: float = 0.0            # time save() blocked training (wait + snapshot)
+    persist_s: float = 0.0          # background: checksums + memory tier + disk + fsync
+    total_s: float = 0.0            # from save() to durable (to commit on rank 0)
+    memory_s: float = 0.0           # background time until the memory-tier copy was published
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("step", "bytes", "wait_s", "stall_s", "persist_s", "total_s",
+                                              "memory_s")}
+
+
+@dataclass
+class _Layout:
+    items: list[SaveItem]
+    dtypes: list[str]
+    keys: list[str]
+    spans: list                     # safetensors_io.TensorSpan per item
+    header: bytes
+    nbytes: int
+
+
+class CheckpointWriter:
+    def __init__(self, root: str | Path, rank: int, world_size: int, *, session: str = "",
+                 keep_last: int = 3, memory=None, block_bytes: int = 4 << 20,
+                 max_bytes_per_s: float = 0.0, commit_timeout_s: float = 1800.0):
+        """`session` must be equal on all ranks of one launch and new for every relaunch (e.g.
+        the launcher's run id plus restart count): it keeps fragments of a crashed attempt out
+        of a later commit. `memory` is a memory_tier.MemoryTier or None. `max_bytes_per_s`
+        throttles the background disk write (0 = unthrottled) so it leaves bandwidth to the
+        job's data loading."""
+        if not 0 <= rank < world_size:
+            raise CheckpointError(f"checkpoint writer: rank {rank} outside world size {world_size}")
+        self.root = Path(root)
+        self.rank, self.world_size = rank, world_size
+        self.session, self.keep_last = session, keep_last
+        self.memory = memory
+        self.block_bytes, self.max_bytes_per_s = block_bytes, max_bytes_per_s
+        self.commit_timeout_s = commit_timeout_s
+        self._buffer = np.empty(0, dtype=np.uint8)
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.last: Optional[SaveStats] = None
+        self.root.mkdir(parents=True, exist_ok=True)
+        if memory is not None:
+            memory.attach(rank, world_size)
+
+    # ---- stage 1: on the training thread -------------------------------------------------
+    def save(self, step: int, items: Sequence[SaveItem], *, state: Optional[dict] = None,
+             rank_state: Optional[dict] = None, config: Optional[dict] = None) -> SaveStats:
+        """Snapshot `items` (only primary pieces are written) and return; persisting goes on
+        in the background. `state` is the shared training state (same on every rank; rank 0's
+        is kept), `rank_state` this rank's own (RNG states; bytes allowed)."""
+        start = time.perf_counter()
+        self._join()
+        stats = SaveStats(step=step, wait_s=time.perf_counter() - start)
+        if self.memory is not None and self.rank == 0:
+            self.memory.heartbeat()
+        layout = self._layout([i for i in items if i.piece.primary])
+        if self._buffer.nbytes < layout.nbytes:
+            self._buffer = np.empty(layout.nbytes, dtype=np.uint8)
+        image = self._buffer[:layout.nbytes]
+        image[:len(layout.header)] = np.frombuffer(layout.header, dtype=np.uint8)
+        for item, dtype, span in zip(layout.items, layout.dtypes, layout.spans):
+            dst = image[span.start:span.start + span.nbytes].view(storage_dtype(dtype)).reshape(span.shape)
+            self._copy(item, dst)
+        meta = {"state": encode_state(state or {}), "rank_state": encode_state(rank_state or {}),
+                "config": config or {}}
+        stats.bytes = layout.nbytes
+        stats.stall_s = time.perf_counter() - start
+        self.last = stats
+        self._thread = threading.Thread(target=self._persist_guarded, args=(stats, layout, image, meta, start),
+                                        name=f"ckpt-persist-{step}", daemon=True)
+        self._thread.start()
+        return stats
+
+    def wait(self) -> Optional[SaveStats]:
+        """Block until the last save is durable (committed, on rank 0); re-raise its error."""
+        self._join()
+        return self.last
+
+    def close(self) -> None:
+        """Wait for the last save; the memory tier's snapshot stays for a restart."""
+        self.wait()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"{self.root}: background save failed: {type(error).__name__}: {error}") from error
+
+    def _layout(self, items: list[SaveItem]) -> _Layout:
+        dtypes = []
+        for item in items:
+            if item.dtype:
+                storage_dtype(item.dtype)
+                dtypes.append(item.dtype)
+            elif isinstance(item.data, np.ndarray):
+                dtypes.append(dtype_name(item.data))
+            else:
+                raise CheckpointError(f"{item.piece.name}: a copy function needs an explicit dtype")
+        order = sorted(range(len(items)), key=lambda i: -storage_dtype(dtypes[i]).itemsize)
+        items, dtypes = [items[i] for i in order], [dtypes[i] for i in order]
+        keys, seen = [], {}
+        for item in items:
+            n = seen.get(item.piece.name, 0)
+            seen[item.piece.name] = n + 1
+            keys.append(item.piece.name if n == 0 else f"{item.piece.name}#{n}")
+        header, spans = header_bytes([(k, d, i.piece.region.shape) for k, d, i in zip(keys, dtypes, items)],
+                                     {"format": "pt", "writer": "ms_llm"})
+        nbytes = spans[-1].start + spans[-1].nbytes if spans else len(header)
+        return _Layout(items, dtypes, keys, spans, header, nbytes)
+
+    @staticmethod
+    def _copy(item: SaveItem, dst: np.ndarray) -> None:
+        if callable(item.data) and not isinstance(item.data, np.ndarray):
+            item.data(dst)
+            return
+        src = item.data
+        if tuple(src.shape) != dst.shape:
+            raise CheckpointError(f"{item.piece.name}: local tensor has shape {tuple(src.shape)} but its piece "
+                                  f"{item.piece.region} needs {dst.shape}")
+        if src.dtype != dst.dtype:
+            raise CheckpointError(f"{item.piece.name}: local tensor is {src.dtype}, declared dtype stores "
+                                  f"{dst.dtype}; convert it first")
+        np.copyto(dst, src)
+
+    # ---- stage 2: background --------------------------------------------------------------
+    def _persist_guarded(self, stats: SaveStats, layout: _Layout, image: np.ndarray, meta: dict,
+                         start: float) -> None:
+        try:
+            self._persist(stats, layout, image, meta, start)
+        except BaseException as exc:           # handed to the training thread by _join
+            self._error = exc
+        finally:
+            stats.done.set()
+
+    def _persist(self, stats: SaveStats, layout: _Layout, image: np.ndarray, meta: dict, start: float) -> None:
+        t0 = time.perf_counter()
+        shards = []
+        for item, key, span in zip(layout.items, layout.keys, layout.spans):
+            data = memoryview(image[span.start:span.start + span.nbytes])
+            crcs = [zlib.crc32(data[i:i + self.block_bytes]) for i in range(0, span.nbytes, self.block_bytes)]
+            shards.append({"name": item.piece.name, "key": key, **item.piece.region.to_json(),
+                           "block": self.block_bytes, "crc32": crcs})
+        fragment = {"rank": self.rank, "session": self.session, "file": rank_file(self.rank), **meta,
+                    "tensors": {i.piece.name: {"shape": list(i.piece.shape), "dtype": d, "layout": i.piece.layout}
+                                for i, d in zip(layout.items, layout.dtypes)},
+                    "shards": shards}
+        step = stats.step
+        if self.memory is not None:
+            self._write_copy(self.memory.root, step, image, fragment, throttle=False)
+            if self.rank == 0:
+                commit_mod.commit(self.memory.root, step, self.world_size, self.session,
+                                  self.memory.keep_last, self.commit_timeout_s)
+            stats.memory_s = time.perf_counter() - t0
+        fragment["stats"] = {"stall_s": stats.stall_s, "persist_s": time.perf_counter() - t0}
+        self._write_copy(self.root, step, image, fragment, throttle=True)
+        if self.rank == 0:
+            commit_mod.commit(self.root, step, self.world_size, self.session, self.keep_last,
+                              self.commit_timeout_s)
+        stats.persist_s = time.perf_counter() - t0
+        stats.total_s = time.perf_counter() - start
+
+    def _write_copy(self, root: Path, step: int, image: np.ndarray, fragment: dict, throttle: bool) -> None:
+        folder = commit_mod.tmp_dir(root, step)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / rank_file(self.rank)
+        view = memoryview(image)
+        rate = self.max_bytes_per_s if throttle else 0.0
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            for off in range(0, len(view), CHUNK):
+                f.write(view[off:off + CHUNK])
+                if rate:
+                    ahead = (off + CHUNK) / rate - (time.perf_counter() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            f.flush()
+            os.fsync(f.fileno())
+        commit_mod.write_fragment(folder, self.rank, fragment)

@@ -1,0 +1,1 @@
+"""Configuration: model shape, training settings, job YAML."""

@@ -1,0 +1,1 @@
+"""The parallel-strategy IR: degrees -> mesh -> per-tensor layouts -> ModelPlan -> cost."""

@@ -1,0 +1,212 @@
+"""torch side of ms_llm checkpoints: local tensors <-> numpy, optimizer states, DCP bridge.
+
+The format, the writer and the reader are ms_llm.checkpoint (shared with MindSpore); this
+module only pairs torch tensors with the plan's Pieces:
+
+    items = save_items(param_pieces(plan, rank), named_local_tensors)
+    writer.save(step, items, ...)
+    load_into(Checkpoint.open(root), param_pieces(plan, rank), named_local_tensors)
+
+A DTensor contributes its local shard (`to_local()`); the plan says where that shard sits.
+Device tensors are copied straight into the writer's host buffer by a copy function.
+DCP export/import (torch.distributed.checkpoint) lets torchtitan users move over.
+"""
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from ms_llm.checkpoint import names as name_tables
+from ms_llm.checkpoint.format import split_optim_name
+from ms_llm.checkpoint.reader import Checkpoint
+from ms_llm.checkpoint.reshard import write_full
+from ms_llm.checkpoint.shards import Piece
+from ms_llm.checkpoint.writer import SaveItem
+from ms_llm.config.model import ModelConfig
+from ms_llm.errors import CheckpointError
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.float64: "float64", torch.int64: "int64", torch.int32: "int32", torch.int16: "int16",
+               torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool"}
+TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+# Same-width integer views: numpy has no bfloat16, so its bits travel as int16/uint16.
+_BITS = {torch.bfloat16: torch.int16}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds (a DTensor's local tensor), detached."""
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """Host numpy of a local tensor (a view for CPU tensors); bfloat16 as its uint16 bits."""
+    t = local(t).cpu()
+    if t.dtype in _BITS:
+        return t.view(_BITS[t.dtype]).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def from_numpy(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """torch tensor sharing `array`'s memory, read as checkpoint dtype `dtype`."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype == "bfloat16":
+        return t.view(torch.int16).view(torch.bfloat16)
+    return t
+
+
+def save_items(pieces: dict[str, Piece], tensors: dict[str, torch.Tensor]) -> list[SaveItem]:
+    """SaveItems for the primary pieces; `tensors` maps the same names to local tensors."""
+    items = []
+    for name, piece in pieces.items():
+        if not piece.primary:
+            continue
+        if name not in tensors:
+            raise CheckpointError(f"{name}: the plan puts a piece of it on this rank but no local tensor was given")
+        t = local(tensors[name])
+        if tuple(t.shape) != piece.local_shape:
+            raise CheckpointError(f"{name}: local tensor {tuple(t.shape)} does not match its planned piece "
+                                  f"{piece.local_shape}; the model was not laid out by this plan")
+        if t.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"{name}: dtype {t.dtype} cannot be checkpointed")
+        items.append(SaveItem(piece, _copier(t), DTYPE_NAMES[t.dtype]))
+    return items
+
+
+def _copier(t: torch.Tensor):
+    src = t.view(_BITS[t.dtype]) if t.dtype in _BITS else t
+
+    def copy(dst: np.ndarray) -> None:
+        target = torch.from_numpy(dst)
+        target.copy_(src.view(target.dtype) if src.dtype != target.dtype else src)
+    return copy
+
+
+@torch.no_grad()
+def load_into(ckpt: Checkpoint, pieces: dict[str, Piece], tensors: dict[str, torch.Tensor],
+              strict: bool = True) -> list[str]:
+    """Copy each piece from `ckpt` into the matching local tensor (converting dtype when the
+    checkpoint's differs, e.g. fp32 weights into bf16 parameters). Returns the names loaded."""
+    arrays = ckpt.read_pieces(pieces, strict=strict)
+    for name, array in arrays.items():
+        dst = local(tensors[name])
+        src = from_numpy(array, ckpt.entry(name).dtype)
+        if tuple(dst.shape) != tuple(src.shape):
+            raise CheckpointError(f"{name}: local tensor {tuple(dst.shape)} but the piece read is "
+                                  f"{tuple(src.shape)}")
+        dst.copy_(src.to(dst.dtype))
+    return sorted(arrays)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
+                      create: bool = False) -> dict[str, torch.Tensor]:
+    """Adam-style per-parameter states as checkpoint names (optim.exp_avg.<param>, ...).
+    With create=True, missing states are made (zeros, step 0) so a load can fill them."""
+    out = {}
+    for name, p in params.items():
+        state = optimizer.state[p]
+        if create and not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                out[f"optim.{key}.{name}"] = value
+    return out
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> int:
+    """The optimizer's step count (equal for every parameter), for the training state."""
+    steps = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
+    return steps.pop() if len(steps) == 1 else 0
+
+
+def set_optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"].fill_(step)
+
+
+# ---- torch DCP bridge ------------------------------------------------------------------
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle; this reads it allowing only DCP's metadata classes, torch
+    dtypes / Size / layout and paths (the same idea as torch.load(weights_only=True))."""
+    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+               ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        if module == "torch.distributed.checkpoint.metadata" and hasattr(dcp_metadata, name):
+            return getattr(dcp_metadata, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise CheckpointError(f"DCP metadata refers to {module}.{name}, which a checkpoint never needs; "
+                              "refusing to load it")
+
+
+class SafeDcpReader(FileSystemReader):
+    """FileSystemReader whose metadata load cannot run arbitrary code; tensor data is read by
+    DCP itself with torch.load(weights_only=True)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: no .metadata; not a DCP checkpoint folder") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def export_dcp(src: str | Path, out: str | Path, names: str = "hf") -> Path:
+    """Write checkpoint `src` as a DCP folder of full tensors (DCP reshards on load).
+    names='hf': every tensor under its ms_llm name, optimizer states included;
+    names='torchtitan': model weights only, renamed and rotary-permuted for torchtitan's LLaMA."""
+    ckpt = Checkpoint.open(src)
+    state_dict = {}
+    for name in ckpt.names():
+        array, dtype = ckpt.read_full(name), ckpt.entry(name).dtype
+        if names == "torchtitan":
+            if split_optim_name(name):
+                continue
+            name, array = name_tables.to_torchtitan(name, array, ckpt.model_config())
+        state_dict[name] = from_numpy(array, dtype)
+    ckpt.close()
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True)
+    return Path(out)
+
+
+def dcp_source(folder: str | Path, model: ModelConfig, names: str = "hf") -> dict[str, tuple[np.ndarray, str]]:
+    """Full tensors of a DCP folder under ms_llm names, with their checkpoint dtypes."""
+    reader = SafeDcpReader(str(folder))
+    meta = reader.read_metadata()
+    state_dict = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                  for k, m in meta.state_dict_metadata.items() if isinstance(m, dcp_metadata.TensorStorageMetadata)}
+    dcp.load(state_dict, storage_reader=reader, no_dist=True)
+    out = {}
+    for key, t in state_dict.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"{folder}: tensor {key!r} has dtype {t.dtype}, which ms_llm cannot store")
+        array = to_numpy(t)
+        if names == "torchtitan":
+            key, array = name_tables.from_torchtitan(key, array, model)
+        out[key] = (array, DTYPE_NAMES[t.dtype])
+    return out
+
+
+def import_dcp(folder: str | Path, dst_root: str | Path, model: ModelConfig, names: str = "hf",
+               step: int = 0) -> Path:
+    """Write a DCP folder as a one-rank ms_llm checkpoint of full tensors (loadable under any
+    layout; `reshard` writes it out for a strategy if wanted)."""
+    return write_full(dcp_source(folder, model, names), dst_root, model, step=step, backend="torch")
