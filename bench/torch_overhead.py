@@ -55,8 +55,8 @@ def plain_step_fn(job, world: int):
     model.init_weights(tc.seed)
     if world > 1:
         model = DistributedDataParallel(model)
-    cls, groups, kwargs = optimizer_args(tc.optimizer, list(model.parameters()))
-    opt = cls(groups, **kwargs)
+    cls, params, kwargs = optimizer_args(tc.optimizer, list(model.parameters()))
+    opt = cls(params, **kwargs)
 
     def step(k: int, batch: torch.Tensor) -> torch.Tensor:
         for g in opt.param_groups:
