@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict
 from ms_llm.data import build_stdlib_corpus
 from ms_llm.errors import ConfigError, StrategyError
+from ms_llm.launch import free_port
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan, plan
 
@@ -53,12 +53,6 @@ def cpu_runtime_problems(p: ModelPlan) -> list[str]:
 
 def ascend_available() -> bool:
     return Path("/dev/davinci0").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def token_file(job: JobConfig, run: RunFolder) -> Path:
