@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from ms_llm.checkpoint.cli import register as register_checkpoint_commands
 from ms_llm.errors import MsLlmError
 
 
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run the embedded default job")
     d.set_defaults(func=cmd_demo)
+
+    register_checkpoint_commands(sub)
     return parser
 
 
