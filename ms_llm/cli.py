@@ -33,14 +33,22 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from ms_llm.launch import TrainRequest, train
+
+    return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps, args.dry_run))
+
+
 def cmd_demo(args) -> int:
-    """The embedded default job: plan the shipped configurations."""
+    """The embedded default job: plan the shipped configurations, then train the tiny one."""
     root = Path(__file__).resolve().parents[1] / "configs" / "train"
     for name in ("tiny_torch_dp2", "llama2_7b_dp8_zero1", "llama2_70b_dp2_tp4_pp8"):
         print(f"$ ms-llm plan configs/train/{name}.yaml")
         cmd_plan(argparse.Namespace(config=root / f"{name}.yaml", world_size=None, device=None, json=False))
         print()
-    return 0
+    print("$ ms-llm train configs/train/tiny_torch_dp2.yaml --backend torch", flush=True)
+    return cmd_train(argparse.Namespace(config=root / "tiny_torch_dp2.yaml", backend="torch", nproc=None,
+                                        run_dir=None, steps=None, dry_run=False))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="h100, h200, a100, 910b or cpu; default: the job's device")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
+
+    t = sub.add_parser("train", help="train a job: start its workers on this machine, logs in the run folder")
+    t.add_argument("config", help="job YAML (model + strategy + train)")
+    t.add_argument("--backend", choices=("torch", "mindspore"), default=None, help="default: the job's backend")
+    t.add_argument("--nproc", type=int, default=None, help="processes; default: the strategy's world size")
+    t.add_argument("--run-dir", default=None, help="run folder; default: runs/<name>-<time>")
+    t.add_argument("--steps", type=int, default=None, help="override train.steps")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the lowering (MindSpore: parallel context and every op's strategy) without compiling")
+    t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="run the embedded default job")
     d.set_defaults(func=cmd_demo)

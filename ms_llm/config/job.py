@@ -38,19 +38,31 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training settings."})
 
 
-def read_yaml(path: Path) -> Any:
+def read_text(path: Path) -> str:
     try:
-        text = Path(path).read_text()
+        return Path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def parse_yaml(text: str, source: str | Path) -> Any:
+    """yaml.safe_load with an error that names the file and line."""
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        raise ConfigError(f"{source}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from None
+
+
+def read_yaml(path: Path) -> Any:
+    return parse_yaml(read_text(path), path)
 
 
 def find_section_file(section: str, ref: str, base: Path | None) -> Path:

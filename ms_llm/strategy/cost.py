@@ -10,11 +10,15 @@ norm inputs/outputs only with sequence parallel, everything by cp.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Union
 
-from ms_llm.config.model import DTYPE_BYTES
+from ms_llm.config.model import DTYPE_BYTES, ModelConfig
+from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.devices import DeviceSpec
-from ms_llm.strategy.plan import ModelPlan
+from ms_llm.strategy.ir import ParallelStrategy
+from ms_llm.strategy.plan import ChunkPlan, ModelPlan, _chunk_layers, _chunk_stage, _recompute_modes
 
 ADAM_STATE_BYTES = 8       # m and v in fp32
 
@@ -83,14 +87,118 @@ class StepEstimate:
         return self.tokens_per_step / self.step_s / self.world_size if self.step_s else 0.0
 
 
-def _optimizer_bytes_per_param(plan: ModelPlan) -> float:
+@dataclass(frozen=True)
+class ZeroGroups:
+    group_size: int          # ranks one ZeRO shard group spans (dp_shard * cp; 1 when ZeRO is off)
+    replicate_size: int      # shard groups holding the same shard (HSDP replicas)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """One pipeline rank as the cost model sees it."""
+    layers: int                                   # decoder layers over all its chunks
+    recompute: tuple[tuple[str, int], ...]        # (mode, layers) for each recompute mode present
+    has_head: bool
+    params: int                                   # parameters on one device (after tp / ep, before ZeRO)
+
+
+@dataclass(frozen=True)
+class CostShape:
+    """The part of a ModelPlan the cost model reads. `cost_shape(plan)` takes it from a plan;
+    `shape_of` derives the same object from the degrees alone, without a layout per tensor, so a
+    search can price thousands of strategies (tests hold the two equal)."""
+    model: ModelConfig
+    strategy: ParallelStrategy     # resolved (validate() output)
+    train: TrainConfig
+    world_size: int
+    micro_batches: int
+    zero: ZeroGroups
+    stages: tuple[StageShape, ...]
+
+    def recomputed_layers(self, mode: str) -> int:
+        return sum(n for st in self.stages for m, n in st.recompute if m == mode)
+
+
+def _stage_shape(layers: list[int], modes: tuple[str, ...], has_head: bool, params: int) -> StageShape:
+    counts = Counter(modes[l] for l in layers)
+    return StageShape(len(layers), tuple(sorted(counts.items())), has_head, params)
+
+
+def cost_shape(plan: ModelPlan) -> CostShape:
+    stages = []
+    for st in range(plan.strategy.pp):
+        chunks = plan.chunks_of_stage(st)
+        stages.append(_stage_shape([l for c in chunks for l in c.layers], plan.recompute,
+                                   any(c.has_head for c in chunks), plan.local_param_count(st)))
+    return CostShape(plan.model, plan.strategy, plan.train, plan.world_size, plan.micro_batches,
+                     ZeroGroups(plan.zero.group_size, plan.zero.replicate_size), tuple(stages))
+
+
+def _local_layer_params(m: ModelConfig, s: ParallelStrategy) -> int:
+    """Parameters of one decoder layer on one device, as plan.py lays them out: tp splits
+    q/k/v/o and the MLP, ep splits the experts, norms and the router are replicated."""
+    h, f, kv, tp = m.hidden_size, m.ffn_hidden_size, m.kv_dim, s.tp
+    attn = (2 * h * h + 2 * kv * h) // tp
+    if m.num_experts:
+        mlp = 3 * (m.num_experts // s.ep) * (f // tp) * h + m.num_experts * h
+    else:
+        mlp = 3 * (f // tp) * h
+    return attn + mlp + 2 * h
+
+
+# (layers, pp, virtual stages, schedule, layer split, recompute) -> per stage:
+# (layers, recompute counts, holds embedding, holds head). Few distinct keys per search.
+_STRUCTURE_CACHE: dict[tuple, tuple[tuple[int, tuple, bool, bool], ...]] = {}
+
+
+def _stage_structure(model: ModelConfig, s: ParallelStrategy) -> tuple[tuple[int, tuple, bool, bool], ...]:
+    key = (model.num_layers, s.pp, s.pipeline.virtual_stages, s.pipeline.schedule, s.pipeline.layer_split,
+           s.recompute.policy, s.recompute.num_layers)
+    hit = _STRUCTURE_CACHE.get(key)
+    if hit is None:
+        chunk_layers = _chunk_layers(model, s)
+        n = len(chunk_layers)
+        chunks = [ChunkPlan(i, *_chunk_stage(i, s.pp, s.pipeline.schedule), layers, i == 0, i == n - 1)
+                  for i, layers in enumerate(chunk_layers)]
+        modes = _recompute_modes(model, s, chunks)
+        stages = []
+        for st in range(s.pp):
+            mine = [c for c in chunks if c.stage == st]
+            layers = [l for c in mine for l in c.layers]
+            counts = tuple(sorted(Counter(modes[l] for l in layers).items()))
+            stages.append((len(layers), counts, any(c.has_embedding for c in mine), any(c.has_head for c in mine)))
+        hit = tuple(stages)
+        if len(_STRUCTURE_CACHE) > 4096:
+            _STRUCTURE_CACHE.clear()
+        _STRUCTURE_CACHE[key] = hit
+    return hit
+
+
+def shape_of(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig) -> CostShape:
+    """CostShape of a resolved strategy (validate.validate's output) without planning every tensor."""
+    s = strategy
+    layer = _local_layer_params(model, s)
+    embed = model.vocab_size // s.tp * model.hidden_size
+    head = model.hidden_size + (0 if model.tie_embeddings else embed)
+    stages = tuple(StageShape(n, counts, has_head, n * layer + embed * has_embed + head * has_head)
+                   for n, counts, has_embed, has_head in _stage_structure(model, s))
+    group = s.dp_shard * s.cp if s.zero.stage else 1
+    return CostShape(model, s, train, s.world_size(), s.pipeline.micro_batches,
+                     ZeroGroups(group, s.dp_replicate), stages)
+
+
+def _shape(plan: Union[ModelPlan, CostShape]) -> CostShape:
+    return plan if isinstance(plan, CostShape) else cost_shape(plan)
+
+
+def _optimizer_bytes_per_param(plan: CostShape) -> float:
     prec = plan.strategy.precision
     master = DTYPE_BYTES[prec.master_dtype] if prec.master_dtype != prec.param_dtype else 0
     states = ADAM_STATE_BYTES if plan.train.optimizer.name == "adamw" else 0
     return master + states
 
 
-def _activation_bytes_per_token_layer(plan: ModelPlan, mode: str) -> float:
+def _activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     """Bytes one decoder layer keeps for backward per (local) token."""
     m, s = plan.model, plan.strategy
     tp = s.tp
@@ -107,7 +215,7 @@ def _activation_bytes_per_token_layer(plan: ModelPlan, mode: str) -> float:
     return act * (norm_io + inside)
 
 
-def _in_flight(plan: ModelPlan, stage: int) -> float:
+def _in_flight(plan: CostShape, stage: int) -> float:
     s = plan.strategy
     pp, m, v = s.pp, plan.micro_batches, s.pipeline.virtual_stages
     if pp == 1:
@@ -116,23 +224,34 @@ def _in_flight(plan: ModelPlan, stage: int) -> float:
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved_1f1b":
-        return min(m * v, (pp - stage) * (1 + (pp - 1) / (pp * v)) * 1.0)
+        # Korthikanti et al.: stage 0 holds pp * (1 + (pp-1)/(pp*v)) micro-batches' worth of its
+        # layers; never more than the m micro-batches a step has.
+        return min(float(m), (pp - stage) * (1 + (pp - 1) / (pp * v)))
     return float(min(m, pp - stage))
 
 
-def memory(plan: ModelPlan) -> MemoryBreakdown:
+def memory(plan: Union[ModelPlan, CostShape]) -> MemoryBreakdown:
     """Per-device memory of the busiest stage."""
+    shape = _shape(plan)
+    per_token_layer = {mode: _activation_bytes_per_token_layer(shape, mode) for mode in ("none", "selective", "full")}
     best = None
-    for stage in range(plan.strategy.pp):
-        mb = _stage_memory(plan, stage)
+    seen = set()
+    for stage in range(shape.strategy.pp):
+        # A later stage shaped like an earlier one holds no more micro-batches in flight, so it
+        # cannot be busier: price each distinct stage shape once.
+        if shape.stages[stage] in seen:
+            continue
+        seen.add(shape.stages[stage])
+        mb = _stage_memory(shape, stage, per_token_layer)
         if best is None or mb.total > best.total:
             best = mb
     return best
 
 
-def _stage_memory(plan: ModelPlan, stage: int) -> MemoryBreakdown:
+def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]) -> MemoryBreakdown:
     s, m, t = plan.strategy, plan.model, plan.train
-    psi = plan.local_param_count(stage)
+    st = plan.stages[stage]
+    psi = st.params
     pbytes = DTYPE_BYTES[s.precision.param_dtype]
     nd = plan.zero.group_size
     params, grads, optim = zero_model_state_bytes(psi, s.zero.stage, nd, _optimizer_bytes_per_param(plan),
@@ -144,38 +263,35 @@ def _stage_memory(plan: ModelPlan, stage: int) -> MemoryBreakdown:
     gather = 0.0
     if s.zero.stage == 3:
         # One layer unsharded for compute plus the next one prefetched.
-        layer_params = max((sum(p.numel for p in plan.params.values() if p.layer == l) / s.tp
-                            for c in plan.chunks_of_stage(stage) for l in c.layers), default=0)
-        gather = 2 * layer_params * pbytes
+        gather = 2 * m.layer_param_count() / s.tp * pbytes
         if s.offload.params:
             host += params
             params = 0.0
     tokens = t.micro_batch_size * t.seq_len / s.cp
-    layers = [l for c in plan.chunks_of_stage(stage) for l in c.layers]
-    per_mb = sum(_activation_bytes_per_token_layer(plan, plan.recompute[l]) for l in layers) * tokens
-    if any(plan.recompute[l] == "full" for l in layers):
-        per_mb_working = _activation_bytes_per_token_layer(plan, "none") * tokens
+    per_mb = sum(n * per_token_layer[mode] for mode, n in st.recompute) * tokens
+    if any(mode == "full" for mode, _ in st.recompute):
+        per_mb_working = per_token_layer["none"] * tokens
     else:
         per_mb_working = 0.0
     in_flight = _in_flight(plan, stage)
     activations = per_mb * in_flight + per_mb_working
-    has_head = any(c.has_head for c in plan.chunks_of_stage(stage))
     logits = 0.0
-    if has_head:
+    if st.has_head:
         # fp32 logits for the loss plus their gradient, vocab-parallel over tp.
         logits = 2 * 4 * tokens * m.vocab_size / s.tp
     return MemoryBreakdown(stage, params, grads, optim, activations, logits, gather, host, in_flight)
 
 
-def communication(plan: ModelPlan) -> CommVolume:
+def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
+    plan = _shape(plan)
     s, m, t = plan.strategy, plan.model, plan.train
     act = DTYPE_BYTES[s.precision.compute_dtype]
     pbytes = DTYPE_BYTES[s.precision.param_dtype]
     gbytes = DTYPE_BYTES[s.precision.grad_reduce_dtype]
     mb = plan.micro_batches
     tokens = t.micro_batch_size * t.seq_len / s.cp                  # per micro-batch per rank
-    layers = max(sum(len(c.layers) for c in plan.chunks_of_stage(st)) for st in range(s.pp))
-    psi = max(plan.local_param_count(st) for st in range(s.pp))
+    layers = max(st.layers for st in plan.stages)
+    psi = max(st.params for st in plan.stages)
     vol: dict[str, float] = {}
     kind: dict[str, str] = {}
 
@@ -185,17 +301,22 @@ def communication(plan: ModelPlan) -> CommVolume:
         G, P = psi * gbytes, psi * pbytes
         if s.zero.stage == 0:
             vol["dp_cp"], kind["dp_cp"] = 2 * ring * G, "all-reduce grads"
-        elif s.zero.stage in (1, 2):
+        elif s.zero.stage == 1:
             vol["dp_cp"], kind["dp_cp"] = ring * (G + P), "reduce-scatter grads + all-gather params"
+        elif s.zero.stage == 2:
+            # No full gradient buffer to accumulate into: each micro-batch's gradients are reduce-scattered.
+            vol["dp_cp"], kind["dp_cp"] = ring * (mb * G + P), "reduce-scatter grads per micro-batch + all-gather params"
         else:
-            vol["dp_cp"], kind["dp_cp"] = ring * (G + 2 * P), "all-gather params (fwd, bwd) + reduce-scatter grads"
+            # Parameters are gathered again for every micro-batch's forward and backward.
+            vol["dp_cp"], kind["dp_cp"] = ring * mb * (G + 2 * P), \
+                "all-gather params (fwd, bwd) + reduce-scatter grads, per micro-batch"
         if plan.zero.replicate_size > 1 and s.zero.stage:
             r = plan.zero.replicate_size
             vol["dp_cp"] += 2 * (r - 1) / r * G / plan.zero.group_size
             kind["dp_cp"] += " + all-reduce across replicas"
     if s.tp > 1:
         a = tokens * m.hidden_size * act
-        per_layer = 4 + (2 if "full" in plan.recompute else 0)
+        per_layer = 4 + (2 if plan.recomputed_layers("full") else 0)
         vol["tp"] = per_layer * layers * mb * 2 * (s.tp - 1) / s.tp * a
         kind["tp"] = "all-gather + reduce-scatter (sequence parallel)" if s.sequence_parallel else "all-reduce"
     if s.cp > 1:
@@ -213,7 +334,7 @@ def communication(plan: ModelPlan) -> CommVolume:
     return CommVolume(vol, kind)
 
 
-def _group_bandwidth(plan: ModelPlan, axis: str, device: DeviceSpec) -> float:
+def _group_bandwidth(plan: CostShape, axis: str, device: DeviceSpec) -> float:
     """Intra-node links if the whole group fits in one node, else the network."""
     s = plan.strategy
     inner = {"tp": 1, "cp": s.tp, "dp_cp": s.tp, "ep": s.tp, "pp": s.tp * s.cp * s.dp}[axis]
@@ -221,14 +342,15 @@ def _group_bandwidth(plan: ModelPlan, axis: str, device: DeviceSpec) -> float:
     return device.intra_node_bw if span <= device.devices_per_node else device.inter_node_bw
 
 
-def estimate(plan: ModelPlan, device: DeviceSpec) -> StepEstimate:
+def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec) -> StepEstimate:
+    plan = _shape(plan)
     s, m, t = plan.strategy, plan.model, plan.train
     mem = memory(plan)
     comm = communication(plan)
     tokens_per_step = t.global_batch_size * t.seq_len
     model_flops = m.flops_per_token(t.seq_len) * tokens_per_step
-    n_full = sum(1 for r in plan.recompute if r == "full") / m.num_layers
-    n_sel = sum(1 for r in plan.recompute if r == "selective") / m.num_layers
+    n_full = plan.recomputed_layers("full") / m.num_layers
+    n_sel = plan.recomputed_layers("selective") / m.num_layers
     attention_share = 6.0 * m.num_layers * m.hidden_size * t.seq_len / m.flops_per_token(t.seq_len)
     recompute_factor = 1 + n_full / 3 + n_sel * attention_share / 3
     flops_per_rank = model_flops * recompute_factor / plan.world_size

@@ -235,6 +235,36 @@ class TensorLayout:
         tmap = tuple(n - 1 - owner.index(d) if d in owner else -1 for d in range(len(self.shape)))
         return MsLayout(dev, tmap)
 
+    def permute(self, perm: tuple[int, ...]) -> "TensorLayout":
+        """The layout of the transposed tensor: new dim i is old dim perm[i]."""
+        if sorted(perm) != list(range(len(self.shape))):
+            raise StrategyError(f"layout: {perm} is not a permutation of the {len(self.shape)} dims of {self.shape}")
+        placements = tuple(Shard(perm.index(p.dim)) if isinstance(p, Shard) else p for p in self.placements)
+        return TensorLayout(tuple(self.shape[d] for d in perm), self.mesh, placements, self.order)
+
+    def group_dims(self, groups: tuple[tuple[int, ...], ...]) -> "TensorLayout":
+        """The layout after a reshape that merges runs of adjacent dims (each group, in order;
+        an empty group is a new size-1 dim), as MindSpore's Reshape infers it: a merged dim is
+        split by the axes of its parts, major-first in dim order. A rank's piece is then the
+        reshape of its old piece when, in each group, every dim after the first split one is
+        whole and every dim before it has local size 1; otherwise the backend redistributes."""
+        if [d for g in groups for d in g] != list(range(len(self.shape))):
+            raise StrategyError(f"layout: groups {groups} must cover dims 0..{len(self.shape) - 1} in order")
+        new_dim = {d: i for i, g in enumerate(groups) for d in g}
+        placements = tuple(Shard(new_dim[p.dim]) if isinstance(p, Shard) else p for p in self.placements)
+        shape = tuple(math.prod(self.shape[d] for d in g) for g in groups)
+        nesting = [a for d in range(len(self.shape)) for a in self.axes_of(d)]
+        order = tuple(nesting) + tuple(a for a in self.mesh.names if a not in nesting)
+        layout = TensorLayout(shape, self.mesh, placements)
+        if any(layout.axes_of(i) != tuple(a for a in order if a in layout.axes_of(i)) for i in range(len(shape))):
+            layout = layout.with_order(order)
+        return layout
+
+    def replicate_dim(self, dim: int) -> "TensorLayout":
+        """The same layout with dimension `dim` whole on every rank (e.g. keys gathered over cp)."""
+        placements = tuple(Replicate() if p == Shard(dim) else p for p in self.placements)
+        return TensorLayout(self.shape, self.mesh, placements, self.order)
+
     def describe(self) -> str:
         parts = [f"{n}:{p}" for n, p in zip(self.mesh.names, self.placements) if not isinstance(p, Replicate)]
         return ", ".join(parts) or "replicated"

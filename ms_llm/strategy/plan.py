@@ -215,6 +215,7 @@ def _activation_layouts(model: ModelConfig, s: ParallelStrategy, train: TrainCon
         "mlp_input": lay((b, t, h)),
         "mlp_hidden": lay((b, t, f), tp_dim=2),          # silu(gate) * up
         "down_proj_output": lay((b, t, h), partial=True),
+        "head_input": lay((b, t, h)),                    # final norm output gathered over tp
         "logits": lay((b, t, v), tp_dim=2),              # vocab-parallel: loss_parallel consumes it
     }
 

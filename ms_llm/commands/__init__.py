@@ -1,0 +1,63 @@
+"""Subcommands shared by `ms-llm` and the scripts in tools/: each module has `add_arguments(parser)`
+and `run(args) -> int`, so `ms-llm convert-strategy ...` and `python tools/convert_strategy.py ...`
+are the same parser and the same code."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from ms_llm.errors import ConfigError, MsLlmError
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options every command that reads a strategy file takes."""
+    from ms_llm.convert import FORMATS
+    parser.add_argument("--from", dest="source_format", choices=FORMATS, default=None,
+                        help="input format; default: from the file's suffix and content")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="devices; default: what the input implies (needed for dp = -1 / dp_shard = -1 inputs)")
+    parser.add_argument("--model", default=None,
+                        help="model shape (a name in configs/models, e.g. llama2_7b, or a model YAML) for inputs "
+                             "that hold none: DeepSpeed configs, torchtitan flavors ms_llm does not ship")
+    parser.add_argument("--device", default=None, help="h100, h200, a100, 910b or cpu; default: the input's device")
+
+
+def read_options(args: argparse.Namespace):
+    from ms_llm.config.job import load_section
+    from ms_llm.convert import ReadOptions
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size: got {args.world_size}; need at least 1 device")
+    model = load_section("model", args.model) if args.model else None
+    return ReadOptions(world_size=args.world_size, model=model, device=args.device)
+
+
+def write_output(path: str, text: str, flag: str = "--output") -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot write {path} ({exc.strerror})") from None
+
+
+def table(headers: list[str], rows: list[list[object]], left: int = 1) -> str:
+    """Plain-text table; the first `left` columns are left-aligned, the rest right-aligned."""
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        lines.append("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def tool_main(module: ModuleType, prog: str, argv: list[str] | None = None) -> int:
+    """Entry point of a tools/ script: the subcommand's parser, user errors as one line."""
+    parser = argparse.ArgumentParser(prog=prog, description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return module.run(args)
+    except MsLlmError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,203 @@
+"""What every format converter shares: the result type, a mapping reader that remembers which
+keys it used (so nothing a source file says is dropped without a warning), and small helpers.
+
+A reader turns one file into a `Converted` (a JobConfig plus warnings); a writer turns a
+JobConfig into text plus the IR fields it expressed. convert/__init__.py validates in between
+and warns about every non-default IR field a writer did not express.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ms_llm.config.job import JobConfig, job_from_dict
+from ms_llm.config.model import ModelConfig
+from ms_llm.errors import MsLlmError
+
+MISSING = object()
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConversionError(MsLlmError):
+    """A strategy file that cannot be read or contradicts itself, or a --strict conversion that
+    would lose something."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+    """What the command line adds to a source file."""
+    world_size: int | None = None        # --world-size: overrides what the source implies
+    model: ModelConfig | None = None     # --model: for formats that hold no model shape (DeepSpeed)
+    device: str | None = None            # --device
+
+
+@dataclass
+class Converted:
+    """A source read into the IR: `job` (model + strategy + train), the world size the source
+    implies (None when it says nothing), what could not be carried over, and where each IR field
+    came from (for error messages that point into the source)."""
+    job: JobConfig
+    world_size: int | None
+    warnings: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Written:
+    text: str
+    expressed: set[str]                  # IR paths (or prefixes) the text carries
+    warnings: list[str] = field(default_factory=list)
+
+
+def _kind_name(kind: Any) -> str:
+    if isinstance(kind, tuple):
+        return "one of " + ", ".join(map(repr, kind))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            list: "a list", dict: "a mapping"}[kind]
+
+
+class Fields:
+    """Typed, recorded access to a parsed config mapping.
+
+    `get("parallel_config.model_parallel", int, 1, ir="strategy.tp")` returns the value (or the
+    default), raises ConversionError naming the file and key on a wrong type, marks the key used
+    and remembers that strategy.tp came from it. `unused()` lists every key nobody asked for.
+    With `text=True` values are command-line strings and are parsed to the requested type.
+    """
+
+    def __init__(self, data: dict, source: str, text: bool = False):
+        self.data, self.source, self.text = data, source, text
+        self.used: set[str] = set()
+        self.sources: dict[str, str] = {}
+
+    def error(self, path: str, reason: str) -> ConversionError:
+        return ConversionError(f"{self.source}: {path}: {reason}")
+
+    def _lookup(self, path: str) -> Any:
+        node: Any = self.data
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                return MISSING
+            node = node[key]
+        return node
+
+    def has(self, path: str) -> bool:
+        return self._lookup(path) is not MISSING
+
+    def raw(self, path: str, default: Any = None, *, ir: str | None = None) -> Any:
+        """The value as parsed, unchecked (for keys that take several types); marks it used."""
+        value = self._lookup(path)
+        self.used.add(path)
+        if value is not MISSING and ir:
+            self.sources[ir] = path
+        return default if value is MISSING else value
+
+    def get(self, path: str, kind: Any, default: Any = MISSING, *, ir: str | None = None) -> Any:
+        value = self._lookup(path)
+        self.used.add(path)
+        if value is MISSING:
+            if default is MISSING:
+                raise self.error(path, f"missing; expected {_kind_name(kind)}")
+            return default
+        value = self._convert(path, value, kind)
+        if ir:
+            self.sources[ir] = path
+        return value
+
+    def _convert(self, path: str, value: Any, kind: Any) -> Any:
+        if isinstance(kind, tuple):
+            if value in kind:
+                return value
+            raise self.error(path, f"got {value!r}; expected {_kind_name(kind)}")
+        if self.text and isinstance(value, str) and kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                raise self.error(path, f"got {value!r}; expected {_kind_name(kind)}") from None
+        if kind is float and isinstance(value, str):
+            try:
+                return float(value)          # YAML 1.1 reads 1.e-8 without a sign as a string
+            except ValueError:
+                pass
+        ok = {int: isinstance(value, int) and not isinstance(value, bool),
+              float: isinstance(value, (int, float)) and not isinstance(value, bool),
+              bool: isinstance(value, bool), str: isinstance(value, str),
+              list: isinstance(value, list), dict: isinstance(value, dict)}[kind]
+        if kind is int and isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not ok:
+            raise self.error(path, f"got {value!r}; expected {_kind_name(kind)}")
+        return float(value) if kind is float else value
+
+    def unused(self) -> list[str]:
+        """A warning per key nobody asked for: one per top-level key, one per nested section
+        (listing its keys), one per section nobody touched at all."""
+        out: list[str] = []
+
+        def touched(path: str) -> bool:
+            return any(u == path or u.startswith(path + ".") or path.startswith(u + ".") for u in self.used)
+
+        def shown(value: Any) -> str:
+            return "(set)" if value is True and self.text else repr(value)
+
+        def walk(node: dict, prefix: str) -> None:
+            leaves = []
+            for key, value in node.items():
+                path = f"{prefix}{key}"
+                if path in self.used or any(path.startswith(u + ".") for u in self.used):
+                    continue
+                if isinstance(value, dict) and value and not touched(path):
+                    out.append(f"{path}: section not modelled by ms_llm ({len(value)} keys); dropped")
+                elif isinstance(value, dict) and value:
+                    walk(value, path + ".")
+                elif prefix:
+                    leaves.append(f"{key} = {shown(value)}")
+                else:
+                    out.append(f"{path} = {shown(value)}: not modelled by ms_llm; dropped")
+            if leaves:
+                out.append(f"{prefix[:-1]}: {', '.join(leaves)}: not modelled by ms_llm; dropped")
+        walk(self.data, "")
+        return out
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def covered(path: str, expressed: set[str]) -> bool:
+    return any(path == e or path.startswith(e + ".") for e in expressed)
+
+
+def replace_path(obj: Any, path: str, value: Any) -> Any:
+    """dataclasses.replace along a dotted path: replace_path(job, 'strategy.zero.stage', 1)."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return dataclasses.replace(obj, **{head: value})
+    return dataclasses.replace(obj, **{head: replace_path(getattr(obj, head), rest, value)})
+
+
+def annotate(problem: str, sources: dict[str, str]) -> str:
+    """Point an IR-level problem ("strategy.tp: ...") at the source key it came from."""
+    path = problem.split(":", 1)[0].strip()
+    for key in sorted(sources, key=len, reverse=True):
+        if path == key or path.startswith(key + "."):
+            return f"{problem} [source: {sources[key]}]"
+    return problem
+
+
+def make_job(fields: Fields, *, name: str, model: ModelConfig | dict, strategy: dict, train: dict,
+             device: str = "h100", backend: str = "torch") -> JobConfig:
+    """JobConfig from plain sections; a range or type error names the IR field and the source key."""
+    data = {"name": name, "device": device, "backend": backend, "model": model, "strategy": strategy,
+            "train": train}
+    try:
+        return job_from_dict(data)
+    except MsLlmError as exc:
+        raise ConversionError(f"{fields.source}: {annotate(str(exc), fields.sources)}") from None

@@ -1,0 +1,340 @@
+"""MindFormers training YAML -> IR (mindformers_yaml.py writes it back).
+
+Degrees come from `parallel_config` (dp * mp * cp * pp is the device count, as MindFormers
+requires in semi_auto_parallel), ZeRO from `parallel.enable_parallel_optimizer` (stage 1; stage 2
+with `gradient_accumulation_shard`), recompute from `recompute_config`, the model from
+`model.model_config`. The global batch follows MindFormers' base_trainer rule: batch_size * dp *
+micro_batch_num * micro_batch_interleave_num with pipeline stages, batch_size * dp *
+interleave * gradient_accumulation_steps without.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ms_llm.convert.common import DTYPES, ConversionError, Converted, Fields, ReadOptions, make_job
+from ms_llm.config.job import parse_yaml
+
+PARALLEL_MODES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
+SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zbv", "seqpipe": "1f1b", "seqvpp": "1f1b"}
+LR_SCHEDULES = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant"}
+OPTIMIZERS = ("AdamW", "AdamWeightDecay", "FP32StateAdamWeightDecay", "FusedAdamWeightDecay")
+CHECKPOINT_CALLBACKS = ("CheckpointMonitor", "CheckpointMointor")   # the second is MindFormers' historical alias
+DEVICES = {"Ascend": "910b", "GPU": "h100", "CPU": "cpu"}
+# Keys whose usual values say nothing the IR models (how MindSpore runs, not how work is split).
+NEUTRAL = {"use_parallel": (True,), "run_mode": ("train",), "parallel.gradients_mean": (False,),
+           "parallel.enable_alltoall": (False, True), "parallel.full_batch": (True, False),
+           "parallel.search_mode": ("sharding_propagation", "recursive_programming", "dynamic_programming"),
+           "context.mode": (0,), "runner_config.sink_mode": (True,), "runner_config.sink_size": (1,),
+           "micro_batch_interleave_num": (1,), "parallel_config.vocab_emb_dp": (False,),
+           "trainer.type": ("CausalLanguageModelingTrainer",), "model.arch.type": ("LlamaForCausalLM",),
+           "model.model_config.type": ("LlamaConfig",), "model.model_config.use_flash_attention": (True,),
+           "runner_wrapper.type": ("MFTrainOneStepCell",), "do_eval": (False,),
+           "parallel_config.context_parallel_algo": ("colossalai_cp",)}
+
+
+def mindformers_ffn(hidden: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """The SwiGLU width MindFormers' LlamaFeedForward derives when intermediate_size is unset. It
+    differs from Meta's rule: the multiplier (plus 0.01) scales 4h before the 2/3."""
+    f = 4 * hidden
+    if ffn_dim_multiplier is not None:
+        f = int((ffn_dim_multiplier + 0.01) * f)
+    f = int(2 * f / 3)
+    return multiple_of * ((f + multiple_of - 1) // multiple_of)
+
+
+def read(text: str, source: str, options: ReadOptions) -> Converted:
+    data = parse_yaml(text, source)
+    if not isinstance(data, dict):
+        raise ConversionError(f"{source}: expected a MindFormers YAML mapping (parallel_config, model, ...)")
+    f = Fields(data, source)
+    warnings: list[str] = []
+    for path, values in NEUTRAL.items():
+        if f.has(path) and f.raw(path) in values:
+            continue
+        f.used.discard(path)
+    pc = "parallel_config"
+    dp = f.get(f"{pc}.data_parallel", int, 1, ir="strategy.dp")
+    tp = f.get(f"{pc}.model_parallel", int, 1, ir="strategy.tp")
+    cp = f.get(f"{pc}.context_parallel", int, 1, ir="strategy.cp")
+    pp = f.get(f"{pc}.pipeline_stage", int, 1, ir="strategy.pp")
+    ep = f.get(f"{pc}.expert_parallel", int, 1, ir="strategy.ep")
+    world = dp * tp * cp * pp
+    if options.world_size and options.world_size != world:
+        raise ConversionError(f"{source}: parallel_config gives data_parallel*model_parallel*context_parallel*"
+                              f"pipeline_stage = {dp}*{tp}*{cp}*{pp} = {world} devices, not --world-size "
+                              f"{options.world_size} (MindFormers needs the product to equal the device count); "
+                              "change the degrees or drop --world-size")
+    _check_mode(f, tp, pp, warnings)
+    sp = f.get(f"{pc}.use_seq_parallel", bool, False, ir="strategy.sequence_parallel")
+    if sp and (cp > 1 or tp == 1):
+        warnings.append(f"{pc}.use_seq_parallel is ignored by MindFormers when "
+                        f"{'context_parallel > 1' if cp > 1 else 'model_parallel = 1'}; off")
+        sp = False
+    if f.raw(f"{pc}.vocab_emb_dp", False) is True and tp > 1 and pp == 1:
+        warnings.append(f"{pc}.vocab_emb_dp: a replicated embedding is not modelled; ms_llm splits the vocabulary "
+                        "over model_parallel")
+    if cp > 1 and f.raw(f"{pc}.context_parallel_algo", "colossalai_cp") != "colossalai_cp":
+        warnings.append(f"{pc}.context_parallel_algo = {f.raw(pc + '.context_parallel_algo')}: read as ring "
+                        "context parallel")
+    if cp > 1 and f.raw("model.model_config.use_flash_attention", False) is not True:
+        raise f.error(f"{pc}.context_parallel", "needs model.model_config.use_flash_attention: True (MindFormers "
+                                                 "refuses context parallel without it)")
+    model, mc = _model(f, warnings)
+    precision = _precision(f, mc, warnings)
+    model["dtype"] = precision["param_dtype"]
+    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": sp,
+                "zero": _zero(f, dp, warnings), "pipeline": _pipeline(f, mc, model["num_layers"], pp, warnings),
+                "recompute": _recompute(f, pp, warnings), "precision": precision}
+    train = _train(f, dp, pp, mc, warnings)
+    device = options.device or DEVICES.get(f.get("context.device_target", str, "Ascend", ir="device"), "910b")
+    name = f.get("trainer.model_name", str, Path(source).stem)
+    model["name"] = name
+    job = make_job(f, name=name, model=model, strategy=strategy, train=train, device=device, backend="mindspore")
+    return Converted(job, world, warnings + f.unused(), f.sources)
+
+
+def _check_mode(f: Fields, tp: int, pp: int, warnings: list[str]) -> None:
+    mode = f.raw("parallel.parallel_mode", 1)
+    name = PARALLEL_MODES.get(mode, mode) if isinstance(mode, int) else str(mode).lower()
+    if name not in PARALLEL_MODES.values():
+        raise f.error("parallel.parallel_mode", f"got {mode!r}; expected 0-3 or "
+                                                f"{', '.join(PARALLEL_MODES.values())}")
+    if name == "data_parallel" and (tp > 1 or pp > 1):
+        raise f.error("parallel.parallel_mode", "data_parallel (0) cannot run model_parallel or pipeline_stage > 1; "
+                                                "use semi_auto_parallel (1)")
+    if name in ("auto_parallel", "hybrid_parallel"):
+        warnings.append(f"parallel.parallel_mode = {name}: MindSpore picks the operator strategies; the "
+                        "parallel_config degrees are used as given")
+
+
+def _model(f: Fields, warnings: list[str]) -> tuple[dict, str]:
+    mc = "model.model_config"
+    hidden = f.get(f"{mc}.hidden_size", int, ir="model.hidden_size")
+    heads = f.get(f"{mc}.num_heads", int, ir="model.num_heads")
+    kv = f.get(f"{mc}.n_kv_heads", int, None, ir="model.num_kv_heads") if f.raw(f"{mc}.n_kv_heads") is not None \
+        else heads
+    if f.raw(f"{mc}.intermediate_size") is not None:
+        ffn = f.get(f"{mc}.intermediate_size", int, ir="model.ffn_hidden_size")
+    else:
+        multiplier = f.raw(f"{mc}.ffn_dim_multiplier", ir="model.ffn_hidden_size")
+        multiple_of = f.get(f"{mc}.multiple_of", int, 256, ir="model.ffn_hidden_size")
+        if multiplier is not None:
+            multiplier = f.get(f"{mc}.ffn_dim_multiplier", float)
+        ffn = mindformers_ffn(hidden, multiple_of, multiplier)
+    seq = f.get(f"{mc}.seq_length", int, ir="train.seq_len")
+    experts = f.get(f"{mc}.moe_config.expert_num", int, 0, ir="model.num_experts") if f.has(f"{mc}.moe_config") \
+        else f.get("moe_config.expert_num", int, 0, ir="model.num_experts")
+    model = {"vocab_size": f.get(f"{mc}.vocab_size", int, ir="model.vocab_size"), "hidden_size": hidden,
+             "num_layers": f.get(f"{mc}.num_layers", int, ir="model.num_layers"), "num_heads": heads,
+             "num_kv_heads": kv, "ffn_hidden_size": ffn,
+             "max_seq_len": f.get(f"{mc}.max_position_embedding", int, seq, ir="model.max_seq_len"),
+             "rope_theta": f.get(f"{mc}.theta", float, 10000.0, ir="model.rope_theta"),
+             "norm_eps": f.get(f"{mc}.rms_norm_eps", float, 1e-5, ir="model.norm_eps"),
+             "tie_embeddings": f.get(f"{mc}.tie_word_embeddings", bool, False, ir="model.tie_embeddings"),
+             "num_experts": experts}
+    if experts:
+        key = f"{mc}.moe_config.num_experts_chosen" if f.has(f"{mc}.moe_config") else "moe_config.num_experts_chosen"
+        model["moe_top_k"] = f.get(key, int, 1, ir="model.moe_top_k")
+    return model, mc
+
+
+def _precision(f: Fields, mc: str, warnings: list[str]) -> dict:
+    compute = f.get(f"{mc}.compute_dtype", DTYPES, "float16", ir="strategy.precision.compute_dtype")
+    stored = f.get(f"{mc}.param_init_type", DTYPES, "float16", ir="strategy.precision.master_dtype")
+    if stored == "float32" and compute != "float32":
+        prec = {"param_dtype": compute, "compute_dtype": compute, "master_dtype": "float32",
+                "grad_reduce_dtype": "float32"}
+    else:
+        prec = {"param_dtype": stored, "compute_dtype": compute, "master_dtype": stored, "grad_reduce_dtype": stored}
+    sense = f.raw("runner_wrapper.scale_sense", 1.0, ir="strategy.precision.loss_scale")
+    if isinstance(sense, dict):
+        kind = f.get("runner_wrapper.scale_sense.type", ("DynamicLossScaleUpdateCell", "FixedLossScaleUpdateCell"))
+        value = f.get("runner_wrapper.scale_sense.loss_scale_value", float, 65536.0,
+                      ir="strategy.precision.initial_loss_scale")
+        prec.update(loss_scale="dynamic" if kind.startswith("Dynamic") else "static", initial_loss_scale=value)
+        for key, usual in (("scale_factor", 2), ("scale_window", 1000)):
+            value = f.raw(f"runner_wrapper.scale_sense.{key}", usual)
+            if value != usual:
+                warnings.append(f"runner_wrapper.scale_sense.{key} = {value}: the loss-scale update rule is not "
+                                f"modelled ({usual} assumed)")
+    elif isinstance(sense, (int, float)) and not isinstance(sense, bool):
+        if sense != 1.0:
+            prec.update(loss_scale="static", initial_loss_scale=float(sense))
+    else:
+        raise f.error("runner_wrapper.scale_sense", f"got {sense!r}; expected a number or a loss-scale cell mapping")
+    return prec
+
+
+def _zero(f: Fields, dp: int, warnings: list[str]) -> dict:
+    on = f.get("parallel.enable_parallel_optimizer", bool, False, ir="strategy.zero.stage")
+    if f.raw("parallel_config.optimizer_shard") is True:
+        warnings.append("parallel_config.optimizer_shard is deprecated; read as parallel.enable_parallel_optimizer")
+        on = True
+    if not on:
+        return {}
+    poc = "parallel.parallel_optimizer_config"
+    zero = {"stage": 2 if f.get(f"{poc}.gradient_accumulation_shard", bool, False, ir="strategy.zero.stage") else 1}
+    size = f.get(f"{poc}.optimizer_weight_shard_size", int, -1, ir="strategy.zero.shard_size")
+    if size > 0:
+        zero["shard_size"] = size
+    return zero
+
+
+def _pipeline(f: Fields, mc: str, layers: int, pp: int, warnings: list[str]) -> dict:
+    pc = "parallel.pipeline_config"
+    vpp = f.get(f"{mc}.pp_interleave_num", int, 1, ir="strategy.pipeline.virtual_stages")
+    interleave = f.get(f"{pc}.pipeline_interleave", bool, False, ir="strategy.pipeline.schedule")
+    scheduler = f.get(f"{pc}.pipeline_scheduler", tuple(SCHEDULES), "1f1b", ir="strategy.pipeline.schedule")
+    if scheduler in ("seqpipe", "seqvpp"):
+        warnings.append(f"{pc}.pipeline_scheduler = {scheduler}: sequence-chunked pipelining is not modelled; "
+                        "1F1B over whole sequences")
+    if vpp > 1 and not interleave:
+        warnings.append(f"{mc}.pp_interleave_num = {vpp} without {pc}.pipeline_interleave: MindFormers runs one "
+                        "chunk per stage")
+        vpp = 1
+    schedule = SCHEDULES[scheduler]
+    if schedule == "1f1b" and vpp > 1:
+        schedule = "interleaved_1f1b"
+    pipe: dict = {"schedule": schedule, "virtual_stages": vpp}
+    offset = f.raw(f"{mc}.offset", 0, ir="strategy.pipeline.layer_split")
+    if offset not in (0, None) and pp > 1:
+        chunks = pp * vpp
+        flat = [o for chunk in offset for o in chunk] if isinstance(offset, list) and offset and \
+            isinstance(offset[0], list) else offset
+        if not isinstance(flat, list) or len(flat) != chunks or not all(isinstance(o, int) for o in flat):
+            raise f.error(f"{mc}.offset", f"got {offset!r}; expected 0, or {pp} integers (one per stage)"
+                                          + (f" per interleave chunk ({vpp} lists)" if vpp > 1 else ""))
+        base = layers // chunks
+        pipe["layer_split"] = [base + o for o in flat]
+    if pp == 1 and f.raw("parallel_config.micro_batch_num", 1) != 1:
+        warnings.append("parallel_config.micro_batch_num is ignored without pipeline stages, as MindFormers does")
+    return pipe
+
+
+def _recompute(f: Fields, pp: int, warnings: list[str]) -> dict:
+    rc = "recompute_config"
+    full = f.raw(f"{rc}.recompute", False, ir="strategy.recompute.policy")
+    select = f.raw(f"{rc}.select_recompute", False, ir="strategy.recompute.policy")
+    if full not in (False, None, 0, []):
+        if full is True:
+            return {"policy": "full"}
+        counts = [c for item in full for c in (item if isinstance(item, list) else [item])] \
+            if isinstance(full, list) else None
+        if not counts or not all(isinstance(c, int) for c in counts):
+            raise f.error(f"{rc}.recompute", f"got {full!r}; expected true/false or layer counts per stage")
+        if len(set(counts)) > 1:
+            warnings.append(f"{rc}.recompute = {full}: per-stage counts differ; the first {max(counts)} layers of "
+                            "every stage are recomputed")
+        return {"policy": "full", "num_layers": max(counts)}
+    if select not in (False, None, [], {}):
+        if not (select is True):
+            warnings.append(f"{rc}.select_recompute = {select!r}: read as ms_llm's selective policy (attention core "
+                            "and MLP activation of every layer)")
+        return {"policy": "selective"}
+    return {}
+
+
+def _train(f: Fields, dp: int, pp: int, mc: str, warnings: list[str]) -> dict:
+    batch = f.get("runner_config.batch_size", int, 1, ir="train.micro_batch_size")
+    interleave = f.get("micro_batch_interleave_num", int, 1)
+    if interleave > 1:
+        warnings.append(f"micro_batch_interleave_num = {interleave}: read as a micro batch of batch_size * "
+                        f"{interleave} = {batch * interleave} (MindFormers splits it to overlap communication)")
+    gas = f.get("runner_config.gradient_accumulation_steps", int, 1, ir="strategy.pipeline.micro_batches")
+    if pp > 1:
+        micro = f.get("parallel_config.micro_batch_num", int, 1, ir="strategy.pipeline.micro_batches")
+        if gas > 1:
+            warnings.append(f"runner_config.gradient_accumulation_steps = {gas} is ignored under pipeline "
+                            "parallel, as MindFormers does")
+    else:
+        micro = gas
+    f.sources["train.global_batch_size"] = "runner_config.batch_size"
+    train: dict = {"micro_batch_size": batch * interleave, "global_batch_size": batch * dp * micro * interleave,
+                   "seq_len": f.get(f"{mc}.seq_length", int), "seed": f.get("seed", int, 1234, ir="train.seed")}
+    train["optimizer"], lr = _optimizer(f, warnings)
+    train["schedule"], steps, lr = _schedule(f, lr, warnings)
+    train["optimizer"]["lr"] = lr
+    if steps:
+        train["steps"] = steps
+    else:
+        warnings.append("train.steps: MindFormers runs epochs over the dataset (lr_schedule.total_steps = -1); "
+                        "ms_llm's default step count is used")
+    train["checkpoint"], log_every = _callbacks(f, warnings)
+    if log_every:
+        train["log_every"] = log_every
+    load = f.get("load_checkpoint", str, "")
+    if load:
+        train["checkpoint"]["load"] = load
+    return train
+
+
+def _optimizer(f: Fields, warnings: list[str]) -> tuple[dict, float]:
+    clip = f.get("runner_wrapper.use_clip_grad", bool, False, ir="train.optimizer.grad_clip")
+    opt: dict = {"grad_clip": f.get("runner_wrapper.max_grad_norm", float, 1.0, ir="train.optimizer.grad_clip")
+                 if clip else 0.0}
+    if not f.has("optimizer"):
+        return opt, 3e-4
+    kind = f.get("optimizer.type", str, "AdamW", ir="train.optimizer.name")
+    if kind not in OPTIMIZERS:
+        warnings.append(f"optimizer.type = {kind}: read as AdamW")
+    if f.has("optimizer.betas"):
+        betas = f.get("optimizer.betas", list, ir="train.optimizer.beta1")
+        if len(betas) != 2:
+            raise f.error("optimizer.betas", f"got {betas!r}; expected [beta1, beta2]")
+        b1, b2 = (float(b) for b in betas)
+    else:
+        b1 = f.get("optimizer.beta1", float, 0.9, ir="train.optimizer.beta1")
+        b2 = f.get("optimizer.beta2", float, 0.999, ir="train.optimizer.beta2")
+    opt.update(name="adamw", beta1=b1, beta2=b2, eps=f.get("optimizer.eps", float, 1e-8, ir="train.optimizer.eps"),
+               weight_decay=f.get("optimizer.weight_decay", float, 0.0, ir="train.optimizer.weight_decay"))
+    return opt, f.get("optimizer.learning_rate", float, 3e-4, ir="train.optimizer.lr")
+
+
+def _schedule(f: Fields, lr: float, warnings: list[str]) -> tuple[dict, int, float]:
+    ls = "lr_schedule"
+    if not f.has(ls):
+        return {"warmup_steps": 0, "decay": "constant"}, 0, lr
+    kind = f.get(f"{ls}.type", str, ir="train.schedule.decay")
+    if kind not in LR_SCHEDULES:
+        warnings.append(f"{ls}.type = {kind}: read as cosine decay")
+    peak = f.get(f"{ls}.learning_rate", float, lr, ir="train.optimizer.lr")
+    if peak != lr:
+        warnings.append(f"{ls}.learning_rate = {peak:g} overrides optimizer.learning_rate = {lr:g}, as in MindFormers")
+    steps = f.get(f"{ls}.total_steps", int, -1, ir="train.steps")
+    if f.has(f"{ls}.warmup_steps"):
+        warmup = f.get(f"{ls}.warmup_steps", int, ir="train.schedule.warmup_steps")
+    else:
+        ratio = f.get(f"{ls}.warmup_ratio", float, 0.0, ir="train.schedule.warmup_steps")
+        warmup = round(ratio * steps) if steps > 0 else 0
+        if ratio and steps <= 0:
+            warnings.append(f"{ls}.warmup_ratio = {ratio} of a dataset-sized run: the step count is unknown here; "
+                            "no warmup")
+    end = f.get(f"{ls}.lr_end", float, 0.0, ir="train.schedule.min_lr_ratio")
+    schedule = {"warmup_steps": warmup, "decay": LR_SCHEDULES.get(kind, "cosine"),
+                "min_lr_ratio": end / peak if peak else 0.0}
+    f.sources["train.optimizer.lr"] = f"{ls}.learning_rate"
+    return schedule, max(steps, 0), peak
+
+
+def _callbacks(f: Fields, warnings: list[str]) -> tuple[dict, int]:
+    callbacks = f.raw("callbacks", [])
+    checkpoint: dict = {"interval": 0}
+    log_every = 0
+    if not isinstance(callbacks, list):
+        raise f.error("callbacks", f"got {callbacks!r}; expected a list of {{type: ...}} mappings")
+    for i, cb in enumerate(callbacks):
+        kind = cb.get("type") if isinstance(cb, dict) else None
+        if kind in CHECKPOINT_CALLBACKS:
+            checkpoint["interval"] = int(cb.get("save_checkpoint_steps", 1))
+            checkpoint["async_save"] = bool(cb.get("async_save", False))
+            if "keep_checkpoint_max" in cb:
+                checkpoint["keep_last"] = int(cb["keep_checkpoint_max"])
+            f.sources["train.checkpoint.interval"] = f"callbacks[{i}].save_checkpoint_steps"
+            extra = sorted(set(cb) - {"type", "save_checkpoint_steps", "async_save", "keep_checkpoint_max"})
+            if extra:
+                warnings.append(f"callbacks[{i}] {kind}: {', '.join(extra)} not modelled; dropped")
+        elif kind == "MFLossMonitor":
+            log_every = int(cb.get("per_print_times", 1))
+        else:
+            warnings.append(f"callbacks[{i}] = {cb!r}: not modelled by ms_llm; dropped")
+    return checkpoint, log_every

@@ -1,0 +1,144 @@
+"""IR -> a MindFormers pretrain YAML in the layout of its configs/llama2/pretrain_*.yaml, which
+mindformers.read reads back to the same IR. Data, tokenizer and evaluation sections are left
+to the user (they are not part of a strategy)."""
+from __future__ import annotations
+
+from ms_llm.config.job import JobConfig, dump_yaml
+from ms_llm.convert.common import Written
+from ms_llm.convert.mindformers import LR_SCHEDULES
+
+SCHEDULERS = {"1f1b": "1f1b", "interleaved_1f1b": "1f1b", "gpipe": "gpipe", "zbv": "zero_bubble_v"}
+LR_TYPES = {decay: name for name, decay in LR_SCHEDULES.items()}
+TARGETS = {"910b": "Ascend", "cpu": "CPU"}
+
+
+def write(job: JobConfig, world_size: int) -> Written:
+    m, s, t = job.model, job.strategy, job.train
+    warnings: list[str] = []
+    expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep",
+                 "strategy.sequence_parallel", "strategy.pipeline", "strategy.zero.stage", "strategy.zero.shard_size",
+                 "strategy.recompute", "strategy.precision", "train.global_batch_size", "train.micro_batch_size",
+                 "train.seq_len", "train.steps", "train.seed", "train.log_every", "train.optimizer", "train.schedule",
+                 "train.checkpoint.interval", "train.checkpoint.load"}
+    if t.checkpoint.interval:
+        expressed |= {"train.checkpoint.async_save", "train.checkpoint.keep_last"}     # on the CheckpointMonitor
+    micro = t.global_batch_size // (t.micro_batch_size * s.dp)
+    parallel: dict = {"parallel_mode": 1, "gradients_mean": False, "enable_alltoall": s.ep > 1, "full_batch": True,
+                      "search_mode": "sharding_propagation", "enable_parallel_optimizer": s.zero.stage > 0}
+    if s.zero.stage:
+        poc: dict = {"gradient_accumulation_shard": s.zero.stage >= 2}
+        if s.zero.shard_size not in (-1, s.dp):
+            poc["optimizer_weight_shard_size"] = s.zero.shard_size
+        parallel["parallel_optimizer_config"] = poc
+        if s.zero.stage == 3:
+            warnings.append("strategy.zero.stage = 3: MindSpore's parallel optimizer is written (it shards "
+                            "optimizer states, gradients with gradient_accumulation_shard, and weights)")
+    pipe = s.pipeline
+    if s.pp > 1:
+        parallel["pipeline_config"] = {"pipeline_interleave": pipe.virtual_stages > 1,
+                                       "pipeline_scheduler": SCHEDULERS.get(pipe.schedule, "1f1b")}
+        if pipe.schedule == "zero_bubble":
+            warnings.append("strategy.pipeline.schedule = zero_bubble: MindFormers has zero_bubble_v (ZBV) only; "
+                            "1f1b written")
+    parallel_config = {"data_parallel": s.dp, "model_parallel": s.tp, "context_parallel": s.cp,
+                       "pipeline_stage": s.pp, "expert_parallel": s.ep, "use_seq_parallel": s.sequence_parallel,
+                       "micro_batch_num": micro if s.pp > 1 else 1, "vocab_emb_dp": False}
+    out: dict = {"seed": t.seed, "load_checkpoint": t.checkpoint.load, "run_mode": "train",
+                 "trainer": {"type": "CausalLanguageModelingTrainer", "model_name": m.name},
+                 "runner_config": {"batch_size": t.micro_batch_size, "sink_mode": True, "sink_size": 1,
+                                   "gradient_accumulation_steps": 1 if s.pp > 1 else micro},
+                 "optimizer": {"type": "AdamW", "betas": [t.optimizer.beta1, t.optimizer.beta2], "eps": t.optimizer.eps,
+                               "weight_decay": t.optimizer.weight_decay, "learning_rate": t.optimizer.lr},
+                 "lr_schedule": {"type": LR_TYPES[t.schedule.decay], "learning_rate": t.optimizer.lr,
+                                 "lr_end": t.optimizer.lr * t.schedule.min_lr_ratio,
+                                 "warmup_steps": t.schedule.warmup_steps, "total_steps": t.steps},
+                 "use_parallel": True, "parallel": parallel, "parallel_config": parallel_config,
+                 "micro_batch_interleave_num": 1,
+                 "recompute_config": _recompute(s, warnings),
+                 "callbacks": _callbacks(job, warnings),
+                 "context": {"mode": 0, "device_target": TARGETS.get(job.device, "GPU")},
+                 "model": {"model_config": _model_config(m, s, t, warnings), "arch": {"type": "LlamaForCausalLM"}},
+                 "runner_wrapper": _wrapper(s, t)}
+    if t.optimizer.name != "adamw":
+        warnings.append(f"train.optimizer.name = {t.optimizer.name}: MindFormers pretraining uses AdamW; AdamW written")
+    if s.offload.optimizer or s.offload.params:
+        warnings.append("strategy.offload: MindFormers' swap_config moves activations, not optimizer states or "
+                        "parameters; not written")
+    if t.steps:
+        warnings.append(f"train.steps = {t.steps}: MindFormers runs epochs over the dataset; the step count is "
+                        "written as lr_schedule.total_steps only")
+    header = (f"# {job.name}: {m.name} on {world_size} devices; written by ms-llm convert-strategy.\n"
+              "# Add train_dataset / processor sections for your data (not part of the strategy).\n")
+    return Written(header + dump_yaml(out), expressed, warnings)
+
+
+def _model_config(m, s, t, warnings: list[str]) -> dict:
+    p = s.precision
+    if p.master_dtype == "float32" and p.compute_dtype != "float32":
+        stored = "float32"
+        if p.grad_reduce_dtype != "float32":
+            warnings.append(f"strategy.precision.grad_reduce_dtype = {p.grad_reduce_dtype}: MindSpore reduces the "
+                            "gradients of float32 parameters in float32")
+    else:
+        stored = p.master_dtype
+        if p.param_dtype != p.master_dtype or p.grad_reduce_dtype != p.master_dtype:
+            warnings.append(f"strategy.precision: params {p.param_dtype}, master {p.master_dtype}, gradient reduce "
+                            f"{p.grad_reduce_dtype}: MindFormers holds one parameter dtype ({stored} written)")
+    mc: dict = {"type": "LlamaConfig", "seq_length": t.seq_len, "hidden_size": m.hidden_size,
+                "num_layers": m.num_layers, "num_heads": m.num_heads, "n_kv_heads": m.num_kv_heads,
+                "vocab_size": m.vocab_size, "intermediate_size": m.ffn_hidden_size, "rms_norm_eps": m.norm_eps,
+                "theta": m.rope_theta, "max_position_embedding": m.max_seq_len,
+                "tie_word_embeddings": m.tie_embeddings, "compute_dtype": p.compute_dtype,
+                "param_init_type": stored, "use_flash_attention": True}
+    if m.num_experts:
+        mc["moe_config"] = {"expert_num": m.num_experts, "num_experts_chosen": m.moe_top_k}
+    pipe = s.pipeline
+    if pipe.virtual_stages > 1:
+        mc["pp_interleave_num"] = pipe.virtual_stages
+    if pipe.layer_split is not None:
+        base = m.num_layers // (s.pp * pipe.virtual_stages)
+        offsets = [n - base for n in pipe.layer_split]
+        mc["offset"] = [offsets[v * s.pp:(v + 1) * s.pp] for v in range(pipe.virtual_stages)] \
+            if pipe.virtual_stages > 1 else offsets
+    else:
+        mc["offset"] = 0
+    return mc
+
+
+def _recompute(s, warnings: list[str]) -> dict:
+    rc = s.recompute
+    out = {"recompute": False, "select_recompute": False}
+    if rc.policy == "full":
+        out["recompute"] = True if rc.num_layers == -1 else [rc.num_layers] * s.pp
+    elif rc.policy == "selective":
+        out["select_recompute"] = True
+        if rc.num_layers != -1:
+            warnings.append(f"strategy.recompute.num_layers = {rc.num_layers}: written as selective recompute of "
+                            "every layer")
+    return out
+
+
+def _callbacks(job: JobConfig, warnings: list[str]) -> list[dict]:
+    ck = job.train.checkpoint
+    out: list[dict] = [{"type": "MFLossMonitor", "per_print_times": job.train.log_every}]
+    if ck.interval == "auto":
+        warnings.append("train.checkpoint.interval = 'auto': MindFormers needs save_checkpoint_steps; none written")
+    elif ck.interval:
+        out.append({"type": "CheckpointMonitor", "save_checkpoint_steps": ck.interval,
+                    "keep_checkpoint_max": ck.keep_last, "async_save": ck.async_save})
+    return out
+
+
+def _wrapper(s, t) -> dict:
+    p = s.precision
+    out: dict = {"type": "MFTrainOneStepCell", "use_clip_grad": t.optimizer.grad_clip > 0}
+    if t.optimizer.grad_clip:
+        out["max_grad_norm"] = t.optimizer.grad_clip
+    if p.loss_scale == "none":
+        out["scale_sense"] = 1.0
+    else:
+        out["scale_sense"] = {"type": "DynamicLossScaleUpdateCell" if p.loss_scale == "dynamic"
+                              else "FixedLossScaleUpdateCell", "loss_scale_value": p.initial_loss_scale}
+        if p.loss_scale == "dynamic":
+            out["scale_sense"].update(scale_factor=2, scale_window=1000)
+    return out

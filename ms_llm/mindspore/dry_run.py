@@ -1,0 +1,68 @@
+"""`ms-llm train --backend mindspore --dry-run`: the lowering as text, without compiling.
+
+Ops that differ only by layer index and share strategies print once with the layer range
+({0-79}); the stage map lists which cells each pipeline stage holds."""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+from ms_llm.mindspore.lower import Lowering, OpShard
+from ms_llm.strategy.report import _ranges, strategy_summary
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _fmt(op: OpShard, name: str) -> str:
+    return str(OpShard(name, op.inputs, op.output))
+
+
+def op_lines(low: Lowering) -> list[str]:
+    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
+    for op in low.ops:
+        m = LAYER.match(op.op)
+        if not m:
+            groups[(op.op, op.inputs, op.output, False)] = []
+            continue
+        key = (LAYER.sub("model.layers.{}.", op.op), op.inputs, op.output, True)
+        groups.setdefault(key, []).append(int(m.group(1)))
+    lines = []
+    for (name, inputs, output, per_layer), layers in groups.items():
+        if per_layer:
+            name = name.replace("{}", "{" + _ranges(layers).replace(", ", ",") + "}")
+        lines.append("  " + _fmt(OpShard(name, inputs, output), name))
+    return lines
+
+
+def _cells(paths: list[str]) -> str:
+    layers = [int(m.group(1)) for p in paths if (m := re.match(r"^model\.layers\.(\d+)$", p))]
+    others = [p for p in paths if not re.match(r"^model\.layers\.\d+$", p)]
+    parts = others[:1] + ([f"model.layers.{{{_ranges(layers).replace(', ', ',')}}}"] if layers else []) + others[1:]
+    return ", ".join(parts)
+
+
+def dry_run_text(low: Lowering) -> str:
+    p = low.plan
+    out = [f"MindSpore lowering of {p.model.name}: {strategy_summary(p)}",
+           f"devices {p.world_size}, mesh {p.mesh.describe()}; nothing compiled (--dry-run)", "",
+           "mindspore.set_auto_parallel_context("]
+    out += [f"    {k}={v!r}," for k, v in low.context.items()]
+    out += [")", "", f"op shard strategies ({len(low.ops)} ops; in = per-input strategy, out = out_strategy; "
+                     "{a-b} = every layer in the range):"]
+    out += op_lines(low)
+    out += ["", "pipeline_stage of each cell" + (" (pipeline_segment = virtual chunk)"
+                                                if p.strategy.pipeline.virtual_stages > 1 else "") + ":"]
+    by_stage: "OrderedDict[tuple, list[str]]" = OrderedDict()
+    for cell, where in sorted(low.cell_stages.items(), key=lambda kv: kv[1]):
+        by_stage.setdefault(where, []).append(cell)
+    for (stage, seg), cells in by_stage.items():
+        label = f"stage {stage}" + (f" segment {seg}" if p.strategy.pipeline.virtual_stages > 1 else "")
+        out.append(f"  {label}: {_cells(cells)}")
+    out += ["", "recompute: " + (", ".join(low.recompute_cells + low.recompute_ops) or "none")]
+    if p.strategy.pp > 1:
+        out.append(f"training cell: nn.PipelineCell(net, micro_size={p.micro_batches})")
+    elif p.micro_batches > 1:
+        out.append(f"training cell: gradient accumulation over {p.micro_batches} micro-batches")
+    out.append("strategy files: ckpt_strategy_rank_{rank}.ckpt per rank in <run>/strategy (ParallelStrategyMap)")
+    out += [f"note: {n}" for n in low.notes]
+    return "\n".join(out)

@@ -1,0 +1,275 @@
+"""Lower a ModelPlan to MindSpore auto-parallel: context, op shard strategies, stages, recompute.
+
+Nothing here is a table of strategies. Every op's strategy is read off the plan's layouts:
+a Linear's input is its activation layout flattened to (tokens, in), its weight is the
+parameter's layout, a row-parallel output lands in the residual stream's layout (so
+sequence parallel turns the all-reduce into a reduce-scatter), attention ops take the
+q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence. For the
+cases MindFormers covers the results equal its LLaMA strategies (tests/test_ms_golden.py).
+
+A strategy is a tuple of split counts when MindSpore's default device matrix for it (split
+dims in tensor order, replicas innermost) puts the ranks where the mesh does; otherwise
+(context parallel after the heads transpose) it is a Layout over the named stage mesh.
+Computing the lowering imports no MindSpore (`ms-llm train --dry-run` prints it without
+compiling); applying it is apply.py, writing strategy files needs MindSpore's protobuf.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from ms_llm.errors import StrategyError
+from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
+from ms_llm.strategy.plan import ModelPlan
+
+# Our pipeline schedule -> MindSpore pipeline_config (MindSpore allows only 1f1b without interleave).
+SCHEDULES = {"1f1b": (False, "1f1b"), "interleaved_1f1b": (True, "1f1b"), "gpipe": (True, "gpipe"),
+             "zbv": (True, "zero_bubble_v")}
+MODES = {"semi_auto": "semi_auto_parallel", "auto": "auto_parallel"}
+
+
+@dataclass(frozen=True)
+class LayoutStrategy:
+    """A mindspore.parallel.Layout: device matrix with axis names, and the axes splitting each dim."""
+    dev_matrix: tuple[int, ...]
+    names: tuple[str, ...]
+    dims: tuple[tuple[str, ...], ...]          # () = dim not split
+
+    def aliases(self) -> tuple:
+        return tuple("None" if not d else d[0] if len(d) == 1 else d for d in self.dims)
+
+    def build(self):
+        from mindspore.parallel import Layout
+        return Layout(self.dev_matrix, self.names)(*self.aliases())
+
+    def __str__(self) -> str:
+        dev = ",".join(f"{n}{s}" for n, s in zip(self.names, self.dev_matrix))
+        return f"Layout({dev})(" + ", ".join("(" + ",".join(a) + ")" if isinstance(a, tuple) else a
+                                            for a in self.aliases()) + ")"
+
+
+Strategy = Union[tuple[int, ...], LayoutStrategy]
+
+
+def _split_axes(layout: TensorLayout) -> list[str]:
+    return [a for d in range(len(layout.shape)) for a in layout.axes_of(d) if layout.mesh.axis_size(a) > 1]
+
+
+def as_layout(layout: TensorLayout) -> LayoutStrategy:
+    names = tuple(a for a in layout.mesh.names if layout.mesh.axis_size(a) > 1) or (layout.mesh.names[-1],)
+    dims = tuple(tuple(a for a in layout.axes_of(d) if a in names and layout.mesh.axis_size(a) > 1)
+                 for d in range(len(layout.shape)))
+    return LayoutStrategy(tuple(layout.mesh.axis_size(a) for a in names), names, dims)
+
+
+def strategy_of(layout: TensorLayout) -> Strategy:
+    """Split counts when the splitting axes, read in dim order, are in mesh order; else a Layout."""
+    split = _split_axes(layout)
+    if split == [a for a in layout.mesh.names if a in split]:
+        return layout.ms_strategy()
+    return as_layout(layout)
+
+
+def _flat(layout: TensorLayout) -> TensorLayout:
+    """(..., last) -> (tokens, last): what a Linear's 2-D MatMul sees."""
+    n = len(layout.shape)
+    return layout.group_dims((tuple(range(n - 1)), (n - 1,)))
+
+
+def _select(layout: TensorLayout, dims: tuple[int, ...]) -> TensorLayout:
+    """Layout of a tensor made of `dims` of `layout` (broadcast operands such as rotary tables, masks)."""
+    placements = tuple(Shard(dims.index(p.dim)) if isinstance(p, Shard) and p.dim in dims else Replicate()
+                       for p in layout.placements)
+    return TensorLayout(tuple(layout.shape[d] for d in dims), layout.mesh, placements, layout.order)
+
+
+@dataclass(frozen=True)
+class OpShard:
+    """One primitive's shard(): `op` is its attribute path in LossCell(Transformer) minus `net.`."""
+    op: str
+    inputs: tuple[Strategy | tuple[()], ...]
+    output: Optional[tuple[Strategy, ...]] = None
+
+    def __str__(self) -> str:
+        def fmt(s):
+            return str(s) if isinstance(s, LayoutStrategy) else str(tuple(s))
+        def group(items):                      # the Python tuple shard() receives
+            return "(" + ", ".join(fmt(s) for s in items) + ("," if len(items) == 1 else "") + ")"
+        text = f"{self.op}: in {group(self.inputs)}"
+        if self.output is not None:
+            text += f" out {group(self.output)}"
+        return text
+
+
+def _op(op: str, inputs: list[TensorLayout | None], output: Optional[TensorLayout] = None) -> OpShard:
+    """Strategies for one op; None is a scalar operand. MindSpore takes all-tuples or all-Layouts
+    per op, so one operand that needs a Layout makes every operand a Layout."""
+    layouts = [l for l in inputs + [output] if l is not None]
+    lift = any(isinstance(strategy_of(l), LayoutStrategy) for l in layouts)
+    conv = as_layout if lift else strategy_of
+    ins = tuple(() if l is None else conv(l) for l in inputs)
+    return OpShard(op, ins, None if output is None else (conv(output),))
+
+
+@dataclass(frozen=True)
+class Lowering:
+    plan: ModelPlan
+    context: dict                              # ms.set_auto_parallel_context(**context)
+    ops: tuple[OpShard, ...]
+    cell_stages: dict[str, tuple[int, int]]    # cell path -> (pipeline_stage, pipeline_segment)
+    recompute_cells: tuple[str, ...]
+    recompute_ops: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())
+
+
+def context_args(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strategy/ckpt_strategy.ckpt") -> dict:
+    """set_auto_parallel_context arguments for this plan."""
+    if mode not in MODES:
+        raise StrategyError(f"lowering mode {mode!r}: use one of {', '.join(MODES)}")
+    s = plan.strategy
+    batch_split = plan.activations["tokens"].split_count(0)
+    ctx = {
+        "parallel_mode": MODES[mode],
+        "device_num": plan.world_size,
+        "gradients_mean": False,               # the graph's loss is already the global mean
+        "full_batch": False,
+        "dataset_strategy": ((batch_split, 1), (batch_split, 1)),   # (inputs, labels): whole sequences per rank
+        "strategy_ckpt_config": {"save_file": strategy_file, "only_trainable_params": True},
+        "enable_parallel_optimizer": plan.zero.stage >= 1,
+    }
+    if plan.zero.stage >= 1:
+        ctx["parallel_optimizer_config"] = {"optimizer_level": f"level{plan.zero.stage}",
+                                            "optimizer_weight_shard_size": plan.zero.group_size,
+                                            "parallel_optimizer_threshold": 0}
+    if s.pp > 1:
+        if s.pipeline.schedule not in SCHEDULES:
+            raise StrategyError(f"strategy.pipeline.schedule: MindSpore has no {s.pipeline.schedule!r} scheduler; "
+                                f"use one of {', '.join(SCHEDULES)}")
+        interleave, scheduler = SCHEDULES[s.pipeline.schedule]
+        ctx["pipeline_stages"] = s.pp
+        ctx["pipeline_config"] = {"pipeline_interleave": interleave, "pipeline_scheduler": scheduler}
+    if mode == "auto":
+        ctx["search_mode"] = "sharding_propagation"
+    return ctx
+
+
+def _norm_ops(prefix: str, x: TensorLayout, weight: TensorLayout) -> list[OpShard]:
+    return [_op(prefix + "square", [x]), _op(prefix + "mean", [x]), _op(prefix + "add", [x, None]),
+            _op(prefix + "rsqrt", [x]), _op(prefix + "mul", [x, x]), _op(prefix + "mul2", [x, weight])]
+
+
+def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
+    a, w = plan.activations, {n: p.layout for n, p in plan.params.items()}
+    p = f"model.layers.{i}."
+    hidden = a["hidden"]
+    qt, kt, vt = (a[n].permute((0, 2, 1, 3)) for n in ("q", "k", "v"))      # (B, heads, T, hd)
+    b, nh, t, _ = qt.shape
+    score = TensorLayout((b, nh, t, t), qt.mesh, qt.placements, qt.order)    # query rows keep q's splits
+    k_all, v_all = kt.replicate_dim(2), vt.replicate_dim(2)                  # every key of the sequence
+    kv_tiled = kt.group_dims(((0,), (1,), (), (2, 3)))                       # (B, nkv, 1, T*hd)
+    tables = _select(qt, (2, 3))                                             # rotary cos/sin (T, hd)
+    ops = _norm_ops(p + "input_layernorm.", hidden, w[p + "input_layernorm.weight"])
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        ops.append(_op(f"{p}self_attn.{proj}.matmul", [_flat(a["attn_input"]), w[f"{p}self_attn.{proj}.weight"]]))
+    r = p + "self_attn.rotary."
+    ops += [_op(p + "self_attn.transpose", [a["q"]]),
+            _op(r + "split", [qt]), _op(r + "neg", [qt]), _op(r + "concat", [qt, qt]),
+            _op(r + "mul_cos", [qt, tables]), _op(r + "mul_sin", [qt, tables]), _op(r + "add", [qt, qt]),
+            _op(p + "self_attn.tile_kv", [kv_tiled]),
+            _op(p + "self_attn.batch_matmul_q_k", [qt, k_all]),
+            _op(p + "self_attn.mul", [score, None]),
+            _op(p + "self_attn.add", [_select(score, (2, 3)), score]),
+            _op(p + "self_attn.softmax", [score]),
+            _op(p + "self_attn.batch_matmul", [score, v_all]),
+            _op(p + "self_attn.merge_heads", [qt]),
+            _op(p + "self_attn.o_proj.matmul", [_flat(a["attn_output"]), w[p + "self_attn.o_proj.weight"]],
+                _flat(hidden)),
+            _op(p + "add", [hidden, hidden])]
+    ops += _norm_ops(p + "post_attention_layernorm.", hidden, w[p + "post_attention_layernorm.weight"])
+    mh = a["mlp_hidden"]
+    ops += [_op(f"{p}mlp.{proj}.matmul", [_flat(a["mlp_input"]), w[f"{p}mlp.{proj}.weight"]])
+            for proj in ("gate_proj", "up_proj")]
+    ops += [_op(p + "mlp.sigmoid", [mh]), _op(p + "mlp.silu_mul", [mh, mh]), _op(p + "mlp.mul", [mh, mh]),
+            _op(p + "mlp.down_proj.matmul", [_flat(mh), w[p + "mlp.down_proj.weight"]], _flat(hidden))]
+    return ops
+
+
+def _head_ops(plan: ModelPlan) -> list[OpShard]:
+    a, params = plan.activations, plan.params
+    head = params["model.embed_tokens.weight" if plan.model.tie_embeddings else "lm_head.weight"].layout
+    logits = _flat(a["logits"])                      # (tokens, vocab)
+    rows = logits.replicate_dim(1)                   # per-token reductions
+    labels = _select(logits, (0,))
+    ops = _norm_ops("model.norm.", a["hidden"], params["model.norm.weight"].layout)
+    ops.append(_op("lm_head.matmul", [_flat(a["head_input"]), head]))
+    ops += [_op("loss.max", [logits]), _op("loss.sub", [logits, rows]), _op("loss.exp", [logits]),
+            _op("loss.sum", [logits]), _op("loss.log", [rows]), _op("loss.sub2", [logits, rows]),
+            _op("loss.onehot", [logits, None, None]), _op("loss.mul", [logits, logits]),
+            _op("loss.neg", [logits]), _op("loss.sum2", [logits]), _op("loss.mean", [labels])]
+    return ops
+
+
+SELECTIVE_OPS = ("self_attn.tile_kv", "self_attn.batch_matmul_q_k", "self_attn.mul", "self_attn.add",
+                 "self_attn.softmax", "self_attn.batch_matmul", "mlp.sigmoid", "mlp.silu_mul")
+SELECTIVE_CELLS = ("self_attn.rotary",)
+
+
+def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strategy/ckpt_strategy.ckpt") -> Lowering:
+    """Everything MindSpore needs to run `plan` under auto-parallel."""
+    if plan.model.num_experts:
+        raise StrategyError("model.num_experts: the MindSpore lowering covers dense LLaMA layers; MoE is not lowered")
+    embed = plan.params["model.embed_tokens.weight"].layout
+    ops = [_op("model.embed_tokens.gather", [embed, plan.activations["tokens"]])]
+    for i in range(plan.model.num_layers):
+        ops += _layer_ops(plan, i)
+    ops += _head_ops(plan)
+
+    first, last = plan.chunks[0], plan.chunks[-1]
+    stages = {"model.embed_tokens": (first.stage, first.virtual)}
+    for i in range(plan.model.num_layers):
+        stages[f"model.layers.{i}"] = plan.layer_stage(i)
+    for cell in ("model.norm", "lm_head", "loss"):
+        stages[cell] = (last.stage, last.virtual)
+
+    cells, prims = [], []
+    for i, mode_i in enumerate(plan.recompute):
+        if mode_i == "full":
+            cells.append(f"model.layers.{i}")
+        elif mode_i == "selective":
+            cells += [f"model.layers.{i}.{c}" for c in SELECTIVE_CELLS]
+            prims += [f"model.layers.{i}.{o}" for o in SELECTIVE_OPS]
+
+    notes = []
+    s = plan.strategy
+    if s.offload.optimizer or s.offload.params:
+        notes.append("offload: not lowered; MindSpore's offload is set per cell with AutoParallel.offload")
+    return Lowering(plan, context_args(plan, mode, strategy_file), tuple(ops), stages, tuple(cells), tuple(prims),
+                    tuple(notes))
+
+
+def stage_param_entries(plan: ModelPlan, stage: int) -> dict:
+    """Strategy-file entry (MsParamLayout) of each parameter of a stage, held as MindSpore's
+    parallel optimizer holds it (ZeRO-split where a strategy file can say so), with the layout
+    of the slices a per-rank checkpoint under that entry holds."""
+    from ms_llm.mindspore.strategy_file import ms_param_layout
+
+    return {p.name: ms_param_layout(p.layout, p.optimizer_layout) for p in plan.params_of_stage(stage)}
+
+
+def write_strategy_files(plan: ModelPlan, folder: str | Path) -> list[Path]:
+    """One strategy checkpoint per rank, named as MindFormers names them (ckpt_strategy_rank_{rank}.ckpt):
+    what MindSpore would save through strategy_ckpt_config, which it cannot compile on CPU."""
+    from ms_llm.mindspore.strategy_file import write_strategy_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = {s: {n: e for n, (e, _) in stage_param_entries(plan, s).items()} for s in range(plan.strategy.pp)}
+    splits = {p.name: p.layout.ms_strategy() for p in plan.params.values()}
+    paths = []
+    for rank in range(plan.world_size):
+        stage = plan.mesh.coords(rank)["pp"]
+        path = folder / f"ckpt_strategy_rank_{rank}.ckpt"
+        write_strategy_file(path, entries[stage], stage, {n: splits[n] for n in entries[stage]})
+        paths.append(path)
+    return paths

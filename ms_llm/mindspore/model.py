@@ -1,0 +1,253 @@
+"""LLaMA in MindSpore, parameter for parameter the torch backend's (Hugging Face names).
+
+Every computation is a Primitive held as an attribute (self.matmul, self.softmax, ...), so
+the lowering (lower.py) can give each one a shard strategy from the ModelPlan: the model
+itself carries no sharding. Linear layers flatten their input to 2-D (B*T, in) and keep
+the weight [out, in] with transpose_b, as MindFormers does, so the op-level strategies
+are MindFormers' own. Attention is BatchMatMul + softmax (runs on CPU); the Ascend path
+can swap in flash_attention_score without changing parameters.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from ms_llm.config.model import ModelConfig
+from ms_llm.init import init_param
+
+MASK_VALUE = -1e9     # additive causal mask; exp() underflows to exactly 0 in fp32
+
+
+class Linear(nn.Cell):
+    """y = x W^T with W [out, in]; x is flattened to (tokens, in) for one 2-D MatMul."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(Tensor(np.zeros((out_features, in_features), np.float32)), name="weight")
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.reshape = ops.Reshape()
+
+    def construct(self, x):
+        lead = x.shape[:-1]
+        y = self.matmul(self.reshape(x, (-1, self.in_features)), self.weight)
+        return self.reshape(y, lead + (self.out_features,))
+
+
+class Embedding(nn.Cell):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.zeros((vocab, dim), np.float32)), name="weight")
+        self.gather = ops.Gather()
+
+    def construct(self, tokens):
+        return self.gather(self.weight, tokens, 0)     # (B, T) -> (B, T, H)
+
+
+class RMSNorm(nn.Cell):
+    """x * rsqrt(mean(x^2) + eps) * weight, built from primitives MindFormers shards one by one."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter(Tensor(np.ones((dim,), np.float32)), name="weight")
+        self.square = ops.Square()
+        self.mean = ops.ReduceMean(keep_dims=True)
+        self.add = ops.Add()
+        self.rsqrt = ops.Rsqrt()
+        self.mul = ops.Mul()
+        self.mul2 = ops.Mul()
+
+    def construct(self, x):
+        factor = self.rsqrt(self.add(self.mean(self.square(x), -1), self.eps))
+        return self.mul2(self.mul(x, factor), self.weight)
+
+
+def rotary_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (max_seq_len, head_dim), HF layout (frequencies repeated twice), fp32 as torch computes them."""
+    d = cfg.head_dim
+    inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
+    t = np.arange(cfg.max_seq_len, dtype=np.int64).astype(np.float32)
+    freqs = np.outer(t, inv_freq).astype(np.float32)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+class Rotary(nn.Cell):
+    """x * cos + rotate_half(x) * sin on (B, heads, T, head_dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.split = ops.Split(axis=-1, output_num=2)
+        self.neg = ops.Neg()
+        self.concat = ops.Concat(axis=-1)
+        self.mul_cos = ops.Mul()
+        self.mul_sin = ops.Mul()
+        self.add = ops.Add()
+
+    def construct(self, x, cos, sin):
+        x1, x2 = self.split(x)
+        rotated = self.concat((self.neg(x2), x1))
+        return self.add(self.mul_cos(x, cos), self.mul_sin(rotated, sin))
+
+
+class Attention(nn.Cell):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rep = cfg.num_heads // cfg.num_kv_heads
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim)
+        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.rotary = Rotary()
+        self.reshape = ops.Reshape()
+        self.transpose = ops.Transpose()              # (B, T, nh, hs) -> (B, nh, T, hs)
+        self.merge_heads = ops.Transpose()            # (B, nh, T, hs) -> (B, T, nh, hs)
+        self.tile_kv = ops.Tile()
+        self.batch_matmul_q_k = ops.BatchMatMul(transpose_b=True)
+        self.batch_matmul = ops.BatchMatMul()
+        self.mul = ops.Mul()
+        self.add = ops.Add()
+        self.softmax = ops.Softmax(axis=-1)
+        self.scale = Tensor(1.0 / float(np.sqrt(cfg.head_dim)), ms.float32)
+
+    def _heads(self, x, n):
+        b, t, _ = x.shape
+        return self.transpose(self.reshape(x, (b, t, n, self.head_dim)), (0, 2, 1, 3))
+
+    def _repeat_kv(self, x):
+        # GQA: kv head j serves query heads j*rep .. j*rep+rep-1 (torch's repeat_interleave)
+        if self.rep == 1:
+            return x
+        b, n, t, d = x.shape
+        x = self.tile_kv(self.reshape(x, (b, n, 1, t * d)), (1, 1, self.rep, 1))
+        return self.reshape(x, (b, n * self.rep, t, d))
+
+    def construct(self, x, cos, sin, mask):
+        b, t, _ = x.shape
+        q = self.rotary(self._heads(self.q_proj(x), self.num_heads), cos, sin)       # (B, nh, T, hs)
+        k = self.rotary(self._heads(self.k_proj(x), self.num_kv_heads), cos, sin)    # (B, nkv, T, hs)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)
+        score = self.add(mask, self.mul(self.batch_matmul_q_k(q, k), self.scale))    # (B, nh, T, T)
+        y = self.batch_matmul(self.softmax(score), v)                                 # (B, nh, T, hs)
+        y = self.reshape(self.merge_heads(y, (0, 2, 1, 3)), (b, t, self.num_heads * self.head_dim))
+        return self.o_proj(y)
+
+
+class MLP(nn.Cell):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.down_proj = Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        self.sigmoid = ops.Sigmoid()        # silu = x * sigmoid(x): mint silu is not on every target
+        self.silu_mul = ops.Mul()
+        self.mul = ops.Mul()
+
+    def construct(self, x):
+        gate = self.gate_proj(x)
+        return self.down_proj(self.mul(self.silu_mul(gate, self.sigmoid(gate)), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.add = ops.Add()
+
+    def construct(self, x, cos, sin, mask):
+        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return self.add(x, self.mlp(self.post_attention_layernorm(x)))
+
+
+class Backbone(nn.Cell):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.CellList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class Transformer(nn.Cell):
+    """Tokens (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.num_experts:
+            raise ValueError("model.num_experts: the MindSpore model is dense; MoE layers are not built yet")
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rotary_tables(cfg)
+        self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
+        self.mask = Tensor(np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), MASK_VALUE, np.float32), 1))
+
+    def construct(self, tokens):
+        t = tokens.shape[1]
+        cos, sin, mask = self.rope_cos[:t], self.rope_sin[:t], self.mask[:t, :t]
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask)
+        return self.lm_head(self.model.norm(x))
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Same values as the torch backend for the same seed (ms_llm.init)."""
+        for name, p in self.parameters_and_names():
+            p.set_data(Tensor(init_param(name, tuple(p.shape), seed, std)))
+
+    def load_numpy(self, state: dict[str, np.ndarray]) -> None:
+        """Set every parameter from a {HF name: array} mapping (e.g. a torch state dict)."""
+        for name, p in self.parameters_and_names():
+            if name not in state:
+                raise KeyError(f"{name}: missing from the state being loaded")
+            p.set_data(Tensor(np.ascontiguousarray(state[name], dtype=np.float32)))
+
+
+class CrossEntropy(nn.Cell):
+    """Mean next-token loss over (N, V) logits, as MindFormers decomposes it (each op shardable)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max = ops.ReduceMax(keep_dims=True)
+        self.sub = ops.Sub()
+        self.exp = ops.Exp()
+        self.sum = ops.ReduceSum(keep_dims=True)
+        self.log = ops.Log()
+        self.sub2 = ops.Sub()
+        self.onehot = ops.OneHot()
+        self.mul = ops.Mul()
+        self.neg = ops.Neg()
+        self.sum2 = ops.ReduceSum()
+        self.mean = ops.ReduceMean()
+        self.on, self.off = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
+
+    def construct(self, logits, labels):
+        shifted = self.sub(logits, ops.stop_gradient(self.max(logits, -1)))
+        log_probs = self.sub2(shifted, self.log(self.sum(self.exp(shifted), -1)))
+        onehot = self.onehot(labels, logits.shape[-1], self.on, self.off)
+        return self.mean(self.sum2(self.neg(self.mul(log_probs, onehot)), -1))
+
+
+class LossCell(nn.Cell):
+    """(inputs, labels) (B, T) -> mean token cross-entropy."""
+
+    def __init__(self, net: Transformer):
+        super().__init__(auto_prefix=False)      # keep the HF parameter names
+        self.net = net
+        self.loss = CrossEntropy()
+        self.reshape = ops.Reshape()
+
+    def construct(self, inputs, labels):
+        logits = self.net(inputs)
+        v = logits.shape[-1]
+        return self.loss(self.reshape(logits, (-1, v)), self.reshape(labels, (-1,)))

@@ -1,0 +1,123 @@
+"""Every strategy the lowering produces is accepted by MindSpore's own APIs: Primitive.shard
+(tuples and Layouts), set_auto_parallel_context and the AutoParallel wrapper's methods."""
+import pytest
+
+ms = pytest.importorskip("mindspore")
+pytestmark = pytest.mark.mindspore
+
+from mindspore import ops as P
+
+from ms_llm.config.model import ModelConfig
+from ms_llm.config.schema import from_dict
+from ms_llm.config.train import TrainConfig
+from ms_llm.errors import StrategyError
+from ms_llm.mindspore.apply import apply_lowering, auto_parallel, set_context
+from ms_llm.mindspore.lower import LayoutStrategy, context_args, lower
+from ms_llm.mindspore.model import LossCell, Transformer
+from ms_llm.strategy.ir import ParallelStrategy
+from ms_llm.strategy.plan import plan
+
+MODEL = ModelConfig(vocab_size=96, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                    ffn_hidden_size=128, max_seq_len=32, dtype="float32")
+STRATEGIES = {
+    "dp4": ({"dp": 4}, 4),
+    "dp4_zero2": ({"dp": 4, "zero": {"stage": 2}}, 4),
+    "dp2_tp2_sp_zero1": ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 1}}, 4),
+    "dp2_tp2_pp2_sp_full_recompute": ({"dp": 2, "tp": 2, "pp": 2, "sequence_parallel": True,
+                                       "recompute": {"policy": "full"}}, 4),
+    "cp2_tp2_interleaved_selective": ({"dp": 1, "cp": 2, "tp": 2, "pp": 2,
+                                       "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
+                                       "recompute": {"policy": "selective", "num_layers": 1}}, 4),
+    "hsdp_zero3": ({"dp": 4, "zero": {"stage": 3, "shard_size": 2}}, 4),
+}
+
+
+def _plan(name):
+    strategy, batch = STRATEGIES[name]
+    return plan(MODEL, from_dict(ParallelStrategy, strategy, "strategy"),
+                TrainConfig(global_batch_size=batch, micro_batch_size=1, seq_len=32))
+
+
+@pytest.fixture(autouse=True)
+def clean_context():
+    yield
+    ms.reset_auto_parallel_context()
+
+
+def _primitives(cell, prefix=""):
+    for name, value in vars(cell).items():
+        if isinstance(value, P.Primitive):
+            yield prefix + name, value
+    for name, child in cell.name_cells().items():
+        yield from _primitives(child, f"{prefix}{name}.")
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_mindspore_accepts_every_strategy(name, tmp_path):
+    p = _plan(name)
+    low = lower(p, strategy_file=str(tmp_path / "strategy.ckpt"))
+    net = LossCell(Transformer(MODEL))
+    apply_lowering(net, low)
+    set_context(low)
+    for key, value in low.context.items():
+        if key not in ("strategy_ckpt_config", "parallel_optimizer_config", "pipeline_config"):
+            assert ms.get_auto_parallel_context(key) == (list(map(list, value)) if key == "dataset_strategy"
+                                                         else value), key
+    ms.reset_auto_parallel_context()
+    auto_parallel(LossCell(Transformer(MODEL)), low, tmp_path / "param_strategy.ckpt")
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_compute_primitive_gets_a_strategy(name):
+    low = lower(_plan(name))
+    shards = {o.op for o in low.ops}
+    net = LossCell(Transformer(MODEL))
+    prims = {n.removeprefix("net."): prim for n, prim in _primitives(net)}
+    unsharded = {n for n, prim in prims.items() if n not in shards and not isinstance(prim, P.Reshape)}
+    assert not unsharded
+    assert shards <= set(prims)
+    apply_lowering(net, low)
+    for op in low.ops:
+        attrs = prims[op.op].attrs
+        assert attrs.get("in_strategy") is not None or attrs.get("in_layout") is not None, op.op
+
+
+def test_pipeline_stages_and_recompute_follow_the_plan():
+    p = _plan("cp2_tp2_interleaved_selective")
+    low = lower(p)
+    net = apply_lowering(LossCell(Transformer(MODEL)), low)
+    for i in range(MODEL.num_layers):
+        layer = net.net.model.layers[i]
+        assert (layer.pipeline_stage, layer.pipeline_segment) == p.layer_stage(i)
+    assert net.net.lm_head.pipeline_stage == p.chunks[-1].stage
+    assert net.net.model.embed_tokens.pipeline_stage == 0
+    # selective recompute of the first layer of each stage: attention core and MLP activation
+    first = {c.layers[0] for c in p.chunks if c.virtual == 0}
+    assert low.recompute_ops and all(int(o.split(".")[2]) in first for o in low.recompute_ops)
+    assert net.net.model.layers[0].self_attn.softmax.attrs.get("recompute") is True
+
+
+def test_context_parallel_needs_layouts_and_mindspore_builds_them():
+    low = lower(_plan("cp2_tp2_interleaved_selective"))
+    layouts = [s for o in low.ops for s in o.inputs if isinstance(s, LayoutStrategy)]
+    assert layouts
+    for lay in layouts:
+        d = lay.build().to_dict()
+        assert tuple(d["device_matrix"]) == lay.dev_matrix and len(d["tensor_map"]) == len(lay.dims)
+
+
+def test_zero_and_pipeline_context():
+    ctx = context_args(_plan("hsdp_zero3"))
+    assert ctx["enable_parallel_optimizer"]
+    assert ctx["parallel_optimizer_config"] == {"optimizer_level": "level3", "optimizer_weight_shard_size": 2,
+                                                "parallel_optimizer_threshold": 0}
+    ctx = context_args(_plan("cp2_tp2_interleaved_selective"), mode="auto")
+    assert ctx["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": "1f1b"}
+    assert ctx["search_mode"] == "sharding_propagation" and ctx["parallel_mode"] == "auto_parallel"
+
+
+def test_schedule_mindspore_lacks_is_a_clear_error():
+    s = from_dict(ParallelStrategy, {"dp": 1, "pp": 2, "pipeline": {"schedule": "zero_bubble"}}, "strategy")
+    p = plan(MODEL, s, TrainConfig(global_batch_size=2, micro_batch_size=1, seq_len=32))
+    with pytest.raises(StrategyError, match="strategy.pipeline.schedule: MindSpore has no 'zero_bubble'"):
+        lower(p)

@@ -1,0 +1,40 @@
+"""Activation checkpointing per decoder layer, as plan.recompute says.
+
+full:      keep only the layer's input; recompute the whole layer in backward.
+selective: keep the matmul outputs (and collectives, so TP communication is not repeated);
+           recompute the cheap rest: attention core, norms, rotary, SwiGLU activation.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ms_llm.strategy.plan import ModelPlan
+
+_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(part: nn.Module, plan: ModelPlan) -> None:
+    """Wrap each decoder layer of `part` whose plan.recompute mode is not 'none'."""
+    for key, layer in list(part.model.layers.items()):
+        mode = plan.recompute[int(key)]
+        if mode == "full":
+            part.model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        elif mode == "selective":
+            part.model.layers[key] = checkpoint_wrapper(
+                layer, preserve_rng_state=False,
+                context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
