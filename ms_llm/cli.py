@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from ms_llm.checkpoint.cli import register as register_checkpoint_commands
 from ms_llm.errors import MsLlmError
 
 
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(c)
         c.set_defaults(func=module.run)
+    register_checkpoint_commands(sub)
     return parser
 
 
