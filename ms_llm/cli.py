@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from ms_llm.checkpoint.cli import register as register_checkpoint_commands
 from ms_llm.errors import MsLlmError
 
 
@@ -32,26 +33,22 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from ms_llm.launch import TrainRequest, train
+
+    return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps, args.dry_run))
+
+
 def cmd_demo(args) -> int:
-    """The embedded default job: plan the shipped configurations."""
+    """The embedded default job: plan the shipped configurations, then train the tiny one."""
     root = Path(__file__).resolve().parents[1] / "configs" / "train"
     for name in ("tiny_torch_dp2", "llama2_7b_dp8_zero1", "llama2_70b_dp2_tp4_pp8"):
         print(f"$ ms-llm plan configs/train/{name}.yaml")
         cmd_plan(argparse.Namespace(config=root / f"{name}.yaml", world_size=None, device=None, json=False))
         print()
-    return 0
-
-
-def cmd_train(args) -> int:
-    from ms_llm.config.job import load_job
-    from ms_llm.errors import ConfigError
-
-    job = load_job(args.config)
-    backend = args.backend or job.backend
-    if backend != "mindspore":
-        raise ConfigError(f"--backend {backend}: the torch trainer is not part of this build; use --backend mindspore")
-    from ms_llm.mindspore import launch
-    return launch.cli_train(job, run_dir=args.run_dir, world_size=args.world_size, dry_run=args.dry_run)
+    print("$ ms-llm train configs/train/tiny_torch_dp2.yaml --backend torch", flush=True)
+    return cmd_train(argparse.Namespace(config=root / "tiny_torch_dp2.yaml", backend="torch", nproc=None,
+                                        run_dir=None, steps=None, dry_run=False))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,12 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 
-    t = sub.add_parser("train", help="train a job (launches msrun / torchrun itself)")
+    t = sub.add_parser("train", help="train a job: start its workers on this machine, logs in the run folder")
     t.add_argument("config", help="job YAML (model + strategy + train)")
     t.add_argument("--backend", choices=("torch", "mindspore"), default=None, help="default: the job's backend")
-    t.add_argument("--run-dir", default=None, help="run folder; default runs/<name>-<time>")
-    t.add_argument("--world-size", type=int, default=None, help="devices; default: from the strategy")
-    t.add_argument("--dry-run", action="store_true", help="print the parallel lowering without compiling")
+    t.add_argument("--nproc", type=int, default=None, help="processes; default: the strategy's world size")
+    t.add_argument("--run-dir", default=None, help="run folder; default: runs/<name>-<time>")
+    t.add_argument("--steps", type=int, default=None, help="override train.steps")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the lowering (MindSpore: parallel context and every op's strategy) without compiling")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="run the embedded default job")
@@ -87,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(c)
         c.set_defaults(func=module.run)
+    register_checkpoint_commands(sub)
     return parser
 
 

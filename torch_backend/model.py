@@ -60,6 +60,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        # The first T rotary rows: under sequence parallelism the caller only knows its shard
+        # of the sequence, while attention sees the whole (gathered) sequence.
+        cos, sin = cos[:T], sin[:T]
         # -1 heads: under tensor parallelism each rank sees only its local heads.
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, nkv, T, hs)
@@ -121,9 +124,10 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens (B, T) -> logits (B, T, V); a pipeline stage takes / returns hidden states
         (B, T, H) when it has no embedding / no head."""
-        T = x.shape[1]
-        idx = positions if positions is not None else torch.arange(T, device=x.device)
-        cos, sin = self.rope_cos[idx], self.rope_sin[idx]
+        if positions is None:
+            cos, sin = self.rope_cos, self.rope_sin                 # each attention takes its first T rows
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         if self.model.embed_tokens is not None:
             x = self.model.embed_tokens(x)
         for layer in self.model.layers.values():

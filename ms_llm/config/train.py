@@ -56,6 +56,8 @@ class TrainConfig:
     steps: int = spec(10, "Optimizer steps.", ge=0)
     seed: int = spec(1234, "Seeds weights, data order and dropout.", ge=0)
     log_every: int = spec(1, "Steps between progress lines.", ge=1)
+    compile: bool = spec(False, "torch backend: torch.compile each decoder layer (MindSpore compiles its graph "
+                                "anyway).")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"doc": "Optimizer."})
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"doc": "Learning-rate schedule."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoint policy."})

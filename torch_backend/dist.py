@@ -1,0 +1,36 @@
+"""Process-group setup and teardown for a worker, under torchrun or alone."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """NCCL on GPUs (one per local rank), gloo on CPU. Without torchrun: a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def shutdown() -> None:
+    """Barrier first: without it, runs using a DeviceMesh can abort at exit."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

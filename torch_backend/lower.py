@@ -1,0 +1,89 @@
+"""ModelPlan -> this rank's runnable model: pipeline chunks, parallelized and wrapped.
+
+Reads the plan and nothing else about the strategy. What the torch backend cannot lower
+yet is refused here with the field to change, before any memory is allocated.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from ms_llm.errors import StrategyError
+from ms_llm.strategy.plan import ChunkPlan, ModelPlan
+from torch_backend.mesh import Meshes
+from torch_backend.parallelize import parallelize
+from torch_backend.parallelize.dp import DataParallel, build_data_parallel
+from torch_backend.parallelize.precision import autocast, check_precision
+from torch_backend.pipeline import build_schedule, cut_chunk
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss; logits (B, T, V), possibly vocab-sharded under loss_parallel."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class Lowered:
+    plan: ModelPlan
+    meshes: Meshes
+    device: torch.device
+    chunks: tuple[ChunkPlan, ...]      # this rank's chunks, in virtual order
+    parts: list[nn.Module]             # one wrapped module per chunk
+    dp: DataParallel
+    schedule: Optional[object]         # a torch.distributed.pipelining schedule when pp > 1
+
+    @property
+    def has_first(self) -> bool:
+        return any(c.has_embedding for c in self.chunks)
+
+    @property
+    def has_last(self) -> bool:
+        return any(c.has_head for c in self.chunks)
+
+    def loss_context(self) -> ContextManager:
+        """Vocab-parallel cross entropy over the tp-sharded logits (forward and backward)."""
+        return loss_parallel() if self.plan.strategy.tp > 1 else nullcontext()
+
+    def autocast(self) -> ContextManager:
+        return autocast(self.plan, self.device.type)
+
+
+def check_supported(plan: ModelPlan) -> None:
+    s = plan.strategy
+    problems = []
+    if s.cp > 1:
+        problems.append("strategy.cp: context parallel is not lowered by the torch backend yet; use cp: 1")
+    if plan.model.num_experts:
+        problems.append("model.num_experts: the torch model is dense; MoE is not lowered yet")
+    if plan.model.tie_embeddings and s.tp > 1:
+        problems.append("model.tie_embeddings: a tied embedding cannot be both the vocab-parallel embedding "
+                        "and head in the torch backend; untie it or use tp: 1")
+    if s.offload.optimizer or s.offload.params:
+        problems.append("strategy.offload: the torch backend does not offload yet; set optimizer/params false")
+    if problems:
+        raise StrategyError(problems)
+    check_precision(plan)
+
+
+def lower(plan: ModelPlan, meshes: Meshes, device: torch.device, rank: int, compile: bool = False) -> Lowered:
+    check_supported(plan)
+    chunks = plan.chunks_of_stage(meshes.coord("pp"))
+    dp = build_data_parallel(plan, meshes, device)
+    with torch.device("meta"):
+        parts = [cut_chunk(plan.model, chunk) for chunk in chunks]
+    parts = parallelize(parts, plan, meshes, dp, device, rank, plan.train.seed, compile)
+    schedule = None
+    if plan.strategy.pp > 1:
+        schedule = build_schedule(plan, parts, chunks, meshes.group("pp"), device, cross_entropy)
+    return Lowered(plan, meshes, device, chunks, parts, dp, schedule)

@@ -1,0 +1,49 @@
+"""The plan's named mesh as a torch DeviceMesh, with every derived axis flattened once.
+
+torch's DeviceMesh uses the same row-major rank order as ms_llm.strategy.mesh, so mesh
+rank r is global rank r and no remapping happens here. Derived axes (dp, dp_cp, ...) are
+flattened at build time and kept in a dict: torch wants callers to hold flattened meshes
+themselves rather than slice them back out of the root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ms_llm.strategy.mesh import DERIVED_AXES, MeshSpec
+
+
+@dataclass
+class Meshes:
+    """The world mesh plus 1-D (or flattened) sub-meshes by axis name."""
+    spec: MeshSpec
+    world: DeviceMesh
+    derived: dict[str, DeviceMesh] = field(default_factory=dict)
+
+    def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(name, str) and name in self.derived:
+            return self.derived[name]
+        return self.world[name]
+
+    def size(self, name: str) -> int:
+        return self.spec.axis_size(name)
+
+    def coord(self, name: str) -> int:
+        """This rank's position along (possibly derived) axis `name`."""
+        return self.spec.index_in(name, dist.get_rank())
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self[name].get_group()
+
+
+def build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
+    """init_device_mesh over the plan's axes (size-1 axes included, so every name exists),
+    then flatten each derived axis of DERIVED_AXES."""
+    world = init_device_mesh(device_type, spec.shape, mesh_dim_names=spec.names)
+    meshes = Meshes(spec, world)
+    for name, axes in DERIVED_AXES.items():
+        if all(a in spec.names for a in axes):
+            meshes.derived[name] = world[axes]._flatten(name)
+    return meshes

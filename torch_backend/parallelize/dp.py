@@ -1,0 +1,234 @@
+"""Data parallelism and ZeRO: one small interface, several engines behind it.
+
+The trainer only ever calls, in this order:
+
+    parts = dp.wrap(parts)                      once, after TP / AC / compile
+    optimizer = dp.make_optimizer(params, cls, kwargs)
+    per step:
+        with dp.sync(part, last):               around each micro-batch's forward + backward
+        dp.reduce_grads(parts)                  after the last backward
+        norm = dp.step(optimizer, params, lr, grad_clip, pp_group)   clip, update, clear grads
+
+Engines:
+    shared  ms_llm's ZeRO engine (ms_llm.zero), stages 0-3, the same partition on both
+            backends; 'auto' takes it wherever this adapter supports the strategy
+    native  stage 0: DistributedDataParallel (FSDP2's `replicate` under tensor or pipeline
+            parallelism); stage 1: DDP + ZeroRedundancyOptimizer; stage 2: FSDP2 fully_shard
+            keeping parameters unsharded until backward; stage 3: fully_shard resharding
+            after forward
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import ContextManager, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from ms_llm.errors import StrategyError
+from ms_llm.strategy.plan import ModelPlan
+from torch_backend.clip import clip_grad_norm
+from torch_backend.mesh import Meshes
+from torch_backend.parallelize.precision import DTYPES
+
+
+class DataParallel:
+    """No data parallelism (dp = 1): gradients are complete after backward."""
+    name = "none"
+
+    def wrap(self, parts: list[nn.Module]) -> list[nn.Module]:
+        return parts
+
+    def sync(self, part: nn.Module, last: bool) -> ContextManager:
+        """Context for one micro-batch; `last` marks the one whose backward must reduce."""
+        return nullcontext()
+
+    def reduce_grads(self, parts: list[nn.Module]) -> None:
+        """Engines that reduce inside backward have nothing left to do here."""
+
+    def make_optimizer(self, params: Iterable, cls: type, kwargs: dict) -> Optional[torch.optim.Optimizer]:
+        return cls(params, **kwargs)
+
+    def gather_params(self) -> None:
+        """Make every parameter of this rank readable (between steps, for export or checks)."""
+
+    def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], lr: float, grad_clip: float,
+             pp_group) -> torch.Tensor:
+        """Clip to the global norm, update, clear gradients; returns the norm before clipping."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        norm = clip_grad_norm(params, grad_clip, pp_group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
+class DDP(DataParallel):
+    """ZeRO-0: replicas all-reduce bucketed gradients during backward."""
+    name = "ddp"
+
+    def __init__(self, group, bucket_mb: float, grad_reduce_dtype: str):
+        self.group, self.bucket_mb, self.grad_reduce_dtype = group, bucket_mb, grad_reduce_dtype
+
+    def _wrap(self, part: nn.Module) -> nn.Module:
+        ddp = DistributedDataParallel(part, process_group=self.group, bucket_cap_mb=self.bucket_mb,
+                                      gradient_as_bucket_view=True, forward_sync_buffers=False)
+        if self.grad_reduce_dtype != "float32":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            hook = {"float16": default_hooks.fp16_compress_hook,
+                    "bfloat16": default_hooks.bf16_compress_hook}[self.grad_reduce_dtype]
+            ddp.register_comm_hook(self.group, hook)
+        return ddp
+
+    def wrap(self, parts):
+        return [self._wrap(part) for part in parts]
+
+    def sync(self, part: nn.Module, last: bool) -> ContextManager:
+        return nullcontext() if last else part.no_sync()
+
+
+class ZeroOptimizer(DDP):
+    """ZeRO-1: DDP reduces gradients; each rank updates its share of the parameters and
+    broadcasts it (torch's ZeroRedundancyOptimizer)."""
+    name = "ddp+zero_redundancy_optimizer"
+
+    def make_optimizer(self, params, cls, kwargs):
+        return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=self.group, **kwargs)
+
+
+class Replicate(DataParallel):
+    """ZeRO-0 where DDP does not fit: DTensor (tensor-parallel) parameters, which DDP cannot take,
+    and pipeline stages, whose schedules drive FSDP2-style modules' reduction but not DDP's
+    bucket rebuild. FSDP2's replicate: an all-reduce per parameter group in backward."""
+    name = "replicate"
+
+    def __init__(self, mesh: DeviceMesh, mp: MixedPrecisionPolicy):
+        self.mesh, self.mp = mesh, mp
+
+    def wrap(self, parts):
+        return [replicate(part, mesh=self.mesh, mp_policy=self.mp) for part in parts]
+
+
+class FSDP(DataParallel):
+    """ZeRO-2 / 3 with FSDP2: one shard group per decoder layer plus one for the rest."""
+    name = "fsdp2"
+
+    def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool, mp: MixedPrecisionPolicy):
+        self.mesh, self.reshard, self.mp = mesh, reshard_after_forward, mp
+
+    def _wrap(self, part: nn.Module) -> nn.Module:
+        for layer in part.model.layers.values():
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
+        return fully_shard(part, mesh=self.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
+
+    def wrap(self, parts):
+        return [self._wrap(part) for part in parts]
+
+
+class SharedZero(DataParallel):
+    """ms_llm's ZeRO engine: gradients leave autograd into its buckets, it reduces, clips and
+    runs the optimizer on the owned shards itself (torch_backend.zero.ZeroDataParallel)."""
+    name = "shared"
+
+    def __init__(self, plan: ModelPlan, device: torch.device):
+        from ms_llm.zero import zero_plan
+        from ms_llm.zero.engine import EngineConfig
+
+        self.plan, self.device = plan, device
+        self.zplan, self.config = zero_plan(plan), EngineConfig.from_job(plan.strategy, plan.train)
+        self.engine = None
+
+    def wrap(self, parts):
+        from torch_backend.zero import ZeroDataParallel
+
+        (part,) = parts          # one chunk per rank: shared_engine_problem() checked it
+        self.engine = ZeroDataParallel(part, self.zplan, dist.get_rank(), self.config, self.device)
+        return parts
+
+    def sync(self, part, last):
+        return nullcontext() if last else self.engine.no_sync()
+
+    def reduce_grads(self, parts):
+        """A pipeline schedule runs every micro-batch's backward under no_sync (its last backward
+        is not the end of the step); this flushes the accumulated gradients."""
+        if self.plan.strategy.pp > 1:
+            self.engine.engine.finish_backward()
+
+    def make_optimizer(self, params, cls, kwargs):
+        return None              # the engine owns the optimizer states of its shards
+
+    def gather_params(self):
+        """ZeRO-3 frees parameters outside their layer's forward and backward."""
+        if self.engine.engine.gather is not None:
+            self.engine.engine.gather.gather_all()
+
+    def step(self, optimizer, params, lr, grad_clip, pp_group):
+        norm = self.engine.step(lr)
+        return torch.tensor(float("nan") if norm is None else norm)
+
+
+def mixed_precision(plan: ModelPlan) -> MixedPrecisionPolicy:
+    prec = plan.strategy.precision
+    return MixedPrecisionPolicy(param_dtype=DTYPES[prec.param_dtype], reduce_dtype=DTYPES[prec.grad_reduce_dtype])
+
+
+def shared_engine_problem(plan: ModelPlan) -> Optional[str]:
+    """Why the shared engine cannot run this plan on torch yet (None: it can)."""
+    s = plan.strategy
+    if s.tp > 1:
+        return "strategy.tp: the torch adapter of the shared ZeRO engine takes plain (not tensor-parallel) parameters"
+    if s.pipeline.virtual_stages > 1:
+        return "strategy.pipeline.virtual_stages: the torch adapter of the shared ZeRO engine takes one chunk per rank"
+    if s.pp > 1 and s.pipeline.schedule in ("zero_bubble", "zbv"):
+        # Their split weight-gradient pass sets .grad outside autograd's accumulation hooks.
+        return (f"strategy.pipeline.schedule: {s.pipeline.schedule} computes weight gradients outside the "
+                "hooks the shared ZeRO engine collects them from")
+    return None
+
+
+def engine_for(plan: ModelPlan) -> str:
+    """Which engine runs the plan's data parallelism: the name of a class above. strategy.zero.engine
+    'auto' = shared where its torch adapter supports the plan, native otherwise."""
+    s, zero = plan.strategy, plan.zero
+    if s.dp == 1:
+        return DataParallel.name
+    problem = shared_engine_problem(plan)
+    if s.zero.engine == "shared" or (s.zero.engine == "auto" and problem is None):
+        if problem:
+            raise StrategyError(f"{problem}; use strategy.zero.engine: native (or auto)")
+        return SharedZero.name
+    if s.precision.grad_reduce_dtype == "bfloat16" and zero.stage < 2 and not (s.tp > 1 or s.pp > 1):
+        raise StrategyError("strategy.precision.grad_reduce_dtype: DDP's bf16 gradient compression needs "
+                            "CUDA and is not wired here; use float32 (or float16), or engine shared")
+    if zero.stage == 0 or zero.group_size == 1:
+        return Replicate.name if s.tp > 1 or s.pp > 1 else DDP.name
+    if zero.stage == 1:
+        if s.tp > 1:
+            raise StrategyError("strategy.zero.stage: torch's native stage-1 optimizer does not take "
+                                "tensor-parallel parameters; use stage 2/3 (FSDP2)")
+        return ZeroOptimizer.name
+    return FSDP.name
+
+
+def build_data_parallel(plan: ModelPlan, meshes: Meshes, device: torch.device) -> DataParallel:
+    s, zero = plan.strategy, plan.zero
+    name = engine_for(plan)
+    if name == SharedZero.name:
+        return SharedZero(plan, device)
+    if name == DDP.name:
+        return DDP(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
+    if name == ZeroOptimizer.name:
+        return ZeroOptimizer(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
+    if name == Replicate.name:
+        return Replicate(meshes["dp"], mixed_precision(plan))
+    if name == FSDP.name:
+        # HSDP when shard groups are replicated: a 2-D (replicate, shard) mesh.
+        mesh = meshes[("dp_replicate", "dp_shard")] if zero.replicate_size > 1 else meshes["dp_shard"]
+        return FSDP(mesh, reshard_after_forward=zero.stage == 3, mp=mixed_precision(plan))
+    return DataParallel()

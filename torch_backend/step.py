@@ -1,0 +1,70 @@
+"""One training step on this rank: forward/backward over the micro-batches (or the pipeline
+schedule), gradient reduction, clipping, learning rate, optimizer. The trainer loop and the
+overhead benchmark both call exactly this."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ms_llm.config.train import OptimizerConfig
+from ms_llm.run import lr_at
+from torch_backend.lower import Lowered, cross_entropy, local_value
+
+
+def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list[nn.Parameter], dict]:
+    """(class, params, kwargs). Weight decay applies to every parameter, as in the shared ZeRO
+    engine and the MindSpore optimizer, so all engines follow one update rule."""
+    if opt.name == "sgd":
+        return torch.optim.SGD, params, {"lr": opt.lr, "weight_decay": opt.weight_decay}
+    return torch.optim.AdamW, params, {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps,
+                                       "weight_decay": opt.weight_decay}
+
+
+class TrainStep:
+    def __init__(self, lowered: Lowered):
+        self.m, self.plan = lowered, lowered.plan
+        self.params = [p for part in lowered.parts for p in part.parameters()]
+        cls, params, kwargs = optimizer_args(self.plan.train.optimizer, self.params)
+        self.optimizer = lowered.dp.make_optimizer(params, cls, kwargs)
+        meshes, s = lowered.meshes, self.plan.strategy
+        self.pp_group = meshes.group("pp") if s.pp > 1 else None
+        # The global loss: summed over the ranks that hold a loss once per data-parallel
+        # replica (last stage, tp rank 0), each weighted 1/dp.
+        holds = lowered.has_last and meshes.coord("tp") == 0 and meshes.coord("cp") == 0
+        self.loss_weight = (1.0 if holds else 0.0) / s.dp
+        self.world = self.plan.world_size
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients of the local batch (B, T); return this rank's mean loss."""
+        m, n = self.m, self.plan.micro_batches
+        if m.schedule is not None:
+            losses: list[torch.Tensor] = []
+            args = (tokens,) if m.has_first else ()
+            # The schedule's last backward need not end the step (reduce_grads does), so
+            # engines that reduce from backward hooks accumulate through all of it.
+            with m.dp.sync(m.parts[0], last=False), m.loss_context(), m.autocast():
+                m.schedule.step(*args, target=targets if m.has_last else None, losses=losses)
+            if not losses:
+                return torch.zeros((), device=m.device)
+            return torch.stack([local_value(l).detach().float() for l in losses]).mean()
+        part, total = m.parts[0], torch.zeros((), device=m.device)
+        for i, (x, y) in enumerate(zip(tokens.chunk(n), targets.chunk(n))):
+            with m.dp.sync(part, last=i == n - 1), m.loss_context():
+                with m.autocast():
+                    loss = cross_entropy(part(x), y) / n          # mean over the local batch
+                loss.backward()
+            total += local_value(loss.detach())
+        return total
+
+    def __call__(self, step: int, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch: (B_local, T + 1) token ids. Returns (global mean loss, grad norm), unsynced."""
+        batch = batch.to(self.m.device, non_blocking=True)
+        loss = self.forward_backward(batch[:, :-1], batch[:, 1:])
+        self.m.dp.reduce_grads(self.m.parts)
+        grad_norm = self.m.dp.step(self.optimizer, self.params, lr_at(step, self.plan.train),
+                                   self.plan.train.optimizer.grad_clip, self.pp_group)
+        if self.world > 1:
+            loss = loss * self.loss_weight
+            dist.all_reduce(loss)
+        return loss, grad_norm

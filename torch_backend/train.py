@@ -1,0 +1,72 @@
+"""The training loop of one worker: plan, lower, then step, log, repeat."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict
+from ms_llm.config.train import TrainConfig
+from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens
+from ms_llm.run import MetricsLogger, RunFolder, StepMetrics, lr_at
+from ms_llm.strategy.devices import get_device
+from ms_llm.strategy.plan import plan as make_plan
+from torch_backend.lower import lower
+from torch_backend.mesh import build_meshes
+from torch_backend.step import TrainStep
+
+
+def token_stream(train: TrainConfig, run: RunFolder) -> np.ndarray:
+    """The shared corpus: built once per node (local rank 0) into the run folder, then mapped."""
+    if train.data.source != "stdlib":
+        return load_tokens(train.data.source, train.data.token_dtype)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        build_stdlib_corpus(run.data)
+    dist.barrier()
+    return load_tokens(build_stdlib_corpus(run.data))     # cached by now: returns the path
+
+
+def memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # peak RSS (KiB on Linux)
+
+
+def train(job: JobConfig, run: RunFolder, device: torch.device) -> list[StepMetrics]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tc = job.train
+    plan = make_plan(job.model, job.strategy, tc, world)
+    if rank == 0:
+        run.config.write_text(dump_yaml(job_to_dict(dataclasses.replace(job, strategy=plan.strategy))))
+
+    # Lower the plan: mesh, pipeline chunks, TP/SP, AC, compile, DP/ZeRO (torch_backend/parallelize).
+    meshes = build_meshes(plan.mesh, device.type)
+    step_fn = TrainStep(lower(plan, meshes, device, rank, compile=tc.compile))
+
+    # Data: the global batch of step k is fixed; this dp rank reads its rows of it.
+    sampler = GlobalBatchSampler(token_stream(tc, run), tc.seq_len, tc.global_batch_size, tc.seed)
+    dp_rank, dp_size = meshes.coord("dp"), meshes.size("dp")
+
+    logger = MetricsLogger(run.metrics if rank == 0 else None, tc.steps, tc.log_every)
+    tokens_per_step = tc.global_batch_size * tc.seq_len
+    flops_per_token = plan.model.flops_per_token(tc.seq_len)
+    peak_flops = get_device(job.device).peak_flops * world
+    history = []
+    for step in range(tc.steps):
+        t0 = time.perf_counter()
+        batch = torch.from_numpy(sampler.local_batch(step, dp_rank, dp_size))    # (B_local, T + 1)
+        loss, grad_norm = step_fn(step, batch)
+        loss, grad_norm = loss.item(), grad_norm.item()                        # waits for the step
+        dt = time.perf_counter() - t0
+        m = StepMetrics(step=step + 1, loss=loss, lr=lr_at(step, tc), tokens_per_s=tokens_per_step / dt,
+                        mfu=flops_per_token * tokens_per_step / dt / peak_flops, memory_gb=memory_gb(device),
+                        grad_norm=grad_norm, step_time_s=dt)
+        logger.log(m, force=step == 0)
+        history.append(m)
+    logger.close()
+    return history
