@@ -172,14 +172,13 @@ class ZeroEngine:
             if not final and len(st.ready) < len(b.slots):
                 return
             self._next_launch += 1
-            if self._reduces_now(b):
+            # A bucket no gradient reached since the last flush (a pipeline flushing after
+            # backwards that already reduced) has nothing to send; every rank sees the same.
+            if self._reduces_now(b) and st.grad_full is not None:
                 self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
-        st = self.state[b.index]
-        if st.grad_full is None:
-            st.grad_full = self.ops.zeros(b.numel, self._dtype(b))
-        buf = st.grad_full
+        buf = self.state[b.index].grad_full
         if self.config.reduce_dtype != self._dtype(b):
             buf = self.ops.cast(buf, self.config.reduce_dtype)
         first = self.zplan.grad_collectives(b)[0]
