@@ -109,6 +109,9 @@ class MsOps:
     def zeros(self, numel: int, dtype: str, host: bool = False) -> Tensor:
         return ops.zeros((numel,), DTYPES[dtype])
 
+    def empty(self, numel: int, dtype: str) -> Tensor:
+        return ops.zeros((numel,), DTYPES[dtype])
+
     def free(self, buf: Tensor) -> None:
         """MindSpore's memory pool reuses the storage once the tensor is dropped."""
 

@@ -112,8 +112,9 @@ class ZeroEngine:
         return self.index * b.segment if b.sharded else 0
 
     def _own_params(self, b: Bucket) -> Tensor:
-        """The owned segment of the current parameter values, packed from the model."""
-        buf = self.ops.zeros(b.numel, self._dtype(b))
+        """A bucket whose owned segment holds the current parameter values, packed from the
+        model (the other segments are for the all-gather to fill)."""
+        buf = self.ops.zeros(b.numel, self._dtype(b)) if b.padding else self.ops.empty(b.numel, self._dtype(b))
         for s in b.slots:
             if b.sharded:
                 buf = self.ops.pack_own(buf, 0, b.segment, s, self.index, self.params[s.name])
@@ -280,7 +281,7 @@ class ZeroEngine:
                 st.param_shard = ops.write(st.param_shard, 0, p)
             else:
                 if pbuf is None:
-                    pbuf = ops.zeros(b.numel, self._dtype(b))
+                    pbuf = ops.empty(b.numel, self._dtype(b))     # the owned segment comes next, whole
                 pbuf = ops.write(pbuf, self._own_start(b), p)
                 gathers.append((b, pbuf, self._gather(b, pbuf)))
             for t in (st.grad_full, st.grad_shard):

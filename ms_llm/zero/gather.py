@@ -42,7 +42,7 @@ class UnitGather:
             b = e.zplan.buckets[index]
             if not b.sharded:
                 continue
-            pbuf = ops.zeros(b.numel, e.zplan.buffers[b.buffer].dtype)
+            pbuf = ops.empty(b.numel, e.zplan.buffers[b.buffer].dtype)     # filled whole: shard + gather
             pbuf = ops.write(pbuf, e.index * b.segment, e.state[index].param_shard)
             issued.append((index, pbuf, e._gather(b, pbuf)))
         self.inflight[u.name] = issued

@@ -64,6 +64,9 @@ class TensorOps(Protocol):
     def zeros(self, numel: int, dtype: str, host: bool = False) -> Tensor:
         """A flat zero tensor on the device (or in host memory for offloaded states)."""
 
+    def empty(self, numel: int, dtype: str) -> Tensor:
+        """A flat device tensor whose every element the engine overwrites before reading it."""
+
     def free(self, buf: Tensor) -> None:
         """The engine is done with a flat buffer it got from zeros / cast (backends may reuse it)."""
 

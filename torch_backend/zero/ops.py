@@ -53,6 +53,9 @@ class TorchOps:
     def zeros(self, numel: int, dtype: str, host: bool = False) -> torch.Tensor:
         return self._take(numel, DTYPES[dtype], host)[0].zero_()
 
+    def empty(self, numel: int, dtype: str) -> torch.Tensor:
+        return self._take(numel, DTYPES[dtype], False)[0]
+
     def free(self, buf: torch.Tensor) -> None:
         self._pool.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
 
