@@ -42,9 +42,10 @@ def cpu_runtime_problems(p: ModelPlan) -> list[str]:
             "only on Ascend (or GPU): on CPU it stops with 'Invalid communication backend'. Here use data "
             "parallel (dp, zero.stage 1 or 2), run the same command on an Ascend machine, use --backend torch, "
             "or add --dry-run to print the lowering")
-    if s.zero.stage >= 3:
+    if s.zero.stage >= 3 and s.zero.engine != "shared":
         problems.append("strategy.zero.stage: 3 keeps parameters sharded between uses; MindSpore does that with "
-                        "its parallel optimizer (optimizer_level level3), Ascend only. Use stage 1 or 2 on CPU")
+                        "its parallel optimizer (optimizer_level level3), Ascend only. Use stage 1 or 2 on CPU, "
+                        "or strategy.zero.engine: shared (ms_llm's ZeRO engine, PyNative)")
     if s.offload.optimizer or s.offload.params:
         problems.append("strategy.offload: the MindSpore CPU runtime has no offload (everything is host memory "
                         "already); remove it")

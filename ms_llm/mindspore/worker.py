@@ -5,11 +5,14 @@
 Every rank builds the same model from the seed, reads its rows of the shared global batch
 (GlobalBatchSampler: the batch at step k is the same for any dp size), and runs one compiled
 graph per step: micro-batch gradients, AllReduce mean (DATA_PARALLEL), clipping, AdamW with
-ZeRO shards. Rank 0 writes the progress lines and metrics.jsonl the torch backend writes.
+ZeRO shards. With strategy.zero.engine 'shared' the step is ms_llm's ZeRO engine instead
+(stages 0-3, PyNative around a compiled gradient function). Rank 0 writes the progress
+lines and metrics.jsonl the torch backend writes.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import time
 from pathlib import Path
@@ -25,9 +28,12 @@ from ms_llm.mindspore.collectives import MeanOverRanks, zero_shards
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.mindspore.optim import AdamW
 from ms_llm.mindspore.train_step import TrainStep
+from ms_llm.mindspore.zero import MsZeroDataParallel
 from ms_llm.run import MetricsLogger, RunFolder, StepMetrics, lr_at
 from ms_llm.strategy.devices import get_device
 from ms_llm.strategy.plan import plan
+from ms_llm.zero import zero_plan
+from ms_llm.zero.engine import EngineConfig
 
 
 def build_step(job, p, rank: int, world: int) -> TrainStep:
@@ -43,6 +49,28 @@ def build_step(job, p, rank: int, world: int) -> TrainStep:
     return step
 
 
+def build_shared_step(job, p, rank: int, world: int):
+    """strategy.zero.engine 'shared': ms_llm's ZeRO engine (stages 0-3, the partition the torch
+    backend uses) driving a compiled gradient function from PyNative. Same call and results
+    as TrainStep: (inputs (M, B, T), labels, lr) -> (mean loss over ranks, gradient norm)."""
+    net = Transformer(job.model)
+    net.init_weights(job.train.seed)
+    runner = MsZeroDataParallel(LossCell(net), zero_plan(p), rank, EngineConfig.from_job(p.strategy, job.train),
+                                net=net)
+    mean = MeanOverRanks(world) if world > 1 else None
+
+    def step(inputs, labels, lr):
+        m = inputs.shape[0]
+        total = None
+        for i in range(m):
+            with runner.no_sync() if i < m - 1 else contextlib.nullcontext():
+                loss = runner.backward(inputs[i], labels[i], scale=1.0 / m)
+            total = loss if total is None else total + loss
+        norm = runner.step(float(lr.asnumpy()))
+        return (mean(total) if mean else total), ms.Tensor(float("nan") if norm is None else norm, ms.float32)
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -52,22 +80,26 @@ def main(argv: list[str] | None = None) -> int:
 
     job = load_job(args.config)
     run = RunFolder(Path(args.run_dir))
-    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    shared = job.strategy.zero.engine == "shared"
+    ms.set_context(mode=ms.PYNATIVE_MODE if shared else ms.GRAPH_MODE, device_target="CPU")
     init()
     rank, world = get_rank(), get_group_size()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True, device_num=world)
+    if not shared:
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                     device_num=world)
     p = plan(job.model, job.strategy, job.train, world)
     train, dp = job.train, p.strategy.dp
     dp_rank = p.mesh.index_in("dp", rank)
 
-    step_cell = build_step(job, p, rank, world)
+    step_cell = build_shared_step(job, p, rank, world) if shared else build_step(job, p, rank, world)
     sampler = GlobalBatchSampler(load_tokens(Path(args.tokens), train.data.token_dtype), train.seq_len,
                                  train.global_batch_size, train.seed)
     logger = MetricsLogger(run.metrics if rank == 0 else None, train.steps, train.log_every)
     device = get_device(job.device)
     tokens_per_step = train.global_batch_size * train.seq_len
     flops_per_step = job.model.flops_per_token(train.seq_len) * tokens_per_step
-    logger.event(event="start", backend="mindspore", mode="DATA_PARALLEL/GRAPH/CPU", world_size=world,
+    mode = "shared ZeRO engine/PYNATIVE/CPU" if shared else "DATA_PARALLEL/GRAPH/CPU"
+    logger.event(event="start", backend="mindspore", mode=mode, world_size=world,
                  dp=dp, zero_stage=p.zero.stage, micro_batches=p.micro_batches)
 
     for step in range(train.steps):

@@ -218,6 +218,8 @@ class MsZeroDataParallel:
         self.loss_cell = loss_cell
         self.weights: list[Parameter] = loss_cell.trainable_params()
         params = {p.name: p for p in self.weights}
+        names = {v: k for k, v in DTYPES.items()}
+        zplan.check_dtypes({name: names.get(p.dtype, str(p.dtype)) for name, p in params.items()})
         self.engine = ZeroEngine(zplan, rank, params, MsComm(), MsOps(), config, get_group_size())
         grad_fn = ms.value_and_grad(_Scaled(loss_cell), None, self.weights)
         if self.engine.gather is None:

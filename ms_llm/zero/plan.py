@@ -87,6 +87,18 @@ class ZeroPlan:
                     return b, s
         raise KeyError(name)
 
+    def check_dtypes(self, actual: dict[str, str]) -> None:
+        """Raise if a parameter's dtype (name -> dtype name, as the model holds it) is not the
+        one its buffer was planned in."""
+        for b in self.buckets:
+            want = self.buffers[b.buffer].dtype
+            for s in b.slots:
+                got = actual.get(s.name)
+                if got is not None and got != want:
+                    raise StrategyError(
+                        f"strategy.precision.param_dtype: the ZeRO plan keeps {s.name} in {want} but the model "
+                        f"holds it in {got}; cast the model to {want} or set precision.param_dtype: {got}")
+
     def grad_collectives(self, bucket: Bucket) -> tuple[Collective, ...]:
         return grad_collectives(self.stage, bucket.sharded, len(self.groups["replicate"][0]))
 

@@ -19,6 +19,7 @@ Engines:
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from typing import ContextManager, Iterable, Optional
 
@@ -140,6 +141,11 @@ class SharedZero(DataParallel):
         from ms_llm.zero import zero_plan
         from ms_llm.zero.engine import EngineConfig
 
+        # This backend holds parameters in master_dtype and casts for compute (autocast), so the
+        # engine's buffers take that dtype and need no second (master) copy.
+        prec = plan.strategy.precision
+        held = dataclasses.replace(plan.strategy, precision=dataclasses.replace(prec, param_dtype=prec.master_dtype))
+        plan = dataclasses.replace(plan, strategy=held)
         self.plan, self.device = plan, device
         self.zplan, self.config = zero_plan(plan), EngineConfig.from_job(plan.strategy, plan.train)
         self.engine = None

@@ -25,7 +25,9 @@ from torch.distributed.tensor import DTensor
 from ms_llm.zero.engine import EngineConfig, ZeroEngine
 from ms_llm.zero.plan import OwnedPiece, ZeroPlan
 from torch_backend.zero.comm import TorchComm
-from torch_backend.zero.ops import TorchOps
+from torch_backend.zero.ops import DTYPES, TorchOps
+
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -43,6 +45,7 @@ class ZeroDataParallel:
         named = {name: p for part in self.parts for name, p in part.named_parameters()}
         with torch.no_grad():
             params = {name: _local(p) for name, p in named.items()}
+        zplan.check_dtypes({name: DTYPE_NAMES[p.dtype] for name, p in params.items()})
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.engine = ZeroEngine(zplan, rank, params, TorchComm(), TorchOps(torch.device(device)), config, world)
         self._queued = False
