@@ -46,7 +46,12 @@ def train(job: JobConfig, run: RunFolder, device: torch.device) -> list[StepMetr
 
     # Lower the plan: mesh, pipeline chunks, TP/SP, AC, compile, DP/ZeRO (torch_backend/parallelize).
     meshes = build_meshes(plan.mesh, device.type)
-    step_fn = TrainStep(lower(plan, meshes, device, rank, compile=tc.compile))
+    lowered = lower(plan, meshes, device, rank, compile=tc.compile)
+    step_fn = TrainStep(lowered)
+    if rank == 0:
+        print(f"lowered: {plan.mesh.describe()} | data parallel: {lowered.dp.name} (ZeRO {plan.zero.stage}) | "
+              f"{plan.micro_batches} micro-batch(es) | precision {plan.strategy.precision.compute_dtype} | "
+              f"device {device}", flush=True)
 
     # Data: the global batch of step k is fixed; this dp rank reads its rows of it.
     sampler = GlobalBatchSampler(token_stream(tc, run), tc.seq_len, tc.global_batch_size, tc.seed)
