@@ -45,6 +45,11 @@ def cpu_runtime_problems(p: ModelPlan) -> list[str]:
     if s.zero.stage >= 3:
         problems.append("strategy.zero.stage: 3 keeps parameters sharded between uses; MindSpore does that with "
                         "its parallel optimizer (optimizer_level level3), Ascend only. Use stage 1 or 2 on CPU")
+    prec = s.precision
+    if (prec.param_dtype, prec.compute_dtype) != ("float32", "float32"):
+        problems.append(f"strategy.precision: the MindSpore CPU runtime trains in float32 (MindSpore has no bfloat16 "
+                        f"MatMul on CPU), got param_dtype {prec.param_dtype}, compute_dtype {prec.compute_dtype}; "
+                        "set both to float32 (Ascend runs the mixed-precision path)")
     if s.offload.optimizer or s.offload.params:
         problems.append("strategy.offload: the MindSpore CPU runtime has no offload (everything is host memory "
                         "already); remove it")

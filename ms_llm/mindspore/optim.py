@@ -3,7 +3,7 @@
 MindSpore's nn.AdamWeightDecay has no bias correction, so its updates differ from
 torch's; both backends must follow one loss curve, so the update is written out here:
 
-    p <- p * (1 - lr * wd)
+    p <- p * (1 - lr * wd)           (wd = 0 for 1-D parameters: norms, as the torch backend)
     m <- m + (g - m) * (1 - beta1);  v <- beta2 * v + (1 - beta2) * g^2
     p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
@@ -61,7 +61,8 @@ class AdamW(nn.Cell):
         super().__init__(auto_prefix=False)
         shards = shards or [None] * len(params)
         self.params = ms.ParameterTuple(params)
-        self.beta1, self.beta2, self.eps, self.wd = cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay
+        self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
+        self.wd = tuple(cfg.weight_decay if len(p.shape) >= 2 else 0.0 for p in params)
         self.sharded = tuple(s is not None for s in shards)
         self.shard_cells = nn.CellList([ShardedParam(s) for s in shards if s is not None])
         self.shard_slot = tuple(sum(self.sharded[:i]) for i in range(len(params)))
@@ -95,7 +96,7 @@ class AdamW(nn.Cell):
             if self.sharded[i]:
                 shard = self.shard_cells[self.shard_slot[i]]
                 p, grad = shard.local(p), shard.local(grad)
-            p = p * (1.0 - lr * self.wd)
+            p = p * (1.0 - lr * self.wd[i])
             m = self.exp_avg[i] + (grad - self.exp_avg[i]) * (1.0 - self.beta1)
             v = self.exp_avg_sq[i] * self.beta2 + grad * grad * (1.0 - self.beta2)
             p = p - step_size * m / (self.sqrt(v) / bias2_sqrt + self.eps)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.log(StepMetrics(
             step=step + 1, loss=loss, lr=lr, tokens_per_s=tokens_per_step / elapsed,
             mfu=flops_per_step / elapsed / (device.peak_flops * world),
-            memory_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, grad_norm=gnorm,
+            memory_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, grad_norm=gnorm,
             step_time_s=elapsed))
         if not np.isfinite(loss):
             logger.event(event="diverged", step=step + 1)
