@@ -125,3 +125,18 @@ def test_bfloat16_on_cpu_is_refused_with_the_fix():
     problems = cpu_runtime_problems(plan(job.model, job.strategy, job.train))
     assert any("set both to float32" in p for p in problems)
     assert any("zero.stage: 3" in p and "Use stage 1 or 2" in p for p in problems)
+
+
+@pytest.mark.mindspore
+def test_dry_run_with_a_run_dir_writes_mindspore_strategy_files(tmp_path):
+    ms = pytest.importorskip("mindspore")
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", "configs/train/llama2_70b_dp2_tp4_pp8.yaml",
+                           "--backend", "mindspore", "--dry-run", "--run-dir", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    files = sorted((tmp_path / "strategy").glob("ckpt_strategy_rank_*.ckpt"))
+    assert len(files) == 64
+    last = ms.parallel.build_searched_strategy(str(tmp_path / "strategy" / "ckpt_strategy_rank_63.ckpt"))
+    head = last["lm_head.weight"]
+    assert list(head.dev_matrix[0].dim) == [2, 4] and list(head.tensor_map[0].dim) == [0, -1]
+    assert "model.layers.79.mlp.down_proj.weight" in last and "model.layers.0.mlp.down_proj.weight" not in last

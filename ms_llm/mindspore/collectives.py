@@ -27,6 +27,23 @@ class MeanOverRanks(nn.Cell):
         return self.all_reduce(x) / self.world
 
 
+class BroadcastParams(nn.Cell):
+    """Copy rank 0's parameters to every rank (as DDP does at start): all ranks step from one model
+    even if something other than the shared seed set the weights."""
+
+    def __init__(self, params):
+        super().__init__(auto_prefix=False)
+        self.params = ms.ParameterTuple(params)
+        self.broadcast = ops.Broadcast(0)
+        self.assign = ops.Assign()
+
+    def construct(self):
+        values = self.broadcast(tuple(p * 1.0 for p in self.params))
+        for i in range(len(self.params)):
+            self.assign(self.params[i], values[i])
+        return values[0]
+
+
 def _group_name(ranks: list[int], world: int, created: dict) -> str:
     if ranks == list(range(world)):
         return GlobalComm.WORLD_COMM_GROUP

@@ -144,6 +144,12 @@ def cli_train(job: JobConfig, run_dir: str | None = None, world_size: int | None
         from ms_llm.mindspore.dry_run import dry_run_text
         from ms_llm.mindspore.lower import lower
 
-        print(dry_run_text(lower(plan(job.model, job.strategy, job.train, world_size))))
+        p = plan(job.model, job.strategy, job.train, world_size)
+        print(dry_run_text(lower(p)))
+        if run_dir is not None:             # the strategy files MindSpore would save, for its checkpoint tools
+            from ms_llm.mindspore.lower import write_strategy_files
+
+            files = write_strategy_files(p, Path(run_dir) / "strategy")
+            print(f"wrote {len(files)} strategy files to {Path(run_dir) / 'strategy'}")
         return 0
     return train(job, run_dir, world_size)

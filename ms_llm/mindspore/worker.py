@@ -21,7 +21,7 @@ from mindspore.communication import get_group_size, get_rank, init
 
 from ms_llm.config.job import load_job
 from ms_llm.data import GlobalBatchSampler, load_tokens
-from ms_llm.mindspore.collectives import MeanOverRanks, zero_shards
+from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks, zero_shards
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.mindspore.optim import AdamW
 from ms_llm.mindspore.train_step import TrainStep
@@ -36,6 +36,8 @@ def build_step(job, p, rank: int, world: int) -> TrainStep:
     loss_cell = LossCell(net)
     params = loss_cell.trainable_params()
     shards = zero_shards(p, [q.name for q in params], rank)
+    if world > 1:
+        BroadcastParams(params)().asnumpy()
     optimizer = AdamW(params, job.train.optimizer, shards)
     reducer = nn.DistributedGradReducer(params, mean=True, degree=world) if world > 1 else None
     mean = MeanOverRanks(world) if world > 1 else None
