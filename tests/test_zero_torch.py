@@ -10,13 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ms_llm.config.train import TrainConfig
 from ms_llm.strategy import cost
 from ms_llm.strategy.plan import plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from zero_torch_worker import (GLOBAL_BATCH, MICRO, MODEL, SEQ, Transformer, optimizer_config,  # noqa: E402
-                               reference, strategy_for)
+from zero_cases import MODEL, case_name, clip_for, optimizer_config, strategy_for, train_config  # noqa: E402
+from zero_torch_worker import Transformer, reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # stage:optimizer:shard_size:param_dtype:offload
@@ -30,11 +29,6 @@ CASES = {
         "1:adamw:-1:bfloat16:0", "2:adamw:-1:bfloat16:0", "1:adamw:-1:float32:1"],
 }
 ALL = [(world, case) for world, cases in CASES.items() for case in cases]
-
-
-def case_name(case: str) -> str:
-    stage, opt, shard, dtype, offload = case.split(":")
-    return f"s{stage}_{opt}_sh{shard}_{dtype}{'_off' if offload == '1' else ''}"
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +47,7 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: reference(optimizer_config(name, clip=0.0 if name == "sgd" else 1.0)) for name in ("sgd", "adamw")}
+    return {name: reference(optimizer_config(name, clip_for(name))) for name in ("sgd", "adamw")}
 
 
 @pytest.mark.slow
@@ -82,9 +76,7 @@ def test_matches_single_process_training(runs, references, world, case):
 def test_model_state_bytes_match_the_formula(runs, world, case):
     stage, opt, shard, dtype, offload = case.split(":")
     strategy = strategy_for(world, int(stage), int(shard), dtype, offload == "1")
-    train = TrainConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH // world // MICRO,
-                        seq_len=SEQ, optimizer=optimizer_config(opt, 0.0))
-    mem = cost.memory(plan(MODEL, strategy, train, world))
+    mem = cost.memory(plan(MODEL, strategy, train_config(world, opt), world))
     for rank in range(world):
         got = json.loads((runs[world] / f"{case_name(case)}.bytes{rank}.json").read_text())
         expected = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "host": mem.host_offload}

@@ -13,32 +13,17 @@ import os
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ms_llm.config.model import ModelConfig
-from ms_llm.config.train import OptimizerConfig, TrainConfig
-from ms_llm.strategy.ir import OffloadSpec, ParallelStrategy, PrecisionSpec, ZeroSpec
+from ms_llm.config.train import OptimizerConfig
 from ms_llm.strategy.plan import plan
 from ms_llm.zero import zero_plan
 from ms_llm.zero.engine import EngineConfig
 from torch_backend.model import Transformer
 
-MODEL = ModelConfig(name="zero-test", vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
-                    ffn_hidden_size=128, max_seq_len=32, dtype="float32")
-GLOBAL_BATCH, SEQ, STEPS, MICRO = 8, 16, 3, 2
-LR = {"sgd": 0.5, "adamw": 1e-2}
-
-
-def optimizer_config(name: str, clip: float) -> OptimizerConfig:
-    return OptimizerConfig(name=name, lr=LR[name], weight_decay=0.1, grad_clip=clip)
-
-
-def batches(seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, MODEL.vocab_size, size=(STEPS, GLOBAL_BATCH, SEQ + 1))
+from zero_cases import MICRO, MODEL, GLOBAL_BATCH, batches, case_name, strategy_for, train_config
 
 
 def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -68,19 +53,11 @@ def reference(opt: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[float
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-def strategy_for(dp: int, stage: int, shard: int = -1, dtype: str = "float32", offload: bool = False,
-                 bucket_mb: float = 0.02) -> ParallelStrategy:
-    return ParallelStrategy(dp=dp, zero=ZeroSpec(stage=stage, shard_size=shard, bucket_mb=bucket_mb),
-                            precision=PrecisionSpec(param_dtype=dtype, compute_dtype=dtype),
-                            offload=OffloadSpec(optimizer=offload))
-
-
 def run_case(rank: int, world: int, stage: int, opt_name: str, shard: int, dtype: str, offload: bool,
              out: Path) -> None:
     from torch_backend.zero import ZeroDataParallel
     strategy = strategy_for(world, stage, shard, dtype, offload)
-    train = TrainConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH // world // MICRO, seq_len=SEQ,
-                        optimizer=optimizer_config(opt_name, clip=0.0 if opt_name == "sgd" else 1.0))
+    train = train_config(world, opt_name)
     mplan = plan(MODEL, strategy, train, world)
     model = Transformer(MODEL)
     model.init_weights(1 + rank)      # replicas start different: the engine must broadcast rank 0's
@@ -103,7 +80,7 @@ def run_case(rank: int, world: int, stage: int, opt_name: str, shard: int, dtype
         losses.append(mean.item())
     if dp.engine.gather is not None:
         dp.engine.gather.gather_all()
-    name = f"s{stage}_{opt_name}_sh{shard}_{dtype}{'_off' if offload else ''}"
+    name = case_name(f"{stage}:{opt_name}:{shard}:{dtype}:{int(offload)}")
     if rank == 0:
         save_file({n: p.detach().float().contiguous() for n, p in model.named_parameters()}, out / f"{name}.safetensors")
         (out / f"{name}.json").write_text(json.dumps({"losses": losses}))

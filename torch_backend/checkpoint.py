@@ -14,6 +14,7 @@ DCP export/import (torch.distributed.checkpoint) lets torchtitan users move over
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -183,7 +184,9 @@ def export_dcp(src: str | Path, out: str | Path, names: str = "hf") -> Path:
             name, array = name_tables.to_torchtitan(name, array, ckpt.model_config())
         state_dict[name] = from_numpy(array, dtype)
     ckpt.close()
-    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True)
+    with warnings.catch_warnings():          # single process on purpose: full tensors, no group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True)
     return Path(out)
 
 
@@ -193,7 +196,9 @@ def dcp_source(folder: str | Path, model: ModelConfig, names: str = "hf") -> dic
     meta = reader.read_metadata()
     state_dict = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
                   for k, m in meta.state_dict_metadata.items() if isinstance(m, dcp_metadata.TensorStorageMetadata)}
-    dcp.load(state_dict, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state_dict, storage_reader=reader, no_dist=True)
     out = {}
     for key, t in state_dict.items():
         if t.dtype not in DTYPE_NAMES:

@@ -18,6 +18,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -89,15 +90,21 @@ class MemoryTier:
             os.close(fd)
         return False
 
-    def start_keeper(self) -> Optional[int]:
-        """Start a detached keeper unless one runs. Returns the new keeper's pid."""
+    def start_keeper(self, timeout_s: float = 60.0) -> Optional[int]:
+        """Start a detached keeper unless one runs; return once it holds the tier (its pid)."""
         if self.keeper_running():
             return None
-        log = open(self.root / "keeper.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "ms_llm.checkpoint.keeper", str(self.root),
-                                 "--ttl", str(self.ttl_s)], stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=log, start_new_session=True, close_fds=True)
-        log.close()
+        (self.root / PIDFILE).unlink(missing_ok=True)
+        with open(self.root / "keeper.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "ms_llm.checkpoint.keeper", str(self.root),
+                                     "--ttl", str(self.ttl_s)], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=log, start_new_session=True, close_fds=True)
+        deadline = time.monotonic() + timeout_s
+        while self.keeper_pid() != proc.pid:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise CheckpointError(f"memory tier: the keeper did not start (see {self.root / 'keeper.log'}); "
+                                      "set train.checkpoint.memory_tier: false to run without it")
+            time.sleep(0.02)
         return proc.pid
 
 

@@ -171,8 +171,8 @@ class CheckpointWriter:
             return
         src = item.data
         if tuple(src.shape) != dst.shape:
-            raise CheckpointError(f"{item.piece.name}: local tensor has shape {tuple(src.shape)} but its piece "
-                                  f"{item.piece.region} needs {dst.shape}")
+            raise CheckpointError(f"{item.piece.name}: local tensor has shape {tuple(src.shape)} but its piece at "
+                                  f"offsets {item.piece.region.offsets} needs {dst.shape}")
         if src.dtype != dst.dtype:
             raise CheckpointError(f"{item.piece.name}: local tensor is {src.dtype}, declared dtype stores "
                                   f"{dst.dtype}; convert it first")

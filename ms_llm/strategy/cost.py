@@ -307,7 +307,8 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
             vol["dp_cp"], kind["dp_cp"] = ring * (G + P), "reduce-scatter grads + all-gather params"
         elif s.zero.stage == 2:
             # No full gradient buffer to accumulate into: each micro-batch's gradients are reduce-scattered.
-            vol["dp_cp"], kind["dp_cp"] = ring * (mb * G + P), "reduce-scatter grads per micro-batch + all-gather params"
+            vol["dp_cp"], kind["dp_cp"] = ring * (mb * G + P), \
+                "reduce-scatter grads per micro-batch + all-gather params"
         else:
             # Parameters are gathered again for every micro-batch's forward and backward.
             vol["dp_cp"], kind["dp_cp"] = ring * mb * (G + 2 * P), \

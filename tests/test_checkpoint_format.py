@@ -1,0 +1,225 @@
+"""The shared checkpoint format in one process: boxes, safetensors files, save/load, commit."""
+import json
+import math
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+
+from ckpt_helpers import STATES, TINY, cut, plan_for, rank_pieces, reference
+from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Piece, Region, SaveItem, flat_pieces, run_config
+from ms_llm.checkpoint.boxes import touched_bytes
+from ms_llm.checkpoint.commit import committed, latest
+from ms_llm.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header
+from ms_llm.errors import CheckpointError
+
+
+def test_flat_region_pieces_cover_exactly_the_run():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        shape = tuple(int(s) for s in rng.integers(1, 5, size=rng.integers(1, 4)))
+        n = math.prod(shape)
+        a = int(rng.integers(0, n + 1))
+        b = int(rng.integers(a, n + 1))
+        full = np.arange(n).reshape(shape)
+        got = np.full(b - a, -1)
+        pieces = Region((0,) * len(shape), shape, (a, b)).pieces()
+        assert len(pieces) <= 2 * len(shape) - 1 or b == a
+        for p in pieces:
+            box = full[tuple(slice(o, o + s) for o, s in zip(p.offsets, p.sizes))].reshape(-1)
+            got[p.start:p.start + p.numel] = box
+        assert np.array_equal(got, full.reshape(-1)[a:b])
+
+
+def test_touched_bytes_are_the_box_rows():
+    from ms_llm.checkpoint.boxes import SubBox
+    within = SubBox((0, 0, 0), (4, 5, 6), 0)
+    starts, ends = touched_bytes(((1, 2, 0), (2, 2, 6)), within, 4)
+    # dims 1.. of the box: rows 2,3 of each of blocks 1,2, all 6 columns -> 2 runs of 12 elements
+    assert starts.tolist() == [(1 * 30 + 2 * 6) * 4, (2 * 30 + 2 * 6) * 4]
+    assert (ends - starts).tolist() == [48, 48]
+
+
+def test_bfloat16_rounding_matches_torch():
+    x = torch.randn(10000) * 100
+    ours = f32_to_bf16(x.numpy())
+    assert np.array_equal(ours, x.bfloat16().view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(bf16_to_f32(ours), x.bfloat16().float().numpy())
+
+
+def _save(root, plan, ref, step=1, **kw):
+    """Save `ref` as every rank of `plan` would (rank 0 last: it commits)."""
+    for rank in reversed(range(plan.world_size)):
+        w = CheckpointWriter(root, rank, plan.world_size, session=f"s{step}", **kw)
+        items = [SaveItem(p, cut(ref[n], p.region)) for n, p in rank_pieces(plan, rank).items()]
+        w.save(step, items, state={"step": step, "sampler": {"epoch": 0, "position": 8 * step}},
+               rank_state={"rng": bytes([rank, step])}, config=run_config(plan, "test"))
+        w.close()
+    return Checkpoint.open(root)
+
+
+def test_round_trip_and_files_are_standard_safetensors(tmp_path):
+    ref = reference()
+    plan = plan_for({"dp": 2, "tp": 2, "zero": {"stage": 1}}, 4)
+    ckpt = _save(tmp_path, plan, ref, step=3)
+    assert ckpt.step == 3 and ckpt.state == {"step": 3, "sampler": {"epoch": 0, "position": 24}}
+    assert ckpt.rank_state(2) == {"rng": bytes([2, 3])} and ckpt.model_config() == TINY
+    for name in ref:
+        assert np.array_equal(ckpt.read_full(name), ref[name]), name
+    ckpt.verify()
+    for f in ckpt.folder.glob("rank_*.safetensors"):       # the safetensors package reads our files
+        for key, value in safetensors.numpy.load_file(str(f)).items():
+            assert value.dtype == np.float32
+    # Only primary copies were written: the shards hold each element exactly once.
+    stored = sum(np.prod(s.region.shape) for e in ckpt.index.tensors.values() for s in e.shards)
+    assert stored == sum(a.size for a in ref.values())
+
+
+def test_read_any_region_including_flat_runs(tmp_path):
+    ref = reference()
+    ckpt = _save(tmp_path, plan_for({"tp": 4}, 4), ref)
+    w = ref["model.layers.1.mlp.down_proj.weight"]           # row-parallel: columns split over 4 files
+    got = ckpt.read("model.layers.1.mlp.down_proj.weight", Region((5, 7), (20, 50)))
+    assert np.array_equal(got, w[5:25, 7:57])
+    got = ckpt.read("model.layers.1.mlp.down_proj.weight", Region((8, 0), (16, 128), (100, 1500)))
+    assert np.array_equal(got, w[8:24].reshape(-1)[100:1500])
+
+
+def test_flat_buffer_pieces_save_and_load(tmp_path):
+    """ZeRO flat-buffer slices mapped back to named tensors round-trip exactly."""
+    ref = {"a": np.arange(24, dtype=np.float32).reshape(4, 6), "b": np.arange(10, dtype=np.float32) + 100}
+    members = [(Piece("a", (4, 6), Region((0, 0), (4, 6))), 0), (Piece("b", (10,), Region((0,), (10,))), 24)]
+    world = 4
+    per = -(-34 // world)                                    # buffer padded to 36
+    for rank in reversed(range(world)):
+        pieces = flat_pieces(members, rank * per, (rank + 1) * per)
+        w = CheckpointWriter(tmp_path, rank, world, session="flat")
+        w.save(1, [SaveItem(p, cut(ref[p.name], p.region)) for p in pieces])
+        w.close()
+    ckpt = Checkpoint.open(tmp_path)
+    assert np.array_equal(ckpt.read_full("a"), ref["a"]) and np.array_equal(ckpt.read_full("b"), ref["b"])
+    assert np.array_equal(ckpt.read("a", Region((1, 2), (2, 3))), ref["a"][1:3, 2:5])
+
+
+def test_bfloat16_tensors_round_trip(tmp_path):
+    bits = f32_to_bf16(np.random.default_rng(1).standard_normal((8, 4)).astype(np.float32))
+    w = CheckpointWriter(tmp_path, 0, 1)
+    w.save(1, [SaveItem(Piece("x", (8, 4), Region((0, 0), (8, 4))), bits, "bfloat16")])
+    w.close()
+    ckpt = Checkpoint.open(tmp_path)
+    assert ckpt.entry("x").dtype == "bfloat16" and np.array_equal(ckpt.read_full("x"), bits)
+    spans, _, _ = read_header(str(ckpt.folder / "rank_00000.safetensors"))
+    assert spans["x"].dtype == "bfloat16"
+
+
+def test_retention_latest_and_second_save_waits(tmp_path):
+    ref = {"x": np.arange(6, dtype=np.float32)}
+    w = CheckpointWriter(tmp_path, 0, 1, keep_last=2, session="r")
+    piece = Piece("x", (6,), Region((0,), (6,)))
+    for step in (10, 20, 30, 40):
+        stats = w.save(step, [SaveItem(piece, ref["x"] + step)])
+        assert stats.stall_s >= stats.wait_s
+    w.close()
+    assert [p.name for p in committed(tmp_path)] == ["step_00000040", "step_00000030"]
+    assert latest(tmp_path).name == "step_00000040"
+    assert np.array_equal(Checkpoint.open(tmp_path).read_full("x"), ref["x"] + 40)
+    assert w.last.total_s >= w.last.stall_s > 0
+
+
+def test_fragments_of_another_session_are_not_committed(tmp_path):
+    """A crashed attempt's fragment of rank 1 must not be merged into a later save."""
+    piece0 = Piece("x", (4,), Region((0,), (2,)))
+    piece1 = Piece("x", (4,), Region((2,), (2,)))
+    old = CheckpointWriter(tmp_path, 1, 2, session="attempt0")
+    old.save(5, [SaveItem(piece1, np.array([9, 9], dtype=np.float32))])
+    old.close()
+    w0 = CheckpointWriter(tmp_path, 0, 2, session="attempt1", commit_timeout_s=0.5)
+    w0.save(5, [SaveItem(piece0, np.array([1, 2], dtype=np.float32))])
+    with pytest.raises(CheckpointError, match="waiting for 2 rank fragments"):
+        w0.wait()
+    assert latest(tmp_path) is None
+    w1 = CheckpointWriter(tmp_path, 1, 2, session="attempt1")
+    w1.save(5, [SaveItem(piece1, np.array([3, 4], dtype=np.float32))])
+    w1.close()
+    w0 = CheckpointWriter(tmp_path, 0, 2, session="attempt1")
+    w0.save(5, [SaveItem(piece0, np.array([1, 2], dtype=np.float32))])
+    w0.close()
+    assert Checkpoint.open(tmp_path).read_full("x").tolist() == [1, 2, 3, 4]
+
+
+def test_bad_items_are_named(tmp_path):
+    w = CheckpointWriter(tmp_path, 0, 1)
+    with pytest.raises(CheckpointError, match=r"x: local tensor has shape \(3,\)"):
+        w.save(1, [SaveItem(Piece("x", (4,), Region((0,), (4,))), np.zeros(3, dtype=np.float32))])
+    with pytest.raises(CheckpointError, match="x: local tensor is float64"):
+        w.save(1, [SaveItem(Piece("x", (4,), Region((0,), (4,))), np.zeros(4), "float32")])
+
+
+def _corrupt(folder, mode):
+    f = sorted(folder.glob("rank_*.safetensors"))[1]
+    data = bytearray(f.read_bytes())
+    if mode == "flip":
+        data[-5] ^= 0x10
+    else:
+        data = data[:len(data) - 100]
+    f.write_bytes(bytes(data))
+    return f
+
+
+@pytest.mark.parametrize("mode,message", [("flip", "fails its checksum"), ("truncate", "truncated")])
+def test_corruption_is_detected_and_previous_checkpoint_loads(tmp_path, mode, message):
+    from ms_llm.checkpoint import load_with_fallback, candidates
+
+    ref = reference()
+    plan = plan_for({"tp": 2}, 2)
+    _save(tmp_path, plan, ref, step=1, keep_last=3)
+    newer = {n: a + 1 for n, a in ref.items()}
+    ckpt = _save(tmp_path, plan, newer, step=2, keep_last=3)
+    bad = _corrupt(ckpt.folder, mode)
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint(ckpt.folder).verify()
+    assert message in str(err.value) and bad.name in str(err.value) and "tensor '" in str(err.value)
+    pieces = rank_pieces(plan_for({"dp": 2}, 2), 1)
+    used, arrays = load_with_fallback(candidates(tmp_path), lambda c: c.read_pieces(pieces))
+    assert used.step == 1
+    assert all(np.array_equal(arrays[n], ref[n]) for n in pieces)
+
+
+def test_missing_tensor_and_wrong_model_are_clear(tmp_path):
+    ref = reference()
+    plan = plan_for({"dp": 1}, 1)
+    w = CheckpointWriter(tmp_path, 0, 1)
+    w.save(1, [SaveItem(p, ref[n]) for n, p in rank_pieces(plan, 0).items() if "optim" not in n])
+    w.close()
+    ckpt = Checkpoint.open(tmp_path)
+    with pytest.raises(CheckpointError, match="lacks 78 wanted tensor"):
+        ckpt.read_pieces(rank_pieces(plan, 0))
+    assert len(ckpt.read_pieces(rank_pieces(plan, 0), strict=False)) == len(plan.params)
+    with pytest.raises(CheckpointError, match="does not fit"):
+        ckpt.read("model.norm.weight", Region((0,), (65,)))
+    with pytest.raises(CheckpointError, match="neither a checkpoint folder"):
+        Checkpoint.open(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("strategy,world", [
+    ({"dp": 4, "zero": {"stage": 3}}, 4), ({"tp": 2, "pp": 2}, 4), ({"dp": 2, "tp": 2, "zero": {"stage": 2}}, 4),
+    ({"dp": 4, "zero": {"stage": 1, "shard_size": 2}}, 4), ({"tp": 4, "sequence_parallel": True}, 4)])
+def test_primary_pieces_hold_every_element_once(strategy, world):
+    plan = plan_for(strategy, world)
+    counts = {}
+    for rank in range(world):
+        for name, p in rank_pieces(plan, rank).items():
+            if p.primary:
+                counts[name] = counts.get(name, 0) + p.region.numel
+    assert set(counts) == {n for n in reference()} and all(counts[n] == math.prod(
+        plan.params[n.split(".", 2)[2] if n.startswith("optim.") else n].shape) for n in counts)
+
+
+def test_index_is_plain_json_with_layouts(tmp_path):
+    ckpt = _save(tmp_path, plan_for({"tp": 2}, 2), reference())
+    index = json.loads((ckpt.folder / "index.json").read_text())
+    q = index["tensors"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["layout"] == "tp:S(0)" and len(q["shards"]) == 2 and q["shards"][1]["offsets"] == [32, 0]
+    assert index["config"]["strategy"]["tp"] == 2 and index["world_size"] == 2
+    assert set(STATES) == {n.split(".")[1] for n in index["tensors"] if n.startswith("optim.")}
