@@ -1,8 +1,8 @@
 """`ms-llm train --backend mindspore`: check the strategy, prepare the run folder, start msrun.
 
 This module imports no MindSpore; the workers do. On a CPU machine MindSpore refuses to
-compile semi_auto_parallel graphs, so only data parallel (+ ZeRO stage 1/2, our engine
-over MindSpore's CPU AllReduce/AllGather) runs here, under msrun --join=True on a free
+compile semi_auto_parallel graphs, so only data parallel (+ ZeRO stage 1/2, the shared
+engine over MindSpore's CPU AllReduce/AllGather) runs here, under msrun --join=True on a free
 port, logs in the run folder. Other strategies fail before any process starts, with the
 reason and what to use instead; `--dry-run` prints their lowering without compiling.
 """
@@ -42,6 +42,9 @@ def cpu_runtime_problems(p: ModelPlan) -> list[str]:
             "only on Ascend (or GPU): on CPU it stops with 'Invalid communication backend'. Here use data "
             "parallel (dp, zero.stage 1 or 2), run the same command on an Ascend machine, use --backend torch, "
             "or add --dry-run to print the lowering")
+    if s.zero.stage >= 1 and s.zero.engine == "native":
+        problems.append("strategy.zero.engine: 'native' is MindSpore's parallel optimizer, Ascend only; on CPU "
+                        "use engine 'shared' or 'auto' (ms_llm's ZeRO engine)")
     if s.zero.stage >= 3:
         problems.append("strategy.zero.stage: 3 keeps parameters sharded between uses; MindSpore does that with "
                         "its parallel optimizer (optimizer_level level3), Ascend only. Use stage 1 or 2 on CPU")
