@@ -100,8 +100,9 @@ def test_unsupported_strategies_name_the_field():
     ({"dp": 2, "zero": {"engine": "native"}}, 2, "ddp"),
     ({"dp": 2, "zero": {"stage": 1, "engine": "native"}}, 2, "ddp+zero_redundancy_optimizer"),
     ({"dp": 2, "zero": {"stage": 2, "engine": "native"}}, 2, "fsdp2"),
-    ({"dp": 2, "tp": 2}, 4, "replicate"),                                # auto falls back to native under TP
-    ({"dp": 2, "tp": 2, "zero": {"stage": 3}}, 4, "fsdp2"),
+    ({"dp": 2, "tp": 2}, 4, "shared"),                                   # TP: the engine takes local shards
+    ({"dp": 2, "tp": 2, "zero": {"stage": 3, "engine": "native"}}, 4, "fsdp2"),
+    ({"dp": 2, "tp": 2, "zero": {"engine": "native"}}, 4, "replicate"),
     ({"dp": 2, "pp": 2, "pipeline": {"schedule": "zero_bubble"}}, 4, "replicate"),
     ({"dp": 2, "pp": 2}, 4, "shared"),
 ])
@@ -110,5 +111,6 @@ def test_engine_choice(strategy, world, engine):
 
 
 def test_shared_engine_refusal_names_the_field():
-    with pytest.raises(StrategyError, match="strategy.tp.*engine: native"):
-        engine_for(plan_for({"dp": 2, "tp": 2, "zero": {"engine": "shared"}}, 4))
+    with pytest.raises(StrategyError, match="strategy.pipeline.virtual_stages.*engine: native"):
+        engine_for(plan_for({"dp": 2, "pp": 2, "zero": {"engine": "shared"},
+                             "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}, 4))

@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ms_llm.checkpoint.shards import optim_pieces, param_pieces
 from ms_llm.strategy import cost
 from ms_llm.strategy.plan import plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from zero_cases import MODEL, case_name, clip_for, optimizer_config, strategy_for, train_config  # noqa: E402
+from zero_cases import MICRO, MODEL, STEPS, case_name, clip_for, optimizer_config, strategy_for, train_config  # noqa: E402
 from zero_torch_worker import Transformer, reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,7 @@ CASES = {
         "1:adamw:-1:bfloat16:0", "2:adamw:-1:bfloat16:0", "1:adamw:-1:float32:1"],
 }
 ALL = [(world, case) for world, cases in CASES.items() for case in cases]
+RESUME = {2: ["1:adamw", "2:adamw", "3:adamw"], 4: ["3:adamw"]}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,8 @@ def runs(tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"dp{world}")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
                "--master-addr=127.0.0.1", f"--master-port={29700 + world}",
-               str(ROOT / "tests" / "zero_torch_worker.py"), "--out", str(folder), "--cases", ",".join(cases)]
+               str(ROOT / "tests" / "zero_torch_worker.py"), "--out", str(folder), "--cases", ",".join(cases),
+               "--resume", ",".join(RESUME[world])]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy())
         assert proc.returncode == 0, proc.stderr[-4000:]
         out[world] = folder
@@ -72,6 +75,18 @@ def test_matches_single_process_training(runs, references, world, case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world,case", [(w, c) for w, c in ALL if c.startswith("3:")])
+def test_stage3_gathers_layer_by_layer(runs, world, case):
+    """Each unit is gathered before its forward and again before its backward (the last
+    unit stays whole from its forward into its backward); at most the unit in use, the
+    prefetched one and one whose gradients are still arriving are whole at once."""
+    got = json.loads((runs[world] / f"{case_name(case)}.json").read_text())
+    units = MODEL.num_layers + 2
+    assert got["gathers"] == STEPS * MICRO * (2 * units - 1)
+    assert got["peak_live"] <= 3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", ALL)
 def test_model_state_bytes_match_the_formula(runs, world, case):
     stage, opt, shard, dtype, offload = case.split(":")
@@ -82,3 +97,23 @@ def test_model_state_bytes_match_the_formula(runs, world, case):
         expected = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "host": mem.host_offload}
         for key, want in expected.items():
             assert got[key] == pytest.approx(want, rel=0.02, abs=0), (rank, key, got, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,case", [(w, c) for w, cases in RESUME.items() for c in cases])
+def test_state_tensors_are_the_checkpoint_pieces_and_resume_exactly(runs, world, case):
+    """The engine's state tensors have the shapes ms_llm.checkpoint expects on every rank,
+    and loading them into a freshly built engine continues bit for bit."""
+    stage, opt = case.split(":")
+    folder = runs[world]
+    mplan = plan(MODEL, strategy_for(world, int(stage)), train_config(world, opt), world)
+    for rank in range(world):
+        shapes = json.loads((folder / f"resume_s{stage}_{opt}.shapes{rank}.json").read_text())
+        expected = {k: list(p.local_shape) for k, p in optim_pieces(mplan, rank, ("exp_avg", "exp_avg_sq")).items()}
+        if stage == "3":
+            expected.update({k: list(p.local_shape) for k, p in param_pieces(mplan, rank).items()})
+        assert shapes == expected
+    resumed = load_file(folder / f"resume_s{stage}_{opt}.safetensors")
+    straight = load_file(folder / f"{case_name(f'{stage}:{opt}:-1:float32:0')}.safetensors")
+    for name, t in straight.items():
+        assert torch.equal(resumed[name], t), name

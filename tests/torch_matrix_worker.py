@@ -78,6 +78,11 @@ CASES: dict[str, tuple[int, dict, str]] = {
                                  "zero": {"stage": 3, **SHARED}}, "sgd"),
     "shared_zero3_dp4": (4, {"dp": 4, "zero": {"stage": 3, **SHARED}}, "sgd"),
     "shared_zero2_hsdp": (4, {"dp": 4, "zero": {"stage": 2, "shard_size": 2, **SHARED}}, "sgd"),
+    "shared_zero1_dp2_tp2_sp": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 1, **SHARED}},
+                                "sgd"),
+    "shared_zero2_dp2_tp2": (4, {"dp": 2, "tp": 2, "zero": {"stage": 2, **SHARED}}, "adamw"),
+    "shared_zero3_dp2_tp2_sp": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 3, **SHARED}},
+                                "sgd"),
 }
 
 

@@ -29,7 +29,8 @@ def run_case(rank: int, world: int, case: str, out: Path) -> None:
     mplan = plan(MODEL, strategy, train, world)
     net = Transformer(MODEL)
     net.init_weights(1 + rank)                 # replicas start different: the engine broadcasts rank 0's
-    runner = MsZeroDataParallel(LossCell(net), zero_plan(mplan), rank, EngineConfig.from_job(mplan.strategy, train))
+    runner = MsZeroDataParallel(LossCell(net), zero_plan(mplan), rank, EngineConfig.from_job(mplan.strategy, train),
+                                net=net)
     per_rank = GLOBAL_BATCH // world
     mean = ops.AllReduce()
     losses, state_bytes = [], None
@@ -47,11 +48,15 @@ def run_case(rank: int, world: int, case: str, out: Path) -> None:
         state_bytes = runner.model_state_bytes()
         runner.step(train.optimizer.lr)
         losses.append(float(mean(ms.Tensor([total / world], ms.float32)).asnumpy()[0]))
+    gather = runner.engine.gather
+    gathers = {"gathers": gather.gathers, "peak_live": gather.peak_live} if gather is not None else {}
+    if gather is not None:
+        gather.gather_all()
     name = case_name(case)
     if rank == 0:
         save_file({n: p.asnumpy().astype(np.float32) for n, p in net.parameters_and_names()},
                   str(out / f"{name}.safetensors"))
-        (out / f"{name}.json").write_text(json.dumps({"losses": losses}))
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses, **gathers}))
     (out / f"{name}.bytes{rank}.json").write_text(json.dumps(state_bytes))
 
 

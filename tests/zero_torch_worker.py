@@ -13,6 +13,7 @@ import os
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -53,19 +54,22 @@ def reference(opt: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[float
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-def run_case(rank: int, world: int, stage: int, opt_name: str, shard: int, dtype: str, offload: bool,
-             out: Path) -> None:
+def build(rank: int, world: int, stage: int, opt_name: str, shard: int = -1, dtype: str = "float32",
+          offload: bool = False, seed: int = 1):
     from torch_backend.zero import ZeroDataParallel
-    strategy = strategy_for(world, stage, shard, dtype, offload)
     train = train_config(world, opt_name)
-    mplan = plan(MODEL, strategy, train, world)
+    mplan = plan(MODEL, strategy_for(world, stage, shard, dtype, offload), train, world)
     model = Transformer(MODEL)
-    model.init_weights(1 + rank)      # replicas start different: the engine must broadcast rank 0's
+    model.init_weights(seed + rank)      # replicas start different: the engine must broadcast rank 0's
     model.to(getattr(torch, dtype))
     dp = ZeroDataParallel(model, zero_plan(mplan), rank, EngineConfig.from_job(mplan.strategy, train))
+    return model, dp, train
+
+
+def train_steps(rank: int, world: int, model, dp, lr: float, steps: np.ndarray) -> tuple[list[float], dict]:
     per_rank = GLOBAL_BATCH // world
-    losses, state_bytes = [], None
-    for step in batches():
+    losses, state_bytes = [], {}
+    for step in steps:
         local = torch.from_numpy(step[rank * per_rank:(rank + 1) * per_rank])
         total = 0.0
         for i, micro in enumerate(local.chunk(MICRO)):
@@ -74,17 +78,57 @@ def run_case(rank: int, world: int, stage: int, opt_name: str, shard: int, dtype
                 loss.backward()
             total += loss.item()
         state_bytes = dp.model_state_bytes()
-        dp.step(train.optimizer.lr)
+        dp.step(lr)
         mean = torch.tensor([total / world])
         torch.distributed.all_reduce(mean)
         losses.append(mean.item())
+    return losses, state_bytes
+
+
+def full_params(model, dp) -> dict[str, torch.Tensor]:
     if dp.engine.gather is not None:
         dp.engine.gather.gather_all()
+    return {n: p.detach().float().contiguous().clone() for n, p in model.named_parameters()}
+
+
+def run_case(rank: int, world: int, stage: int, opt_name: str, shard: int, dtype: str, offload: bool,
+             out: Path) -> None:
+    model, dp, train = build(rank, world, stage, opt_name, shard, dtype, offload)
+    losses, state_bytes = train_steps(rank, world, model, dp, train.optimizer.lr, batches())
+    gather = dp.engine.gather
+    gathers = {"gathers": gather.gathers, "peak_live": gather.peak_live} if gather is not None else {}
+    params = full_params(model, dp)
     name = case_name(f"{stage}:{opt_name}:{shard}:{dtype}:{int(offload)}")
     if rank == 0:
-        save_file({n: p.detach().float().contiguous() for n, p in model.named_parameters()}, out / f"{name}.safetensors")
-        (out / f"{name}.json").write_text(json.dumps({"losses": losses}))
+        save_file(params, out / f"{name}.safetensors")
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses, **gathers}))
     (out / f"{name}.bytes{rank}.json").write_text(json.dumps(state_bytes))
+    dp.remove_hooks()
+
+
+def run_resume(rank: int, world: int, stage: int, opt_name: str, out: Path) -> None:
+    """Train two steps, keep only what a checkpoint keeps (model weights where they rest,
+    the engine's state tensors, the step count), rebuild everything from other weights,
+    load, train the third step."""
+    model, dp, train = build(rank, world, stage, opt_name)
+    train_steps(rank, world, model, dp, train.optimizer.lr, batches()[:2])
+    states = {k: v.clone() for k, v in dp.engine.state_tensors().items()}
+    # Under ZeRO-3 the sharded weights rest in the engine (state_tensors); the model holds none.
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.untyped_storage().nbytes()}
+    step = dp.engine.step_count
+    dp.remove_hooks()
+    model, dp, train = build(rank, world, stage, opt_name, seed=99)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in weights:
+                p.copy_(weights[n])
+    dp.engine.load_state_tensors(states, step)
+    train_steps(rank, world, model, dp, train.optimizer.lr, batches()[2:])
+    params = full_params(model, dp)
+    if rank == 0:
+        save_file(params, out / f"resume_s{stage}_{opt_name}.safetensors")
+    shapes = {k: list(v.shape) for k, v in states.items()}
+    (out / f"resume_s{stage}_{opt_name}.shapes{rank}.json").write_text(json.dumps(shapes))
     dp.remove_hooks()
 
 
@@ -92,6 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", required=True, help="stage:optimizer:shard:dtype:offload,...")
+    ap.add_argument("--resume", default="", help="stage:optimizer,...: save after 2 steps, reload, step 3")
     args = ap.parse_args()
     torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -100,6 +145,9 @@ def main() -> None:
     for case in args.cases.split(","):
         stage, opt, shard, dtype, offload = case.split(":")
         run_case(rank, world, int(stage), opt, int(shard), dtype, offload == "1", out)
+    for case in filter(None, args.resume.split(",")):
+        stage, opt = case.split(":")
+        run_resume(rank, world, int(stage), opt, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

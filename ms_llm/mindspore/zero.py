@@ -5,7 +5,8 @@ MindSpore on CPU has AllReduce, AllGather and Broadcast but no ReduceScatter, so
 reduce-scatter of a bucket is an AllReduce whose own segment is kept. Tensor updates are
 functional (new tensors) except stores into buffers and parameters, which go through
 setitem: it writes in place, so compiled (ms.jit) graphs holding the parameters see the
-new values (set_data would hand them a stale copy).
+new values (set_data would hand them a stale copy). Only ZeRO-3's release / materialize
+swap a parameter's data, which is why its runner stays in PyNative.
 
     runner = MsZeroDataParallel(loss_cell, zplan, rank, EngineConfig.from_job(strategy, train))
     loss = runner.backward(inputs, labels)     # grads of one micro-batch into the engine
@@ -102,11 +103,26 @@ def _pieces(value: Tensor, slot: Slot) -> list[Tensor]:
 
 
 class MsOps:
+    def __init__(self):
+        self._shapes: dict[str, tuple] = {}      # released parameters: their shape and dtype
+
     def zeros(self, numel: int, dtype: str, host: bool = False) -> Tensor:
         return ops.zeros((numel,), DTYPES[dtype])
 
+    def empty(self, numel: int, dtype: str) -> Tensor:
+        return ops.zeros((numel,), DTYPES[dtype])
+
+    def free(self, buf: Tensor) -> None:
+        """MindSpore's memory pool reuses the storage once the tensor is dropped."""
+
     def read(self, buf: Tensor, start: int, numel: int) -> Tensor:
         return buf[start:start + numel]
+
+    def view(self, buf: Tensor, start: int, shape: tuple[int, ...]) -> Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        return buf[start:start + n].reshape(shape)
 
     def write(self, buf: Tensor, start: int, src: Tensor) -> Tensor:
         buf[start:start + src.shape[0]] = src.reshape(-1).astype(buf.dtype)
@@ -156,11 +172,13 @@ class MsOps:
         return int(t.nbytes)
 
     def release(self, param) -> None:
-        raise NotImplementedError("ZeRO-3 keeps parameters sharded between uses; MindSpore's compiled graphs "
-                                  "hold parameter storage, so the MindSpore runner supports stages 0-2")
+        self._shapes[param.name] = (param.shape, param.dtype)
+        param.set_data(ops.zeros((0,), param.dtype))
 
     def materialize(self, param) -> None:
-        raise NotImplementedError("ZeRO-3 is not available on the MindSpore runner; use stages 0-2")
+        if param.name in self._shapes and param.shape != self._shapes[param.name][0]:
+            shape, dtype = self._shapes[param.name]
+            param.set_data(ops.zeros(shape, dtype))
 
     def adamw(self, p, g, m, v, step, lr, hp: AdamW):
         """torch.optim.AdamW's update (see TorchOps.adamw), written functionally."""
@@ -188,19 +206,47 @@ class _Scaled(nn.Cell):
 
 
 class MsZeroDataParallel:
-    """A MindSpore loss cell trained data parallel by the shared engine (ZeRO 0-2). The
-    gradient function is compiled once (ms.jit); the engine's bucketing, collectives and
-    optimizer run after it, on the returned gradients."""
+    """A MindSpore loss cell trained data parallel by the shared engine.
 
-    def __init__(self, loss_cell: nn.Cell, zplan: ZeroPlan, rank: int, config: EngineConfig):
-        if zplan.stage >= 3:
-            raise ValueError("strategy.zero.stage: 3 is not available on the MindSpore runner (compiled graphs "
-                             "hold parameter storage); use stage 1 or 2, or the torch backend")
+    Stages 0-2: the gradient function is compiled once (ms.jit); the engine's bucketing,
+    collectives and optimizer run on the gradients it returns. Stage 3: the gradient
+    function runs in PyNative, where Cell hooks gather each unit before its forward and
+    backward and free it after (a compiled graph would keep the parameter storage)."""
+
+    def __init__(self, loss_cell: nn.Cell, zplan: ZeroPlan, rank: int, config: EngineConfig,
+                 net: Optional[nn.Cell] = None):
         self.loss_cell = loss_cell
         self.weights: list[Parameter] = loss_cell.trainable_params()
         params = {p.name: p for p in self.weights}
         self.engine = ZeroEngine(zplan, rank, params, MsComm(), MsOps(), config, get_group_size())
-        self.grad_fn = ms.jit(ms.value_and_grad(_Scaled(loss_cell), None, self.weights))
+        grad_fn = ms.value_and_grad(_Scaled(loss_cell), None, self.weights)
+        if self.engine.gather is None:
+            self.grad_fn = ms.jit(grad_fn)
+        else:
+            if net is None:
+                raise ValueError("MsZeroDataParallel: ZeRO-3 needs `net`, the model cell whose sub-cells are "
+                                 "named like the plan's units (model.layers.N, ...), to hook them")
+            self._hook_units(net)
+            self.grad_fn = grad_fn
+
+    def _hook_units(self, net: nn.Cell) -> None:
+        cells = dict(net.cells_and_names())
+        gather = self.engine.gather
+        for unit in gather.units:
+            missing = [m for m in unit.modules if m not in cells]
+            if missing:
+                raise KeyError(f"ZeRO-3: the model has no cell {missing[0]!r} for unit {unit.name}")
+            for i, name in enumerate(unit.modules):
+                cell = cells[name]
+                cell.register_forward_pre_hook(lambda c, args, u=unit.name: gather.before_forward(u))
+                cell.register_backward_pre_hook(lambda c, grad, u=unit.name: self._before_backward(u))
+                if i == len(unit.modules) - 1:
+                    cell.register_forward_hook(lambda c, args, out, u=unit.name: gather.after_forward(u))
+                if i == 0:   # the unit's first cell is the last one backward runs through
+                    cell.register_backward_hook(lambda c, gin, gout, u=unit.name: gather.after_backward(u))
+
+    def _before_backward(self, unit: str) -> None:
+        self.engine.gather.before_backward(unit)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

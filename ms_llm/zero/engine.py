@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
+from ms_llm.checkpoint.format import optim_name
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.zero.gather import UnitGather
@@ -111,8 +112,9 @@ class ZeroEngine:
         return self.index * b.segment if b.sharded else 0
 
     def _own_params(self, b: Bucket) -> Tensor:
-        """The owned segment of the current parameter values, packed from the model."""
-        buf = self.ops.zeros(b.numel, self._dtype(b))
+        """A bucket whose owned segment holds the current parameter values, packed from the
+        model (the other segments are for the all-gather to fill)."""
+        buf = self.ops.zeros(b.numel, self._dtype(b)) if b.padding else self.ops.empty(b.numel, self._dtype(b))
         for s in b.slots:
             if b.sharded:
                 buf = self.ops.pack_own(buf, 0, b.segment, s, self.index, self.params[s.name])
@@ -171,14 +173,13 @@ class ZeroEngine:
             if not final and len(st.ready) < len(b.slots):
                 return
             self._next_launch += 1
-            if self._reduces_now(b):
+            # A bucket no gradient reached since the last flush (a pipeline flushing after
+            # backwards that already reduced) has nothing to send; every rank sees the same.
+            if self._reduces_now(b) and st.grad_full is not None:
                 self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
-        st = self.state[b.index]
-        if st.grad_full is None:
-            st.grad_full = self.ops.zeros(b.numel, self._dtype(b))
-        buf = st.grad_full
+        buf = self.state[b.index].grad_full
         if self.config.reduce_dtype != self._dtype(b):
             buf = self.ops.cast(buf, self.config.reduce_dtype)
         first = self.zplan.grad_collectives(b)[0]
@@ -203,17 +204,21 @@ class ZeroEngine:
             if follow and self.groups[follow[0].group] is not None:
                 second = self.comm.all_reduce(own, self.groups[follow[0].group], async_op=True)
             reduced.append((b, own, second))
-        for b, own, second in reduced:
+        for (b, own, second), (_, buf, _) in zip(reduced, self._inflight):
             if second is not None:
                 second.wait()
             own = self.ops.scale(own, 1.0 / self.zplan.dp_cp_size)
             st = self.state[b.index]
+            full = st.grad_full
             if self.zplan.stage >= 2 and b.sharded:
                 st.grad_shard = (self.ops.cast(own, self._dtype(b)) if st.grad_shard is None
                                  else self.ops.add(st.grad_shard, own))
                 st.grad_full = None
+                self.ops.free(full)
             else:
-                st.grad_full = self.ops.write(st.grad_full, self._own_start(b), own)
+                st.grad_full = self.ops.write(full, self._own_start(b), own)
+            if buf is not full:
+                self.ops.free(buf)
         self._inflight = []
         self._next_launch = 0
         for st in self.state.values():
@@ -276,20 +281,58 @@ class ZeroEngine:
                 st.param_shard = ops.write(st.param_shard, 0, p)
             else:
                 if pbuf is None:
-                    pbuf = ops.zeros(b.numel, self._dtype(b))
+                    pbuf = ops.empty(b.numel, self._dtype(b))     # the owned segment comes next, whole
                 pbuf = ops.write(pbuf, self._own_start(b), p)
                 gathers.append((b, pbuf, self._gather(b, pbuf)))
+            for t in (st.grad_full, st.grad_shard):
+                if t is not None:
+                    ops.free(t)
             st.grad_full = st.grad_shard = None
         for b, pbuf, handle in gathers:
             handle.wait()
             for s in b.slots:
                 ops.unpack(pbuf, 0, b.segment, s, self.params[s.name])
+            ops.free(pbuf)
         return norm
 
     def _gather(self, b: Bucket, pbuf: Tensor) -> Handle:
         if not b.sharded or self.groups["shard"] is None:
             return _Done()
         return self.comm.all_gather_into(pbuf, self.groups["shard"], async_op=True)
+
+    # ---- checkpoint state -----------------------------------------------------------
+    def _state_buffers(self, b: Bucket) -> dict[str, Tensor]:
+        st = self.state[b.index]
+        named = {"exp_avg": st.m, "exp_avg_sq": st.v, "master": st.master}
+        out = {optim_name(k, ""): t for k, t in named.items() if t is not None}
+        if st.param_shard is not None:
+            out[""] = st.param_shard
+        return out
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """This rank's optimizer states, and under ZeRO-3 its parameter shards, by checkpoint
+        name (optim.exp_avg.<param>, optim.exp_avg_sq.<param>, optim.master.<param>,
+        <param>), each shaped like its piece in ms_llm.checkpoint.shards (optim_pieces /
+        param_pieces): views on torch, so a checkpoint reader may also write into them."""
+        out = {}
+        for b in self.buckets:
+            for prefix, buf in self._state_buffers(b).items():
+                for piece, s in zip(self.zplan.pieces(self.rank, b), b.slots):
+                    out[prefix + s.name] = self.ops.view(buf, s.offset, piece.local_box[1])
+        return out
+
+    def load_state_tensors(self, values: dict[str, Tensor], step: int) -> None:
+        """Set states named as in state_tensors (any subset) and the optimizer step count."""
+        for b in self.buckets:
+            st = self.state[b.index]
+            for prefix, buf in self._state_buffers(b).items():
+                for s in b.slots:
+                    if prefix + s.name in values:
+                        buf = self.ops.write(buf, s.offset, values[prefix + s.name])
+                key = {optim_name("exp_avg", ""): "m", optim_name("exp_avg_sq", ""): "v",
+                       optim_name("master", ""): "master", "": "param_shard"}[prefix]
+                setattr(st, key, buf)
+        self.step_count = step
 
     # ---- accounting --------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:

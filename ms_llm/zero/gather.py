@@ -27,7 +27,8 @@ class UnitGather:
         self.status = {u.name: "free" for u in self.units}
         self.inflight: dict[str, list[tuple[int, Tensor, Handle]]] = {}
         self.waiting = {u.name: set(u.params) for u in self.units}
-        self.gathers = 0                # all-gathers issued, for tests and benchmarks
+        self.gathers = 0                # units gathered so far
+        self.peak_live = 0              # most units whole (or in flight) at once
 
     def manages(self, unit: str) -> bool:
         return unit in self.position
@@ -41,12 +42,13 @@ class UnitGather:
             b = e.zplan.buckets[index]
             if not b.sharded:
                 continue
-            pbuf = ops.zeros(b.numel, e.zplan.buffers[b.buffer].dtype)
+            pbuf = ops.empty(b.numel, e.zplan.buffers[b.buffer].dtype)     # filled whole: shard + gather
             pbuf = ops.write(pbuf, e.index * b.segment, e.state[index].param_shard)
             issued.append((index, pbuf, e._gather(b, pbuf)))
-            self.gathers += 1
         self.inflight[u.name] = issued
         self.status[u.name] = "gathering"
+        self.gathers += 1
+        self.peak_live = max(self.peak_live, sum(s != "free" for s in self.status.values()))
 
     def _wait(self, u: Unit) -> None:
         e, ops = self.engine, self.engine.ops
@@ -57,6 +59,7 @@ class UnitGather:
                 param = e.params[s.name]
                 ops.materialize(param)
                 ops.unpack(pbuf, 0, b.segment, s, param)
+            ops.free(pbuf)
         self.status[u.name] = "ready"
 
     def _ensure(self, i: int, prefetch: int) -> None:
@@ -93,6 +96,10 @@ class UnitGather:
     def before_backward(self, unit: str) -> None:
         self.engine.in_backward = True
         self._ensure(self.position[unit], -1)
+
+    def after_backward(self, unit: str) -> None:
+        """Free a unit whose backward has run (backends with module backward hooks)."""
+        self._free(self.units[self.position[unit]])
 
     def on_grad(self, unit: str, name: str) -> None:
         """Free a unit once its last gradient has arrived: its backward is done."""

@@ -64,8 +64,17 @@ class TensorOps(Protocol):
     def zeros(self, numel: int, dtype: str, host: bool = False) -> Tensor:
         """A flat zero tensor on the device (or in host memory for offloaded states)."""
 
+    def empty(self, numel: int, dtype: str) -> Tensor:
+        """A flat device tensor whose every element the engine overwrites before reading it."""
+
+    def free(self, buf: Tensor) -> None:
+        """The engine is done with a flat buffer it got from zeros / cast (backends may reuse it)."""
+
     def read(self, buf: Tensor, start: int, numel: int) -> Tensor:
         """buf[start:start + numel]: a view where the backend has them, else a copy."""
+
+    def view(self, buf: Tensor, start: int, shape: tuple[int, ...]) -> Tensor:
+        """buf[start:start + prod(shape)] shaped `shape` (for reading; a copy where views are missing)."""
 
     def write(self, buf: Tensor, start: int, src: Tensor) -> Tensor:
         """Store `src` (cast to buf's dtype) at buf[start:], return buf."""

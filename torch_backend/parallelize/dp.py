@@ -181,8 +181,6 @@ def mixed_precision(plan: ModelPlan) -> MixedPrecisionPolicy:
 def shared_engine_problem(plan: ModelPlan) -> Optional[str]:
     """Why the shared engine cannot run this plan on torch yet (None: it can)."""
     s = plan.strategy
-    if s.tp > 1:
-        return "strategy.tp: the torch adapter of the shared ZeRO engine takes plain (not tensor-parallel) parameters"
     if s.pipeline.virtual_stages > 1:
         return "strategy.pipeline.virtual_stages: the torch adapter of the shared ZeRO engine takes one chunk per rank"
     if s.pp > 1 and s.pipeline.schedule in ("zero_bubble", "zbv"):

@@ -9,6 +9,8 @@
 Gradients leave autograd through post-accumulate-grad hooks (p.grad is packed into its
 bucket and dropped), the end of backward is an autograd callback, and under ZeRO-3 module
 hooks gather each unit's parameters before its forward and backward and free them after.
+Tensor-parallel (DTensor) parameters are handled through their local shards, which is what
+the plan partitions.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ms_llm.zero.engine import EngineConfig, ZeroEngine
 from ms_llm.zero.plan import OwnedPiece, ZeroPlan
@@ -25,17 +28,24 @@ from torch_backend.zero.comm import TorchComm
 from torch_backend.zero.ops import TorchOps
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own tensor: a tensor-parallel DTensor's local shard (sharing its storage)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class ZeroDataParallel:
     def __init__(self, model: nn.Module, zplan: ZeroPlan, rank: int, config: EngineConfig,
                  device: torch.device | str = "cpu"):
         self.model = model
-        params = dict(model.named_parameters())
+        with torch.no_grad():
+            params = {name: _local(p) for name, p in model.named_parameters()}
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.engine = ZeroEngine(zplan, rank, params, TorchComm(), TorchOps(torch.device(device)), config, world)
         self._queued = False
         self._handles = []
+        named = dict(model.named_parameters())
         for name in self.engine._slot:
-            self._handles.append(params[name].register_post_accumulate_grad_hook(self._grad_hook(name)))
+            self._handles.append(named[name].register_post_accumulate_grad_hook(self._grad_hook(name)))
         if self.engine.gather is not None:
             self._hook_units()
 
@@ -52,7 +62,11 @@ class ZeroDataParallel:
     def _grad_hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
             self._queue_finish()
-            self.engine.on_grad(name, p.grad)
+            grad = p.grad
+            if isinstance(grad, DTensor) and grad.placements != p.placements:
+                # e.g. a vocab-parallel embedding's gradient arrives replicated or partial
+                grad = grad.redistribute(p.device_mesh, p.placements)
+            self.engine.on_grad(name, _local(grad))
             p.grad = None
         return hook
 

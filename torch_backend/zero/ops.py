@@ -36,21 +36,42 @@ class TorchOps:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._restoring: set[int] = set()
+        # Bucket buffers come and go every step; keeping freed ones spares the allocator
+        # (on CPU, fresh pages for every multi-megabyte buffer).
+        self._pool: dict[tuple, list[torch.Tensor]] = {}
 
     def _where(self, host: bool) -> torch.device:
         return torch.device("cpu") if host else self.device
 
-    def zeros(self, numel: int, dtype: str, host: bool = False) -> torch.Tensor:
+    def _take(self, numel: int, dtype: torch.dtype, host: bool) -> tuple[torch.Tensor, bool]:
+        free = self._pool.get((numel, dtype, self._where(host)))
+        if free:
+            return free.pop(), True
         pin = host and self.device.type == "cuda"
-        return torch.zeros(numel, dtype=DTYPES[dtype], device=self._where(host), pin_memory=pin)
+        return torch.empty(numel, dtype=dtype, device=self._where(host), pin_memory=pin), False
+
+    def zeros(self, numel: int, dtype: str, host: bool = False) -> torch.Tensor:
+        return self._take(numel, DTYPES[dtype], host)[0].zero_()
+
+    def empty(self, numel: int, dtype: str) -> torch.Tensor:
+        return self._take(numel, DTYPES[dtype], False)[0]
+
+    def free(self, buf: torch.Tensor) -> None:
+        self._pool.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
 
     def read(self, buf: torch.Tensor, start: int, numel: int) -> torch.Tensor:
         return buf.narrow(0, start, numel)
 
+    def view(self, buf: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        return buf.narrow(0, start, n).view(shape)
+
     def write(self, buf: torch.Tensor, start: int, src: torch.Tensor) -> torch.Tensor:
         dst = buf.narrow(0, start, src.numel())
         if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype or dst.device != src.device:
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(src.reshape(-1), non_blocking=True)
         return buf
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -60,9 +81,8 @@ class TorchOps:
         return t.mul_(factor)
 
     def cast(self, t: torch.Tensor, dtype: str, host: bool = False) -> torch.Tensor:
-        out = torch.empty(t.numel(), dtype=DTYPES[dtype], device=self._where(host),
-                          pin_memory=host and self.device.type == "cuda")
-        return out.copy_(t.reshape(-1))
+        out, _ = self._take(t.numel(), DTYPES[dtype], host)
+        return out.copy_(t.reshape(-1), non_blocking=True)
 
     @torch.no_grad()
     def pack(self, buf, start, segment, slot, value, accumulate):
