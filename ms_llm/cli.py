@@ -76,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the embedded default job")
     d.set_defaults(func=cmd_demo)
 
+    from ms_llm.commands import convert, estimate, search
+    for name, module, summary in (
+            ("convert-strategy", convert, "convert strategy configs between Megatron-LM, DeepSpeed, MindFormers, "
+                                          "torchtitan and ms_llm"),
+            ("estimate", estimate, "per-device memory breakdown and step time of one or more strategies"),
+            ("search", search, "search parallel strategies with the cost model and rank them")):
+        c = sub.add_parser(name, help=summary, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(c)
+        c.set_defaults(func=module.run)
     register_checkpoint_commands(sub)
     return parser
 

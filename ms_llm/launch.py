@@ -45,13 +45,11 @@ def free_port() -> int:
 
 
 def world_size(job: JobConfig, nproc: Optional[int]) -> int:
-    """Processes the strategy needs; `--nproc` fills dp = -1 and must agree otherwise."""
+    """Processes the strategy needs. `--nproc` fills dp = -1 (one replica without it) and must
+    agree with a fixed dp."""
     s = job.strategy
     if s.dp == -1:
-        if nproc is None:
-            raise ConfigError("--nproc: strategy.dp is -1 (the leftover ranks), so the world size is open; "
-                              "give --nproc N or set strategy.dp")
-        return nproc
+        return nproc if nproc is not None else s.model_parallel_size
     world = s.world_size()
     if nproc is not None and nproc != world:
         raise StrategyError(f"--nproc: {nproc} processes, but dp*tp*pp*cp = {s.dp}*{s.tp}*{s.pp}*{s.cp} = {world}; "

@@ -12,6 +12,7 @@ from ms_llm.config.job import job_from_dict
 from ms_llm.errors import StrategyError
 from ms_llm.strategy.plan import plan as make_plan
 from torch_backend.lower import check_supported
+from torch_backend.parallelize.dp import engine_for
 from torch_backend.model import Transformer
 from torch_backend.parallelize.tp import tp_styles
 from torch_backend.pipeline import cut_chunk
@@ -90,3 +91,24 @@ def test_unsupported_strategies_name_the_field():
     with pytest.raises(StrategyError, match="float16"):
         check_supported(plan_for({"precision": {"param_dtype": "float16", "compute_dtype": "float16",
                                                 "loss_scale": "dynamic"}}, 1))
+
+
+@pytest.mark.parametrize("strategy,world,engine", [
+    ({}, 1, "none"),
+    ({"dp": 2}, 2, "shared"),                                            # auto: the shared engine
+    ({"dp": 2, "zero": {"stage": 3}}, 2, "shared"),
+    ({"dp": 2, "zero": {"engine": "native"}}, 2, "ddp"),
+    ({"dp": 2, "zero": {"stage": 1, "engine": "native"}}, 2, "ddp+zero_redundancy_optimizer"),
+    ({"dp": 2, "zero": {"stage": 2, "engine": "native"}}, 2, "fsdp2"),
+    ({"dp": 2, "tp": 2}, 4, "replicate"),                                # auto falls back to native under TP
+    ({"dp": 2, "tp": 2, "zero": {"stage": 3}}, 4, "fsdp2"),
+    ({"dp": 2, "pp": 2, "pipeline": {"schedule": "zero_bubble"}}, 4, "replicate"),
+    ({"dp": 2, "pp": 2}, 4, "shared"),
+])
+def test_engine_choice(strategy, world, engine):
+    assert engine_for(plan_for(strategy, world)) == engine
+
+
+def test_shared_engine_refusal_names_the_field():
+    with pytest.raises(StrategyError, match="strategy.tp.*engine: native"):
+        engine_for(plan_for({"dp": 2, "tp": 2, "zero": {"engine": "shared"}}, 4))

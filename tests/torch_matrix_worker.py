@@ -4,7 +4,8 @@
 
 Every case trains the same tiny fp32 model on the same global batches under one strategy
 and writes: the loss of each step, the gradients of the first step (before any update) and
-the parameters after the last step, gathered to full tensors. Case "ref" (world 1) also
+the parameters after the last step, gathered to full tensors (the shared ZeRO engine holds
+gradients in its own buckets: its cases compare losses and parameters). Case "ref" (world 1) also
 runs a hand-written single-process loop that shares none of the lowering.
 """
 from __future__ import annotations
@@ -33,14 +34,15 @@ MODEL = dict(name="matrix", vocab_size=264, hidden_size=32, num_layers=4, num_he
              ffn_hidden_size=64, max_seq_len=32, dtype="float32")
 STEPS = 4
 FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
-NATIVE = {"engine": "native"}
+NATIVE, SHARED = {"engine": "native"}, {"engine": "shared"}
 
-# name -> (world size, strategy, optimizer)
+# name -> (world size, strategy, optimizer). "native": DDP / FSDP2 / ZeroRedundancyOptimizer;
+# "shared": ms_llm's ZeRO engine.
 CASES: dict[str, tuple[int, dict, str]] = {
     "ref": (1, {}, "sgd"),
     "ref_adamw": (1, {}, "adamw"),
-    "dp2": (2, {"dp": 2}, "sgd"),
-    "dp2_adamw": (2, {"dp": 2}, "adamw"),
+    "dp2": (2, {"dp": 2, "zero": NATIVE}, "sgd"),
+    "dp2_adamw": (2, {"dp": 2, "zero": NATIVE}, "adamw"),
     "tp2": (2, {"tp": 2}, "sgd"),
     "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}, "sgd"),
     "tp2_sp_adamw": (2, {"tp": 2, "sequence_parallel": True}, "adamw"),
@@ -54,15 +56,27 @@ CASES: dict[str, tuple[int, dict, str]] = {
     "zero2_dp2": (2, {"dp": 2, "zero": {"stage": 2, **NATIVE}}, "sgd"),
     "zero3_dp2": (2, {"dp": 2, "zero": {"stage": 3, **NATIVE}, "recompute": {"policy": "full"}}, "sgd"),
     "zero3_dp2_adamw": (2, {"dp": 2, "zero": {"stage": 3, **NATIVE}}, "adamw"),
-    "dp4": (4, {"dp": 4}, "sgd"),
+    "shared_dp2": (2, {"dp": 2, "zero": SHARED}, "sgd"),
+    "shared_zero1_dp2": (2, {"dp": 2, "zero": {"stage": 1, **SHARED}}, "sgd"),
+    "shared_zero2_dp2": (2, {"dp": 2, "zero": {"stage": 2, **SHARED}}, "sgd"),
+    "shared_zero3_dp2": (2, {"dp": 2, "zero": {"stage": 3, **SHARED}}, "sgd"),
+    "shared_zero3_dp2_ac": (2, {"dp": 2, "zero": {"stage": 3, **SHARED}, "recompute": {"policy": "full"}}, "sgd"),
+    "shared_zero1_dp2_adamw": (2, {"dp": 2, "zero": {"stage": 1, **SHARED}}, "adamw"),
+    "dp4": (4, {"dp": 4, "zero": NATIVE}, "sgd"),
     "dp2_tp2": (4, {"dp": 2, "tp": 2}, "sgd"),
     "dp2_tp2_sp_zero3": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 3, **NATIVE}}, "sgd"),
     "pp2_tp2": (4, {"pp": 2, "tp": 2, "sequence_parallel": True}, "sgd"),
-    "pp2_dp2": (4, {"pp": 2, "dp": 2, "pipeline": {"schedule": "1f1b"}}, "sgd"),
+    "pp2_dp2": (4, {"pp": 2, "dp": 2, "pipeline": {"schedule": "1f1b"}, "zero": NATIVE}, "sgd"),
     "zero1_dp4": (4, {"dp": 4, "zero": {"stage": 1, **NATIVE}}, "sgd"),
     "zero2_dp4": (4, {"dp": 4, "zero": {"stage": 2, **NATIVE}}, "sgd"),
     "zero3_dp4": (4, {"dp": 4, "zero": {"stage": 3, **NATIVE}}, "sgd"),
     "zero3_hsdp": (4, {"dp": 4, "zero": {"stage": 3, "shard_size": 2, **NATIVE}}, "sgd"),
+    "shared_pp2_dp2": (4, {"pp": 2, "dp": 2, "pipeline": {"schedule": "1f1b"}, "zero": {"stage": 1, **SHARED}},
+                       "sgd"),
+    "shared_zero3_pp2_dp2": (4, {"pp": 2, "dp": 2, "pipeline": {"schedule": "gpipe"},
+                                 "zero": {"stage": 3, **SHARED}}, "sgd"),
+    "shared_zero3_dp4": (4, {"dp": 4, "zero": {"stage": 3, **SHARED}}, "sgd"),
+    "shared_zero2_hsdp": (4, {"dp": 4, "zero": {"stage": 2, "shard_size": 2, **SHARED}}, "sgd"),
 }
 
 
@@ -97,12 +111,10 @@ def plain_reference(job, sampler) -> list[float]:
     tc = job.train
     model = Transformer(job.model)
     model.init_weights(tc.seed)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": tc.optimizer.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    opt = (torch.optim.SGD(groups, lr=tc.optimizer.lr) if tc.optimizer.name == "sgd" else
-           torch.optim.AdamW(groups, lr=tc.optimizer.lr, betas=(tc.optimizer.beta1, tc.optimizer.beta2),
-                             eps=tc.optimizer.eps))
+    o = tc.optimizer
+    opt = (torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay) if o.name == "sgd" else
+           torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay))
     losses = []
     for step in range(tc.steps):
         for g in opt.param_groups:
@@ -128,14 +140,17 @@ def run_case(case: str, tokens: np.ndarray, out: Path) -> None:
     sampler = GlobalBatchSampler(tokens, tc.seq_len, tc.global_batch_size, tc.seed)
     dp_rank, dp_size = meshes.coord("dp"), meshes.size("dp")
 
-    first = torch.from_numpy(sampler.local_batch(0, dp_rank, dp_size))
-    step_fn.forward_backward(first[:, :-1], first[:, 1:])
-    lowered.dp.reduce_grads(lowered.parts)
-    tensors = gathered(lowered.parts, "grad")
-    step_fn.optimizer.zero_grad(set_to_none=True)
+    tensors = {}
+    if step_fn.optimizer is not None:     # the shared engine keeps gradients in its buckets
+        first = torch.from_numpy(sampler.local_batch(0, dp_rank, dp_size))
+        step_fn.forward_backward(first[:, :-1], first[:, 1:])
+        lowered.dp.reduce_grads(lowered.parts)
+        tensors = gathered(lowered.parts, "grad")
+        step_fn.optimizer.zero_grad(set_to_none=True)
 
     losses = [step_fn(k, torch.from_numpy(sampler.local_batch(k, dp_rank, dp_size)))[0].item()
               for k in range(tc.steps)]
+    lowered.dp.gather_params()
     tensors |= gathered(lowered.parts, "param")
     if meshes.coord("dp") == 0 and meshes.coord("tp") == 0:
         save_file(tensors, out / f"{case}-rank{rank}.safetensors")

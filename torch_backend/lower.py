@@ -79,12 +79,10 @@ def check_supported(plan: ModelPlan) -> None:
 def lower(plan: ModelPlan, meshes: Meshes, device: torch.device, rank: int, compile: bool = False) -> Lowered:
     check_supported(plan)
     chunks = plan.chunks_of_stage(meshes.coord("pp"))
-    dp = build_data_parallel(plan, meshes)
-    parts = []
-    for chunk in chunks:
-        with torch.device("meta"):
-            part = cut_chunk(plan.model, chunk)
-        parts.append(parallelize(part, plan, meshes, dp, device, rank, plan.train.seed, compile))
+    dp = build_data_parallel(plan, meshes, device)
+    with torch.device("meta"):
+        parts = [cut_chunk(plan.model, chunk) for chunk in chunks]
+    parts = parallelize(parts, plan, meshes, dp, device, rank, plan.train.seed, compile)
     schedule = None
     if plan.strategy.pp > 1:
         schedule = build_schedule(plan, parts, chunks, meshes.group("pp"), device, cross_entropy)

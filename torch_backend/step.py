@@ -9,26 +9,24 @@ from torch import nn
 
 from ms_llm.config.train import OptimizerConfig
 from ms_llm.run import lr_at
-from torch_backend.clip import clip_grad_norm
 from torch_backend.lower import Lowered, cross_entropy, local_value
 
 
-def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list[dict], dict]:
-    """(class, param groups, kwargs): no weight decay on 1-D parameters (norm weights)."""
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list[nn.Parameter], dict]:
+    """(class, params, kwargs). Weight decay applies to every parameter, as in the shared ZeRO
+    engine and the MindSpore optimizer, so all engines follow one update rule."""
     if opt.name == "sgd":
-        return torch.optim.SGD, groups, {"lr": opt.lr}
-    return torch.optim.AdamW, groups, {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps}
+        return torch.optim.SGD, params, {"lr": opt.lr, "weight_decay": opt.weight_decay}
+    return torch.optim.AdamW, params, {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps,
+                                       "weight_decay": opt.weight_decay}
 
 
 class TrainStep:
     def __init__(self, lowered: Lowered):
         self.m, self.plan = lowered, lowered.plan
         self.params = [p for part in lowered.parts for p in part.parameters()]
-        cls, groups, kwargs = optimizer_args(self.plan.train.optimizer, self.params)
-        self.optimizer = lowered.dp.make_optimizer(groups, cls, kwargs)
+        cls, params, kwargs = optimizer_args(self.plan.train.optimizer, self.params)
+        self.optimizer = lowered.dp.make_optimizer(params, cls, kwargs)
         meshes, s = lowered.meshes, self.plan.strategy
         self.pp_group = meshes.group("pp") if s.pp > 1 else None
         # The global loss: summed over the ranks that hold a loss once per data-parallel
@@ -43,7 +41,9 @@ class TrainStep:
         if m.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (tokens,) if m.has_first else ()
-            with m.loss_context(), m.autocast():
+            # The schedule's last backward need not end the step (reduce_grads does), so
+            # engines that reduce from backward hooks accumulate through all of it.
+            with m.dp.sync(m.parts[0], last=False), m.loss_context(), m.autocast():
                 m.schedule.step(*args, target=targets if m.has_last else None, losses=losses)
             if not losses:
                 return torch.zeros((), device=m.device)
@@ -59,15 +59,11 @@ class TrainStep:
 
     def __call__(self, step: int, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: (B_local, T + 1) token ids. Returns (global mean loss, grad norm), unsynced."""
-        lr = lr_at(step, self.plan.train)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         batch = batch.to(self.m.device, non_blocking=True)
         loss = self.forward_backward(batch[:, :-1], batch[:, 1:])
         self.m.dp.reduce_grads(self.m.parts)
-        grad_norm = clip_grad_norm(self.params, self.plan.train.optimizer.grad_clip, self.pp_group)
-        self.m.dp.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.m.dp.step(self.optimizer, self.params, lr_at(step, self.plan.train),
+                                   self.plan.train.optimizer.grad_clip, self.pp_group)
         if self.world > 1:
             loss = loss * self.loss_weight
             dist.all_reduce(loss)

@@ -16,15 +16,9 @@ from ms_llm.init import init_param
 from ms_llm.strategy.plan import ModelPlan
 from torch_backend.model import rotary_tables
 
-# Prefixes that wrappers (activation checkpointing, torch.compile, DDP) add to parameter names.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-
-
 def canonical_name(name: str) -> str:
-    """Hugging Face name of a parameter of a wrapped part."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """Hugging Face name of a parameter of a part, also once DDP wrapped it (`module.`)."""
+    return name.removeprefix("module.")
 
 
 @torch.no_grad()
@@ -34,7 +28,6 @@ def materialize(part: nn.Module, plan: ModelPlan, device: torch.device, rank: in
         part.lm_head.weight = part.model.embed_tokens.weight   # to_empty from meta unties them
     stage_rank = plan.stage_rank(rank)
     for name, p in part.named_parameters():
-        name = canonical_name(name)
         full = torch.from_numpy(init_param(name, tuple(p.shape), seed))
         if isinstance(p, DTensor):
             offsets, sizes = plan.params[name].layout.shard_box(stage_rank)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from ms_llm.commands import add_input_arguments, read_options, write_output
 from ms_llm.errors import ConfigError

@@ -7,7 +7,6 @@ and warns about every non-default IR field a writer did not express.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,14 +172,6 @@ def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 
 def covered(path: str, expressed: set[str]) -> bool:
     return any(path == e or path.startswith(e + ".") for e in expressed)
-
-
-def replace_path(obj: Any, path: str, value: Any) -> Any:
-    """dataclasses.replace along a dotted path: replace_path(job, 'strategy.zero.stage', 1)."""
-    head, _, rest = path.partition(".")
-    if not rest:
-        return dataclasses.replace(obj, **{head: value})
-    return dataclasses.replace(obj, **{head: replace_path(getattr(obj, head), rest, value)})
 
 
 def annotate(problem: str, sources: dict[str, str]) -> str:

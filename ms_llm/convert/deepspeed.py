@@ -55,11 +55,11 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
         dp = world // (tp * pp * cp)
     gbs, mbs, dp = _batch(f, dp, warnings)
     world = dp * tp * pp * cp
-    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": _zero(f, dp, warnings),
-                "precision": _precision(f, warnings), "recompute": _recompute(f, warnings)}
+    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": _zero(f, warnings),
+                "precision": _precision(f), "recompute": _recompute(f, warnings)}
     strategy["offload"] = strategy["zero"].pop("offload")
-    if pp > 1 and f.get("pipeline.partition", str, "parameters") != "uniform":
-        warnings.append(f"pipeline.partition = {f.get('pipeline.partition', str, 'parameters')!r}: read as an "
+    if pp > 1 and f.get("pipeline.partition", str, "best") != "uniform":
+        warnings.append(f"pipeline.partition = {f.get('pipeline.partition', str, 'best')!r}: read as an "
                         "even split of the layers (uniform)")
     model_dict = {**to_dict(model, full=True), "dtype": strategy["precision"]["param_dtype"]}
     train = {"global_batch_size": gbs, "micro_batch_size": mbs, "seq_len": model.max_seq_len,
@@ -90,9 +90,9 @@ def _batch(f: Fields, dp: int | None, warnings: list[str]) -> tuple[int, int, in
     tbs = _batch_value(f, "train_batch_size", warnings)
     mbs = _batch_value(f, "train_micro_batch_size_per_gpu", warnings)
     gas = _batch_value(f, "gradient_accumulation_steps", warnings)
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        f.sources[{"train_batch_size": "train.global_batch_size", "train_micro_batch_size_per_gpu":
-                   "train.micro_batch_size", "gradient_accumulation_steps": "strategy.pipeline.micro_batches"}[key]] = key
+    f.sources.update({"train.global_batch_size": "train_batch_size",
+                      "train.micro_batch_size": "train_micro_batch_size_per_gpu",
+                      "strategy.pipeline.micro_batches": "gradient_accumulation_steps"})
     triple = f"train_batch_size={tbs}, train_micro_batch_size_per_gpu={mbs}, gradient_accumulation_steps={gas}"
     if tbs and mbs and gas:
         if dp is None:
@@ -103,10 +103,10 @@ def _batch(f: Fields, dp: int | None, warnings: list[str]) -> tuple[int, int, in
             raise f.error("train_batch_size", f"{triple} but micro * accumulation * dp = {mbs}*{gas}*{dp} = "
                                               f"{mbs * gas * dp}; fix one of the three (or the world size)")
         return tbs, mbs, dp
-    if dp is None:
-        raise ConversionError(f"{f.source}: the batch triple ({triple}) does not fix dp; pass --world-size N")
     if tbs is None and mbs is None:
         raise f.error("train_batch_size", "neither it nor train_micro_batch_size_per_gpu is set; DeepSpeed needs one")
+    if dp is None:
+        raise ConversionError(f"{f.source}: the batch triple ({triple}) does not fix dp; pass --world-size N")
     gas = gas or (1 if tbs is None or mbs is None else None)
     if tbs is None:
         return mbs * gas * dp, mbs, dp
@@ -120,7 +120,7 @@ def _batch(f: Fields, dp: int | None, warnings: list[str]) -> tuple[int, int, in
     return tbs, mbs, dp
 
 
-def _zero(f: Fields, dp: int, warnings: list[str]) -> dict:
+def _zero(f: Fields, warnings: list[str]) -> dict:
     z = "zero_optimization"
     zero: dict = {"stage": f.get(f"{z}.stage", int, 0, ir="strategy.zero.stage")}
     elements = f.get(f"{z}.reduce_bucket_size", float, 5e8, ir="strategy.zero.bucket_mb")
@@ -147,7 +147,7 @@ def _zero(f: Fields, dp: int, warnings: list[str]) -> dict:
     return zero
 
 
-def _precision(f: Fields, warnings: list[str]) -> dict:
+def _precision(f: Fields) -> dict:
     bf16 = f.get("bf16.enabled", bool, False, ir="strategy.precision")
     fp16 = f.get("fp16.enabled", bool, False, ir="strategy.precision")
     if bf16 and fp16:
@@ -239,7 +239,8 @@ def write(job: JobConfig, world_size: int) -> Written:
     out["zero_optimization"] = _write_zero(s, warnings)
     o = t.optimizer
     if o.name != "adamw":
-        warnings.append(f"train.optimizer.name = {o.name}: DeepSpeed configs name Adam-family optimizers; AdamW written")
+        warnings.append(f"train.optimizer.name = {o.name}: DeepSpeed configs name Adam-family optimizers; "
+                        "AdamW written")
     out["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
                                                     "weight_decay": o.weight_decay}}
     out["scheduler"] = _write_schedule(t, warnings)

@@ -32,7 +32,10 @@ def parse_args(words: list[str], source: str) -> dict[str, object]:
             raise ConversionError(f"{source}: {word!r} comes before any --flag; Megatron-LM takes only --flags")
         else:
             current = out[flag]
-            out[flag] = word if current is True else (current + [word] if isinstance(current, list) else [current, word])
+            if current is True:
+                out[flag] = word
+            else:
+                out[flag] = (current if isinstance(current, list) else [current]) + [word]
     return out
 
 
@@ -57,7 +60,8 @@ def _world_from_launcher(launcher: list[str], source: str, warnings: list[str]) 
 
 def read(text: str, source: str, options: ReadOptions) -> Converted:
     warnings: list[str] = []
-    words = shlex.split(text.replace("\\\n", " "), comments=True) if text.lstrip().startswith("--") else None
+    code = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    words = shlex.split(text.replace("\\\n", " "), comments=True) if code and code[0].startswith("--") else None
     launched = None
     if words is None:
         launch = launch_command(text, source)
@@ -85,12 +89,12 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
         sp = False
     strategy["sequence_parallel"] = sp
     strategy["pipeline"] = _pipeline(f, model["num_layers"], pp)
-    strategy["zero"] = _zero(f, dp, source)
-    strategy["recompute"] = _recompute(f, warnings, source)
-    strategy["precision"] = _precision(f, source, warnings)
+    strategy["zero"] = _zero(f, dp)
+    strategy["recompute"] = _recompute(f, warnings)
+    strategy["precision"] = _precision(f, warnings)
     strategy["offload"] = {"optimizer": f.get("--optimizer-cpu-offload", bool, False, ir="strategy.offload")}
     model["dtype"] = strategy["precision"]["param_dtype"]
-    train = _train(f, dp, source, warnings)
+    train = _train(f, dp, warnings)
     if tie_note:
         warnings.append(tie_note)
     job = make_job(f, name=Path(source).stem, model=model, strategy=strategy, train=train,
@@ -206,7 +210,7 @@ def _pipeline(f: Fields, layers: int, pp: int) -> dict:
     return pipe
 
 
-def _zero(f: Fields, dp: int | None, source: str) -> dict:
+def _zero(f: Fields, dp: int | None) -> dict:
     distopt = f.get("--use-distributed-optimizer", bool, False, ir="strategy.zero.stage")
     fsdp = f.get("--use-torch-fsdp2", bool, False, ir="strategy.zero.stage")
     if distopt and fsdp:
@@ -224,7 +228,7 @@ def _zero(f: Fields, dp: int | None, source: str) -> dict:
     return zero
 
 
-def _recompute(f: Fields, warnings: list[str], source: str) -> dict:
+def _recompute(f: Fields, warnings: list[str]) -> dict:
     granularity = f.get("--recompute-granularity", ("full", "selective"), None, ir="strategy.recompute.policy")
     if f.get("--recompute-activations", bool, False, ir="strategy.recompute.policy"):
         granularity = "selective"
@@ -250,7 +254,7 @@ def _recompute(f: Fields, warnings: list[str], source: str) -> dict:
     return {"policy": "full"}
 
 
-def _precision(f: Fields, source: str, warnings: list[str]) -> dict:
+def _precision(f: Fields, warnings: list[str]) -> dict:
     bf16 = f.get("--bf16", bool, False, ir="strategy.precision")
     fp16 = f.get("--fp16", bool, False, ir="strategy.precision")
     if bf16 and fp16:
@@ -275,7 +279,7 @@ def _precision(f: Fields, source: str, warnings: list[str]) -> dict:
     return prec
 
 
-def _train(f: Fields, dp: int | None, source: str, warnings: list[str]) -> dict:
+def _train(f: Fields, dp: int | None, warnings: list[str]) -> dict:
     mbs = f.get("--micro-batch-size", int, None, ir="train.micro_batch_size")
     if mbs is None:
         mbs = 1

@@ -140,7 +140,8 @@ def _write_pipeline(m, s, warnings: list[str]) -> list[str]:
     if split is not None and s.pp > 1:
         middle = set(split[1:-1])
         if pipe.virtual_stages == 1 and len(middle) <= 1:
-            out += [f"--decoder-first-pipeline-num-layers {split[0]}", f"--decoder-last-pipeline-num-layers {split[-1]}"]
+            out += [f"--decoder-first-pipeline-num-layers {split[0]}",
+                    f"--decoder-last-pipeline-num-layers {split[-1]}"]
         else:
             warnings.append(f"strategy.pipeline.layer_split = {list(split)}: Megatron can only shorten the first "
                             "and last stage; the even split is written")

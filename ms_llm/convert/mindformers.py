@@ -79,12 +79,12 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if cp > 1 and f.raw("model.model_config.use_flash_attention", False) is not True:
         raise f.error(f"{pc}.context_parallel", "needs model.model_config.use_flash_attention: True (MindFormers "
                                                  "refuses context parallel without it)")
-    model, mc = _model(f, warnings)
+    model, mc = _model(f)
     precision = _precision(f, mc, warnings)
     model["dtype"] = precision["param_dtype"]
     strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": sp,
-                "zero": _zero(f, dp, warnings), "pipeline": _pipeline(f, mc, model["num_layers"], pp, warnings),
-                "recompute": _recompute(f, pp, warnings), "precision": precision}
+                "zero": _zero(f, warnings), "pipeline": _pipeline(f, mc, model["num_layers"], pp, warnings),
+                "recompute": _recompute(f, warnings), "precision": precision}
     train = _train(f, dp, pp, mc, warnings)
     device = options.device or DEVICES.get(f.get("context.device_target", str, "Ascend", ir="device"), "910b")
     name = f.get("trainer.model_name", str, Path(source).stem)
@@ -102,12 +102,14 @@ def _check_mode(f: Fields, tp: int, pp: int, warnings: list[str]) -> None:
     if name == "data_parallel" and (tp > 1 or pp > 1):
         raise f.error("parallel.parallel_mode", "data_parallel (0) cannot run model_parallel or pipeline_stage > 1; "
                                                 "use semi_auto_parallel (1)")
+    if name == "data_parallel" and f.raw("parallel.full_batch", False) is True:
+        raise f.error("parallel.full_batch", "must be False in data_parallel mode (each rank reads its own batch)")
     if name in ("auto_parallel", "hybrid_parallel"):
         warnings.append(f"parallel.parallel_mode = {name}: MindSpore picks the operator strategies; the "
                         "parallel_config degrees are used as given")
 
 
-def _model(f: Fields, warnings: list[str]) -> tuple[dict, str]:
+def _model(f: Fields) -> tuple[dict, str]:
     mc = "model.model_config"
     hidden = f.get(f"{mc}.hidden_size", int, ir="model.hidden_size")
     heads = f.get(f"{mc}.num_heads", int, ir="model.num_heads")
@@ -165,7 +167,7 @@ def _precision(f: Fields, mc: str, warnings: list[str]) -> dict:
     return prec
 
 
-def _zero(f: Fields, dp: int, warnings: list[str]) -> dict:
+def _zero(f: Fields, warnings: list[str]) -> dict:
     on = f.get("parallel.enable_parallel_optimizer", bool, False, ir="strategy.zero.stage")
     if f.raw("parallel_config.optimizer_shard") is True:
         warnings.append("parallel_config.optimizer_shard is deprecated; read as parallel.enable_parallel_optimizer")
@@ -211,7 +213,7 @@ def _pipeline(f: Fields, mc: str, layers: int, pp: int, warnings: list[str]) -> 
     return pipe
 
 
-def _recompute(f: Fields, pp: int, warnings: list[str]) -> dict:
+def _recompute(f: Fields, warnings: list[str]) -> dict:
     rc = "recompute_config"
     full = f.raw(f"{rc}.recompute", False, ir="strategy.recompute.policy")
     select = f.raw(f"{rc}.select_recompute", False, ir="strategy.recompute.policy")

@@ -65,12 +65,14 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     model_dict = {**to_dict(model, full=True), "dtype": strategy["precision"]["param_dtype"]}
     if f.get("training.enable_cpu_offload", bool, False, ir="strategy.offload"):
         strategy["offload"] = {"optimizer": True, "params": True}
-    train, local, mbs = _batch(f, dp, pp)
-    strategy["pipeline"] = _pipeline(f, model.num_layers, pp, local, mbs)
+    train = _batch(f, dp, pp)
+    strategy["pipeline"] = _pipeline(f, model.num_layers, pp)
     strategy["recompute"] = _recompute(f, model.num_layers, pp, warnings)
     train.update(_optimizer(f, warnings))
     train["checkpoint"] = _checkpoint(f, warnings)
     if train["seq_len"] > model_dict["max_seq_len"]:
+        warnings.append(f"model.max_seq_len raised from {model_dict['max_seq_len']} to training.seq_len = "
+                        f"{train['seq_len']} (torchtitan sizes the rotary table from seq_len)")
         model_dict["max_seq_len"] = train["seq_len"]
     job = make_job(f, name=Path(source).stem, model=model_dict, strategy=strategy, train=train,
                    device=options.device or "h100")
@@ -126,7 +128,7 @@ def _precision(f: Fields, fsdp: bool, tp: int, pp: int, warnings: list[str]) -> 
     return {"param_dtype": param, "compute_dtype": param, "master_dtype": master, "grad_reduce_dtype": reduce}
 
 
-def _batch(f: Fields, dp: int, pp: int) -> tuple[dict, int, int]:
+def _batch(f: Fields, dp: int, pp: int) -> dict:
     key = "training.local_batch_size" if f.has("training.local_batch_size") or not f.has("training.batch_size") \
         else "training.batch_size"
     local = f.get(key, int, 8, ir="train.micro_batch_size")
@@ -142,11 +144,13 @@ def _batch(f: Fields, dp: int, pp: int) -> tuple[dict, int, int]:
                                                     f"{local}*{dp} (gradient accumulation needs whole steps)")
     seed = f.get("training.seed", int, None, ir="train.seed")
     seed = f.get("debug.seed", int, seed if seed is not None else 1234, ir="train.seed")
+    compile_key = "compile.enable" if f.has("compile.enable") or not f.has("training.compile") else "training.compile"
     train = {"global_batch_size": gbs, "micro_batch_size": mbs, "seed": seed,
+             "compile": f.get(compile_key, bool, False, ir="train.compile"),
              "seq_len": f.get("training.seq_len", int, 2048, ir="train.seq_len"),
              "steps": f.get("training.steps", int, 10000, ir="train.steps"),
              "log_every": f.get("metrics.log_freq", int, 10, ir="train.log_every")}
-    return train, local, mbs
+    return train
 
 
 def fqn_parts(num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1) -> list[int]:
@@ -170,7 +174,7 @@ def fqn_parts(num_stages: int, num_layers: int, input_weight: int = 1, output_we
     return counts
 
 
-def _pipeline(f: Fields, layers: int, pp: int, local: int, mbs: int) -> dict:
+def _pipeline(f: Fields, layers: int, pp: int) -> dict:
     par = "parallelism"
     raw = f.get(f"{par}.pipeline_parallel_schedule", str, "1F1B", ir="strategy.pipeline.schedule")
     key = raw.lower().replace("_", "")

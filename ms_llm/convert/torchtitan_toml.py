@@ -71,9 +71,9 @@ def write(job: JobConfig, world_size: int) -> Written:
         if not (s.offload.optimizer and s.offload.params):
             warnings.append("strategy.offload: FSDP2's CPU offload moves parameters, gradients and optimizer states "
                             "together; enable_cpu_offload written")
-    parallel = _parallelism(s, world_size, warnings)
+    parallel = _parallelism(s, warnings)
     if s.pp > 1:
-        parallel.update(_pipeline(m, s, t, warnings))
+        parallel.update(_pipeline(m, s, t))
     sections = {"job": {"description": job.name},
                 "model": {"name": name, "flavor": flavor},
                 "optimizer": {"name": "AdamW", "lr": o.lr, "eps": o.eps, "weight_decay": o.weight_decay,
@@ -81,6 +81,7 @@ def write(job: JobConfig, world_size: int) -> Written:
                 "lr_scheduler": {"warmup_steps": sch.warmup_steps, "decay_type": sch.decay,
                                  "min_lr_factor": sch.min_lr_ratio},
                 "training": training, "parallelism": parallel,
+                "compile": {"enable": t.compile},
                 "checkpoint": _checkpoint(ck, warnings),
                 "activation_checkpoint": _recompute(s, m.num_layers // s.pp, warnings),
                 "metrics": {"log_freq": t.log_every}}
@@ -111,7 +112,7 @@ def _precision_notes(s, warnings: list[str]) -> None:
                         "needs data_parallel_shard_degree * context_parallel_degree > 1)")
 
 
-def _parallelism(s, world_size: int, warnings: list[str]) -> dict:
+def _parallelism(s, warnings: list[str]) -> dict:
     stage = s.zero.stage
     shard = s.dp if s.zero.shard_size in (-1, s.dp) else s.zero.shard_size
     if stage in (1, 2):
@@ -134,7 +135,7 @@ def _parallelism(s, world_size: int, warnings: list[str]) -> dict:
     return out
 
 
-def _pipeline(m, s, t, warnings: list[str]) -> dict:
+def _pipeline(m, s, t) -> dict:
     pipe = s.pipeline
     chunks = s.pp * pipe.virtual_stages
     split = list(pipe.layer_split) if pipe.layer_split else [m.num_layers // chunks] * chunks

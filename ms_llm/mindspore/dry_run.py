@@ -35,9 +35,14 @@ def op_lines(low: Lowering) -> list[str]:
 
 
 def _cells(paths: list[str]) -> str:
+    """Cell paths in model order, consecutive decoder layers folded into one {a-b} entry."""
+    parts: list[str] = []
     layers = [int(m.group(1)) for p in paths if (m := re.match(r"^model\.layers\.(\d+)$", p))]
-    others = [p for p in paths if not re.match(r"^model\.layers\.\d+$", p)]
-    parts = others[:1] + ([f"model.layers.{{{_ranges(layers).replace(', ', ',')}}}"] if layers else []) + others[1:]
+    for p in paths:
+        if not re.match(r"^model\.layers\.\d+$", p):
+            parts.append(p)
+        elif int(p.split(".")[2]) == layers[0]:
+            parts.append("model.layers.{" + _ranges(layers).replace(", ", ",") + "}")
     return ", ".join(parts)
 
 

@@ -25,7 +25,8 @@ from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan, plan
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = "ms_llm.mindspore.worker"
+CPU_WORKER = "ms_llm.mindspore.worker"           # DATA_PARALLEL + our ZeRO engine
+AUTO_WORKER = "ms_llm.mindspore.auto_worker"     # semi_auto_parallel from the lowering (Ascend)
 
 
 def cpu_runtime_problems(p: ModelPlan) -> list[str]:
@@ -76,12 +77,12 @@ def worker_env() -> dict:
     return env
 
 
-def msrun_command(world: int, port: int, run: RunFolder, config: Path, tokens: Path) -> list[str]:
+def msrun_command(world: int, port: int, run: RunFolder, config: Path, tokens: Path, worker: str) -> list[str]:
     msrun = shutil.which("msrun", path=worker_env()["PATH"])
     if msrun is None:
         raise ConfigError("--backend mindspore: msrun not found; install the [mindspore] extra (mindspore==2.10.0)")
     return [msrun, f"--worker_num={world}", f"--local_worker_num={world}", "--master_addr=127.0.0.1",
-            f"--master_port={port}", f"--log_dir={run.logs}", "--join=True", "python", "-m", WORKER,
+            f"--master_port={port}", f"--log_dir={run.logs}", "--join=True", "python", "-m", worker,
             "--config", str(config), "--run-dir", str(run.root), "--tokens", str(tokens)]
 
 
@@ -108,19 +109,18 @@ def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> N
 def train(job: JobConfig, run_dir: str | None = None, world_size: int | None = None) -> int:
     """Train `job` with MindSpore; returns the exit status of msrun."""
     p = plan(job.model, job.strategy, job.train, world_size)
-    if ascend_available():
-        raise StrategyError("--backend mindspore: this is an Ascend machine; the semi_auto_parallel worker "
-                            "(ms_llm.mindspore.auto_worker) is started by the Ascend launcher, see README")
-    problems = cpu_runtime_problems(p)
-    if problems:
-        raise StrategyError(problems)
+    ascend = ascend_available()
+    if not ascend:
+        problems = cpu_runtime_problems(p)
+        if problems:
+            raise StrategyError(problems)
     run = RunFolder.create(job.name, run_dir)
     run.config.write_text(dump_yaml(job_to_dict(resolved_job(job, p))))
     tokens = token_file(job, run)
-    cmd = msrun_command(p.world_size, free_port(), run, run.config, tokens)
+    cmd = msrun_command(p.world_size, free_port(), run, run.config, tokens, AUTO_WORKER if ascend else CPU_WORKER)
     env = worker_env()
-    print(f"ms-llm train: MindSpore DATA_PARALLEL on {p.world_size} CPU workers (msrun), run folder {run.root}",
-          flush=True)
+    mode = "semi_auto_parallel on Ascend" if ascend else "DATA_PARALLEL on CPU"
+    print(f"ms-llm train: MindSpore {mode}, {p.world_size} workers (msrun), run folder {run.root}", flush=True)
     with open(run.launcher_log, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root)
         _follow(run, proc, job.train.steps, job.train.log_every)

@@ -193,7 +193,9 @@ def _shape(plan: Union[ModelPlan, CostShape]) -> CostShape:
 
 def _optimizer_bytes_per_param(plan: CostShape) -> float:
     prec = plan.strategy.precision
-    master = DTYPE_BYTES[prec.master_dtype] if prec.master_dtype != prec.param_dtype else 0
+    # An offloaded optimizer steps on the host, so it keeps its own copy of the weights there.
+    keep_master = prec.master_dtype != prec.param_dtype or plan.strategy.offload.optimizer
+    master = DTYPE_BYTES[prec.master_dtype] if keep_master else 0
     states = ADAM_STATE_BYTES if plan.train.optimizer.name == "adamw" else 0
     return master + states
 
@@ -305,7 +307,8 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
             vol["dp_cp"], kind["dp_cp"] = ring * (G + P), "reduce-scatter grads + all-gather params"
         elif s.zero.stage == 2:
             # No full gradient buffer to accumulate into: each micro-batch's gradients are reduce-scattered.
-            vol["dp_cp"], kind["dp_cp"] = ring * (mb * G + P), "reduce-scatter grads per micro-batch + all-gather params"
+            vol["dp_cp"], kind["dp_cp"] = ring * (mb * G + P), \
+                "reduce-scatter grads per micro-batch + all-gather params"
         else:
             # Parameters are gathered again for every micro-batch's forward and backward.
             vol["dp_cp"], kind["dp_cp"] = ring * mb * (G + 2 * P), \

@@ -160,7 +160,20 @@ def _recompute_modes(model: ModelConfig, s: ParallelStrategy, chunks: list[Chunk
     return tuple(modes)
 
 
-def _zero_layout(layout: TensorLayout, zero: ZeroPartition) -> TensorLayout:
+def zero_partition(s: ParallelStrategy, mesh: MeshSpec) -> ZeroPartition:
+    """ZeRO shards over dp_shard and cp (cp ranks hold the same parameters), replicates over
+    dp_replicate. `s` must be resolved."""
+    zero_axes = tuple(a for a in ("dp_shard", "cp") if mesh.axis_size(a) > 1) if s.zero.stage else ()
+    group = 1
+    for a in zero_axes:
+        group *= mesh.axis_size(a)
+    return ZeroPartition(stage=s.zero.stage, axes=zero_axes, group_size=group,
+                         replicate_size=s.dp_replicate,
+                         shard_optimizer=s.zero.stage >= 1, shard_grads=s.zero.stage >= 2,
+                         shard_params=s.zero.stage >= 3)
+
+
+def zero_layout(layout: TensorLayout, zero: ZeroPartition) -> TensorLayout:
     """Add the ZeRO shard axes on the first dimension that divides evenly (dim 0 normally,
     like FSDP2 and MindSpore's parallel optimizer); keep the TP layout where none does."""
     if zero.stage == 0 or zero.group_size == 1:
@@ -232,14 +245,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     if model.num_experts:
         expert_mesh = MeshSpec(EXPERT_AXES, (s.pp, s.dp * s.cp // s.ep, s.ep, s.tp))
 
-    zero_axes = tuple(a for a in ("dp_shard", "cp") if mesh.axis_size(a) > 1) if s.zero.stage else ()
-    group = 1
-    for a in zero_axes:
-        group *= mesh.axis_size(a)
-    zero = ZeroPartition(stage=s.zero.stage, axes=zero_axes, group_size=group,
-                         replicate_size=s.dp_replicate,
-                         shard_optimizer=s.zero.stage >= 1, shard_grads=s.zero.stage >= 2,
-                         shard_params=s.zero.stage >= 3)
+    zero = zero_partition(s, mesh)
 
     chunk_layers = _chunk_layers(model, s)
     n_chunks = len(chunk_layers)
@@ -263,7 +269,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
             zl = layout
         else:
             layout = TensorLayout.build(shape, stage_mesh, **({"tp": tp_dim} if tp_dim is not None else {}))
-            zl = _zero_layout(layout, zero)
+            zl = zero_layout(layout, zero)
         c = chunks[chunk]
         params[name] = ParamPlan(name, tuple(shape), kind, layout, c.stage, c.virtual, layer, zl, zero.stage)
 

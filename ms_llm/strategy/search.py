@@ -47,15 +47,18 @@ class Candidate:
     estimate: StepEstimate
 
     @property
-    def key(self) -> tuple[float, float]:
-        return (self.estimate.step_s, self.estimate.memory.total)
+    def key(self) -> tuple[float, float, float]:
+        """Fastest first; among equally fast (communication fully hidden), the one that moves fewer
+        bytes, then the one with more memory to spare: both leave slack the model does not see."""
+        e = self.estimate
+        return (e.step_s, sum(e.comm.bytes_by_axis.values()), e.memory.total)
 
 
 @dataclass(frozen=True)
 class SearchResult:
     ranked: tuple[Candidate, ...]       # fits in memory, fastest first
     enumerated: int                     # strategies up to the recompute policy = invalid + too_big + ranked
-    priced: int                         # validate + cost evaluations, recompute policies included
+    priced: int                         # cost evaluations, one per recompute policy tried
     invalid: int                        # rejected by validate()
     too_big: int                        # valid, but no recompute policy makes them fit
     seconds: float
@@ -121,17 +124,18 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for zero in zeros.values():
                                 enumerated += 1
+                                s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=base.ep, sequence_parallel=sp,
+                                                     zero=zero, pipeline=pipe, recompute=policies[0],
+                                                     precision=base.precision, offload=base.offload)
+                                try:
+                                    s = validate(model, s, t, world_size)
+                                except StrategyError:
+                                    invalid += 1
+                                    continue
                                 for recompute in policies:
+                                    # No rule involves a whole-model recompute policy: validate once.
                                     priced += 1
-                                    s = ParallelStrategy(
-                                        dp=dp, tp=tp, pp=pp, cp=cp, ep=base.ep, sequence_parallel=sp, zero=zero,
-                                        pipeline=pipe, recompute=recompute, precision=base.precision,
-                                        offload=base.offload)
-                                    try:
-                                        s = validate(model, s, t, world_size)
-                                    except StrategyError:
-                                        invalid += 1
-                                        break
+                                    s = dataclasses.replace(s, recompute=recompute)
                                     est = estimate(shape_of(model, s, t), device)
                                     if est.fits:
                                         found.append(Candidate(s, t, est))

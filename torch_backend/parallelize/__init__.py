@@ -3,8 +3,8 @@
 The order is fixed, as in torchtitan, because each step must see what the previous made:
 
   1. tensor / sequence parallel: parameters become DTensors sharded over tp;
-  2. materialize + init: after TP so a rank allocates only its TP shard, and before any
-     wrapper renames (AC, compile) or reshards (FSDP) the parameters;
+  2. materialize + init: after TP so a rank allocates only its TP shard, and before FSDP
+     reshards the parameters;
   3. activation checkpointing: wraps the TP-parallel layers, so recompute re-runs them;
   4. torch.compile per layer: after AC so the compiled region includes the recompute;
   5. data parallel / ZeRO (DDP, ZeroRedundancyOptimizer, FSDP2, or the shared engine):
@@ -24,16 +24,19 @@ from torch_backend.weights import materialize
 
 
 def apply_compile(part: nn.Module) -> None:
-    for key, layer in list(part.model.layers.items()):
-        part.model.layers[key] = torch.compile(layer)
+    """Compile each decoder layer in place (Module.compile keeps parameter names)."""
+    for layer in part.model.layers.values():
+        layer.compile()
 
 
-def parallelize(part: nn.Module, plan: ModelPlan, meshes: Meshes, dp: DataParallel, device: torch.device,
-                rank: int, seed: int, compile: bool = False) -> nn.Module:
-    if plan.strategy.tp > 1:
-        apply_tp(part, plan, meshes["tp"])
-    materialize(part, plan, device, rank, seed)
-    apply_ac(part, plan)
-    if compile:
-        apply_compile(part)
-    return dp.wrap(part)
+def parallelize(parts: list[nn.Module], plan: ModelPlan, meshes: Meshes, dp: DataParallel, device: torch.device,
+                rank: int, seed: int, compile: bool = False) -> list[nn.Module]:
+    """`parts`: this rank's model chunks on the meta device. Returns them ready to train."""
+    for part in parts:
+        if plan.strategy.tp > 1:
+            apply_tp(part, plan, meshes["tp"])
+        materialize(part, plan, device, rank, seed)
+        apply_ac(part, plan)
+        if compile:
+            apply_compile(part)
+    return dp.wrap(parts)

@@ -3,6 +3,9 @@
 full:      keep only the layer's input; recompute the whole layer in backward.
 selective: keep the matmul outputs (and collectives, so TP communication is not repeated);
            recompute the cheap rest: attention core, norms, rotary, SwiGLU activation.
+
+The composable `checkpoint` works through module hooks, so parameter names stay the
+canonical ones (engines and checkpoints address parameters by name).
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ms_llm.strategy.plan import ModelPlan
@@ -29,12 +32,11 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def apply_ac(part: nn.Module, plan: ModelPlan) -> None:
-    """Wrap each decoder layer of `part` whose plan.recompute mode is not 'none'."""
-    for key, layer in list(part.model.layers.items()):
+    """Checkpoint each decoder layer of `part` whose plan.recompute mode is not 'none'."""
+    for key, layer in part.model.layers.items():
         mode = plan.recompute[int(key)]
         if mode == "full":
-            part.model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
+            checkpoint(layer, preserve_rng_state=False)
         elif mode == "selective":
-            part.model.layers[key] = checkpoint_wrapper(
-                layer, preserve_rng_state=False,
-                context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+            checkpoint(layer, preserve_rng_state=False,
+                       context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))

@@ -2,28 +2,28 @@
 
 The trainer only ever calls, in this order:
 
-    part = dp.wrap(part)                        once per model part, after TP / AC / compile
-    with dp.sync(part, last):                   around each micro-batch's forward + backward
-    dp.reduce_grads(parts)                      after the last backward of a step
+    parts = dp.wrap(parts)                      once, after TP / AC / compile
     optimizer = dp.make_optimizer(params, cls, kwargs)
-    dp.step(optimizer)                          instead of optimizer.step()
+    per step:
+        with dp.sync(part, last):               around each micro-batch's forward + backward
+        dp.reduce_grads(parts)                  after the last backward
+        norm = dp.step(optimizer, params, lr, grad_clip, pp_group)   clip, update, clear grads
 
-so an engine that reduces gradients explicitly (the shared ZeRO engine) plugs in beside the
-native ones, which hook the reduction into backward:
-
-    stage 0: DistributedDataParallel (FSDP2's `replicate` under tensor or pipeline parallelism)
-    stage 1: DDP + ZeroRedundancyOptimizer (optimizer states sharded over dp)
-    stage 2: FSDP2 fully_shard, parameters kept unsharded between forward and backward
-    stage 3: FSDP2 fully_shard, parameters resharded after forward
+Engines:
+    shared  ms_llm's ZeRO engine (ms_llm.zero), stages 0-3, the same partition on both
+            backends; 'auto' takes it wherever this adapter supports the strategy
+    native  stage 0: DistributedDataParallel (FSDP2's `replicate` under tensor or pipeline
+            parallelism); stage 1: DDP + ZeroRedundancyOptimizer; stage 2: FSDP2 fully_shard
+            keeping parameters unsharded until backward; stage 3: fully_shard resharding
+            after forward
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from contextlib import nullcontext
-from typing import ContextManager, Iterable
+from typing import ContextManager, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,19 +33,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ms_llm.errors import StrategyError
 from ms_llm.strategy.plan import ModelPlan
+from torch_backend.clip import clip_grad_norm
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize.precision import DTYPES
-
-# Module providing `SharedZero(plan, meshes) -> DataParallel`: ms_llm's own ZeRO engine.
-SHARED_ENGINE = "torch_backend.zero"
 
 
 class DataParallel:
     """No data parallelism (dp = 1): gradients are complete after backward."""
     name = "none"
 
-    def wrap(self, part: nn.Module) -> nn.Module:
-        return part
+    def wrap(self, parts: list[nn.Module]) -> list[nn.Module]:
+        return parts
 
     def sync(self, part: nn.Module, last: bool) -> ContextManager:
         """Context for one micro-batch; `last` marks the one whose backward must reduce."""
@@ -54,11 +52,21 @@ class DataParallel:
     def reduce_grads(self, parts: list[nn.Module]) -> None:
         """Engines that reduce inside backward have nothing left to do here."""
 
-    def make_optimizer(self, params: Iterable[nn.Parameter], cls: type, kwargs: dict) -> torch.optim.Optimizer:
+    def make_optimizer(self, params: Iterable, cls: type, kwargs: dict) -> Optional[torch.optim.Optimizer]:
         return cls(params, **kwargs)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def gather_params(self) -> None:
+        """Make every parameter of this rank readable (between steps, for export or checks)."""
+
+    def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], lr: float, grad_clip: float,
+             pp_group) -> torch.Tensor:
+        """Clip to the global norm, update, clear gradients; returns the norm before clipping."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        norm = clip_grad_norm(params, grad_clip, pp_group)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
 
 
 class DDP(DataParallel):
@@ -68,16 +76,18 @@ class DDP(DataParallel):
     def __init__(self, group, bucket_mb: float, grad_reduce_dtype: str):
         self.group, self.bucket_mb, self.grad_reduce_dtype = group, bucket_mb, grad_reduce_dtype
 
-    def wrap(self, part: nn.Module) -> nn.Module:
+    def _wrap(self, part: nn.Module) -> nn.Module:
         ddp = DistributedDataParallel(part, process_group=self.group, bucket_cap_mb=self.bucket_mb,
                                       gradient_as_bucket_view=True, forward_sync_buffers=False)
-        if self.grad_reduce_dtype == "float16":
+        if self.grad_reduce_dtype != "float32":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            ddp.register_comm_hook(self.group, default_hooks.fp16_compress_hook)
-        elif self.grad_reduce_dtype == "bfloat16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            ddp.register_comm_hook(self.group, default_hooks.bf16_compress_hook)
+            hook = {"float16": default_hooks.fp16_compress_hook,
+                    "bfloat16": default_hooks.bf16_compress_hook}[self.grad_reduce_dtype]
+            ddp.register_comm_hook(self.group, hook)
         return ddp
+
+    def wrap(self, parts):
+        return [self._wrap(part) for part in parts]
 
     def sync(self, part: nn.Module, last: bool) -> ContextManager:
         return nullcontext() if last else part.no_sync()
@@ -101,8 +111,8 @@ class Replicate(DataParallel):
     def __init__(self, mesh: DeviceMesh, mp: MixedPrecisionPolicy):
         self.mesh, self.mp = mesh, mp
 
-    def wrap(self, part: nn.Module) -> nn.Module:
-        return replicate(part, mesh=self.mesh, mp_policy=self.mp)
+    def wrap(self, parts):
+        return [replicate(part, mesh=self.mesh, mp_policy=self.mp) for part in parts]
 
 
 class FSDP(DataParallel):
@@ -112,10 +122,55 @@ class FSDP(DataParallel):
     def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool, mp: MixedPrecisionPolicy):
         self.mesh, self.reshard, self.mp = mesh, reshard_after_forward, mp
 
-    def wrap(self, part: nn.Module) -> nn.Module:
+    def _wrap(self, part: nn.Module) -> nn.Module:
         for layer in part.model.layers.values():
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
         return fully_shard(part, mesh=self.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
+
+    def wrap(self, parts):
+        return [self._wrap(part) for part in parts]
+
+
+class SharedZero(DataParallel):
+    """ms_llm's ZeRO engine: gradients leave autograd into its buckets, it reduces, clips and
+    runs the optimizer on the owned shards itself (torch_backend.zero.ZeroDataParallel)."""
+    name = "shared"
+
+    def __init__(self, plan: ModelPlan, device: torch.device):
+        from ms_llm.zero import zero_plan
+        from ms_llm.zero.engine import EngineConfig
+
+        self.plan, self.device = plan, device
+        self.zplan, self.config = zero_plan(plan), EngineConfig.from_job(plan.strategy, plan.train)
+        self.engine = None
+
+    def wrap(self, parts):
+        from torch_backend.zero import ZeroDataParallel
+
+        (part,) = parts          # one chunk per rank: shared_engine_problem() checked it
+        self.engine = ZeroDataParallel(part, self.zplan, dist.get_rank(), self.config, self.device)
+        return parts
+
+    def sync(self, part, last):
+        return nullcontext() if last else self.engine.no_sync()
+
+    def reduce_grads(self, parts):
+        """A pipeline schedule runs every micro-batch's backward under no_sync (its last backward
+        is not the end of the step); this flushes the accumulated gradients."""
+        if self.plan.strategy.pp > 1:
+            self.engine.engine.finish_backward()
+
+    def make_optimizer(self, params, cls, kwargs):
+        return None              # the engine owns the optimizer states of its shards
+
+    def gather_params(self):
+        """ZeRO-3 frees parameters outside their layer's forward and backward."""
+        if self.engine.engine.gather is not None:
+            self.engine.engine.gather.gather_all()
+
+    def step(self, optimizer, params, lr, grad_clip, pp_group):
+        norm = self.engine.step(lr)
+        return torch.tensor(float("nan") if norm is None else norm)
 
 
 def mixed_precision(plan: ModelPlan) -> MixedPrecisionPolicy:
@@ -123,33 +178,57 @@ def mixed_precision(plan: ModelPlan) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=DTYPES[prec.param_dtype], reduce_dtype=DTYPES[prec.grad_reduce_dtype])
 
 
-def shared_engine_available() -> bool:
-    return importlib.util.find_spec(SHARED_ENGINE) is not None
+def shared_engine_problem(plan: ModelPlan) -> Optional[str]:
+    """Why the shared engine cannot run this plan on torch yet (None: it can)."""
+    s = plan.strategy
+    if s.tp > 1:
+        return "strategy.tp: the torch adapter of the shared ZeRO engine takes plain (not tensor-parallel) parameters"
+    if s.pipeline.virtual_stages > 1:
+        return "strategy.pipeline.virtual_stages: the torch adapter of the shared ZeRO engine takes one chunk per rank"
+    if s.pp > 1 and s.pipeline.schedule in ("zero_bubble", "zbv"):
+        # Their split weight-gradient pass sets .grad outside autograd's accumulation hooks.
+        return (f"strategy.pipeline.schedule: {s.pipeline.schedule} computes weight gradients outside the "
+                "hooks the shared ZeRO engine collects them from")
+    return None
 
 
-def build_data_parallel(plan: ModelPlan, meshes: Meshes) -> DataParallel:
-    """The engine strategy.zero asks for. 'auto' takes the shared engine where it exists."""
+def engine_for(plan: ModelPlan) -> str:
+    """Which engine runs the plan's data parallelism: the name of a class above. strategy.zero.engine
+    'auto' = shared where its torch adapter supports the plan, native otherwise."""
     s, zero = plan.strategy, plan.zero
     if s.dp == 1:
-        return DataParallel()
-    engine = s.zero.engine
-    if engine == "shared" or (engine == "auto" and shared_engine_available()):
-        if not shared_engine_available():
-            raise StrategyError("strategy.zero.engine: 'shared' is not available in this torch backend; "
-                                "use engine 'native' (DDP / ZeroRedundancyOptimizer / FSDP2)")
-        return importlib.import_module(SHARED_ENGINE).SharedZero(plan, meshes)
-    if s.precision.grad_reduce_dtype == "bfloat16" and meshes.world.device_type == "cpu" and zero.stage < 2:
+        return DataParallel.name
+    problem = shared_engine_problem(plan)
+    if s.zero.engine == "shared" or (s.zero.engine == "auto" and problem is None):
+        if problem:
+            raise StrategyError(f"{problem}; use strategy.zero.engine: native (or auto)")
+        return SharedZero.name
+    if s.precision.grad_reduce_dtype == "bfloat16" and zero.stage < 2 and not (s.tp > 1 or s.pp > 1):
         raise StrategyError("strategy.precision.grad_reduce_dtype: DDP's bf16 gradient compression needs "
-                            "CUDA; use float32 (or float16) on CPU")
+                            "CUDA and is not wired here; use float32 (or float16), or engine shared")
     if zero.stage == 0 or zero.group_size == 1:
-        if s.tp > 1 or s.pp > 1:
-            return Replicate(meshes["dp"], mixed_precision(plan))
-        return DDP(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
+        return Replicate.name if s.tp > 1 or s.pp > 1 else DDP.name
     if zero.stage == 1:
         if s.tp > 1:
             raise StrategyError("strategy.zero.stage: torch's native stage-1 optimizer does not take "
-                                "tensor-parallel parameters; use engine 'shared', or stage 2/3 (FSDP2)")
+                                "tensor-parallel parameters; use stage 2/3 (FSDP2)")
+        return ZeroOptimizer.name
+    return FSDP.name
+
+
+def build_data_parallel(plan: ModelPlan, meshes: Meshes, device: torch.device) -> DataParallel:
+    s, zero = plan.strategy, plan.zero
+    name = engine_for(plan)
+    if name == SharedZero.name:
+        return SharedZero(plan, device)
+    if name == DDP.name:
+        return DDP(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
+    if name == ZeroOptimizer.name:
         return ZeroOptimizer(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
-    # HSDP when shard groups are replicated: a 2-D (replicate, shard) mesh.
-    mesh = meshes[("dp_replicate", "dp_shard")] if zero.replicate_size > 1 else meshes["dp_shard"]
-    return FSDP(mesh, reshard_after_forward=zero.stage == 3, mp=mixed_precision(plan))
+    if name == Replicate.name:
+        return Replicate(meshes["dp"], mixed_precision(plan))
+    if name == FSDP.name:
+        # HSDP when shard groups are replicated: a 2-D (replicate, shard) mesh.
+        mesh = meshes[("dp_replicate", "dp_shard")] if zero.replicate_size > 1 else meshes["dp_shard"]
+        return FSDP(mesh, reshard_after_forward=zero.stage == 3, mp=mixed_precision(plan))
+    return DataParallel()

@@ -1,0 +1,142 @@
+"""Overhead of the ms_llm torch trainer step over a plain hand-written torch loop.
+
+Same model (configs/models/tiny.yaml), batches, AdamW, gradient clipping and threads; fp32.
+The two alternate in one process (repeat r: K steps of one, then K of the other, order
+flipping each repeat) and the ratio of their median step times is printed. The dp2 row
+runs the same comparison under torchrun on 2 ranks (plain loop: DistributedDataParallel).
+
+    python bench/torch_overhead.py [--repeats 7] [--steps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from ms_llm.config.job import job_from_dict  # noqa: E402
+from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
+from ms_llm.launch import free_port  # noqa: E402
+from ms_llm.run import lr_at  # noqa: E402
+from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
+from torch_backend.dist import init_distributed, shutdown  # noqa: E402
+from torch_backend.lower import cross_entropy, lower  # noqa: E402
+from torch_backend.mesh import build_meshes  # noqa: E402
+from torch_backend.model import Transformer  # noqa: E402
+from torch_backend.step import TrainStep, optimizer_args  # noqa: E402
+
+GLOBAL_BATCH, SEQ = 8, 128
+
+
+def job_for(world: int):
+    return job_from_dict({
+        "name": "bench", "device": "cpu", "model": "tiny",
+        "strategy": {"dp": world, "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
+        "train": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // world, "seq_len": SEQ,
+                  "steps": 1000, "optimizer": {"name": "adamw", "lr": 1e-3}, "schedule": {"warmup_steps": 10}},
+    })
+
+
+def plain_step_fn(job, world: int):
+    """The loop anyone would write: model, DDP when distributed, AdamW, clip, step."""
+    tc = job.train
+    model = Transformer(job.model)
+    model.init_weights(tc.seed)
+    if world > 1:
+        model = DistributedDataParallel(model)
+    cls, params, kwargs = optimizer_args(tc.optimizer, list(model.parameters()))
+    opt = cls(params, **kwargs)
+
+    def step(k: int, batch: torch.Tensor) -> torch.Tensor:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(k, tc)
+        loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optimizer.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def measure(repeats: int, steps: int, tokens_path: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = job_for(world)
+    plan = make_plan(job.model, job.strategy, job.train, world)
+    ours = TrainStep(lower(plan, build_meshes(plan.mesh, "cpu"), torch.device("cpu"), rank))
+    plain = plain_step_fn(job, world)
+    sampler = GlobalBatchSampler(load_tokens(Path(tokens_path)), SEQ, GLOBAL_BATCH, job.train.seed)
+    batches = [torch.from_numpy(sampler.local_batch(k, rank, world)) for k in range(steps)]
+    runners = {"ms_llm": lambda k, b: ours(k, b)[0], "plain": plain}
+    times: dict[str, list[float]] = {"ms_llm": [], "plain": []}
+    for r in range(repeats + 1):                      # repeat 0 warms both up and is dropped
+        order = ["ms_llm", "plain"] if r % 2 == 0 else ["plain", "ms_llm"]
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for k, batch in enumerate(batches):
+                runners[name](k, batch).item()
+            if r:
+                times[name].append((time.perf_counter() - t0) / steps)
+    return {"world": world, "threads": torch.get_num_threads(),
+            "ms_llm": statistics.median(times["ms_llm"]), "plain": statistics.median(times["plain"])}
+
+
+def worker(args) -> None:
+    init_distributed()
+    result = measure(args.repeats, args.steps, args.tokens)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the single process")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tokens", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    tmp = ROOT / ".tmp"
+    tmp.mkdir(exist_ok=True)
+    tokens = str(build_stdlib_corpus(tmp / "bench-data", max_bytes=1_000_000))
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
+    rows = []
+    for world in (1, 2):
+        if world == 2:
+            env["OMP_NUM_THREADS"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", __file__, "--worker", "--tokens", tokens,
+               "--repeats", str(args.repeats), "--steps", str(args.steps)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode or not lines:
+            sys.exit(f"bench failed (world {world}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+        rows.append(json.loads(lines[0][len("RESULT "):]))
+
+    print(f"torch_overhead: model tiny, seq {SEQ}, global batch {GLOBAL_BATCH}, AdamW + clip, fp32, "
+          f"median of {args.repeats} interleaved blocks of {args.steps} steps")
+    print(f"{'setting':<10} {'threads/rank':>12} {'ms_llm ms/step':>15} {'plain ms/step':>14} {'ratio':>7}")
+    for row in rows:
+        name = "1 process" if row["world"] == 1 else f"dp{row['world']}"
+        print(f"{name:<10} {row['threads']:>12} {1e3 * row['ms_llm']:>15.1f} {1e3 * row['plain']:>14.1f} "
+              f"{row['ms_llm'] / row['plain']:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()

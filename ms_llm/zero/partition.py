@@ -1,0 +1,236 @@
+"""ZeRO partition: parameters -> flat buffers -> buckets -> per-rank segments.
+
+Both backends build this from the same ModelPlan, so they agree element for element on
+who owns what (a ZeRO checkpoint written by one loads on the other).
+
+Layout of one bucket (rank-major, like FSDP2's all-gather buffer): the bucket holds
+`parts` segments of `segment` elements, one per rank of the shard group, in group order.
+Segment r holds, for every parameter of the bucket in order, chunk r of the parameter's
+TP-local tensor along its ZeRO dimension (the ModelPlan's `zero_layout`), flattened
+row-major, then zero padding up to an aligned length. A reduce-scatter of the bucket leaves
+each rank its own segment; an all-gather rebuilds the whole bucket. A parameter whose
+dimensions the shard group does not divide (the plan leaves its zero_layout unsplit) goes
+to a replicated bucket (parts = 1): all-reduced and updated whole on every rank.
+
+Worked example, group of 2, bucket [a (4x2, dim 0), b (2,)]:
+    segment 0 = a[0:2].flat (4) + b[0:1] (1) + padding,  segment 1 = a[2:4].flat + b[1:2] + padding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ms_llm.config.model import DTYPE_BYTES
+from ms_llm.errors import StrategyError
+from ms_llm.strategy.layout import Shard, TensorLayout
+from ms_llm.strategy.mesh import MeshSpec, rank_groups
+from ms_llm.strategy.plan import ModelPlan, ZeroPartition, zero_layout
+
+ALIGN_BYTES = 64            # each rank segment starts on a 64-byte boundary of its bucket
+DP_AXES = ("dp_replicate", "dp_shard", "cp")   # ranks holding the same parameters
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter as the partitioner sees it (built from a ParamPlan)."""
+    name: str
+    layout: TensorLayout           # tensor-parallel layout over the stage mesh
+    zero_dim: Optional[int]        # dim of the TP-local tensor the shard group splits; None = kept whole
+    stage: int
+    chunk: int
+    unit: str                      # ZeRO-3 gather unit: 'embed', 'layer.N', 'final'
+    module: str                    # FQN of the module whose forward reads the parameter
+    dtype: str
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.layout.local_shape()
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter sits inside its bucket's segments."""
+    name: str
+    local_shape: tuple[int, ...]
+    zero_dim: Optional[int]
+    parts: int                     # shard group size for sharded buckets, 1 for replicated ones
+    offset: int                    # element offset of the parameter's piece inside every segment
+    numel: int                     # elements of the piece (local numel / parts)
+
+    def piece_box(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) in the TP-local tensor of the piece segment `index` holds."""
+        offsets, sizes = [0] * len(self.local_shape), list(self.local_shape)
+        if self.zero_dim is not None:
+            sizes[self.zero_dim] //= self.parts
+            offsets[self.zero_dim] = index * sizes[self.zero_dim]
+        return tuple(offsets), tuple(sizes)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A run of parameters reduced (and gathered) by one collective."""
+    index: int
+    buffer: int
+    start: int                     # element offset of the bucket in its flat buffer
+    parts: int                     # segments (= shard group size), 1 = replicated bucket
+    segment: int                   # elements per segment, padding included
+    slots: tuple[Slot, ...]
+    units: tuple[str, ...]         # gather units it serves (exactly one under ZeRO-3)
+
+    @property
+    def numel(self) -> int:
+        return self.parts * self.segment
+
+    @property
+    def sharded(self) -> bool:
+        return self.parts > 1
+
+    @property
+    def padding(self) -> int:
+        return self.segment - sum(s.numel for s in self.slots)
+
+
+@dataclass(frozen=True)
+class FlatBuffer:
+    """All buckets of one (pipeline stage, model chunk, dtype), back to back."""
+    index: int
+    stage: int
+    chunk: int
+    dtype: str
+    buckets: tuple[int, ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Parameters gathered together before use under ZeRO-3 (one decoder layer, the
+    embedding, or final norm + head) and the modules whose forward needs them."""
+    name: str
+    stage: int
+    chunk: int
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    buckets: tuple[int, ...]
+
+
+def align_elements(dtype: str) -> int:
+    return max(1, ALIGN_BYTES // DTYPE_BYTES[dtype])
+
+
+def zero_dim(entry_layout: TensorLayout, zero_layout: TensorLayout, axes: tuple[str, ...]) -> Optional[int]:
+    """The TP-local dimension the ZeRO axes split in `zero_layout`, or None."""
+    if not axes or zero_layout == entry_layout:
+        return None
+    p = zero_layout.placements[zero_layout.mesh.names.index(axes[0])]
+    return p.dim if isinstance(p, Shard) else None
+
+
+def entries_from_plan(plan: ModelPlan) -> list[ParamEntry]:
+    """Parameters in model order (embedding, layers, final norm, head) with their units."""
+    if plan.model.num_experts:
+        raise StrategyError("strategy.zero.engine: the shared ZeRO engine does not partition MoE expert "
+                            "parameters yet; set strategy.zero.engine: native for MoE models")
+    dtype = plan.strategy.precision.param_dtype
+    out = []
+    for p in plan.params.values():
+        if p.layer is not None:
+            unit, module = f"layer.{p.layer}", f"model.layers.{p.layer}"
+        elif p.kind == "embedding":
+            unit, module = "embed", p.name.rsplit(".", 1)[0]
+        else:
+            unit, module = "final", p.name.rsplit(".", 1)[0]
+        out.append(ParamEntry(p.name, p.layout, zero_dim(p.layout, p.zero_layout, plan.zero.axes),
+                              p.stage, p.chunk, unit, module, dtype))
+    return out
+
+
+def entries_from_shapes(params: list[tuple[str, tuple[int, ...], str, str]], mesh: MeshSpec,
+                        zero: ZeroPartition, dtype: str) -> list[ParamEntry]:
+    """Entries for a model outside the LLaMA plan (name, shape, unit, module), one pipeline
+    stage, no tensor parallel: the same ZeRO layout rule as the ModelPlan's."""
+    stage_mesh = mesh.without("pp")
+    out = []
+    for name, shape, unit, module in params:
+        layout = TensorLayout.replicated(tuple(shape), stage_mesh)
+        out.append(ParamEntry(name, layout, zero_dim(layout, zero_layout(layout, zero), zero.axes),
+                              0, 0, unit, module, dtype))
+    return out
+
+
+def _bucket_capacity(bucket_mb: float, dtype: str) -> int:
+    return int(bucket_mb * 2 ** 20) // DTYPE_BYTES[dtype]
+
+
+def build_buckets(entries: list[ParamEntry], group_size: int, bucket_mb: float, stage: int
+                  ) -> tuple[tuple[FlatBuffer, ...], tuple[Bucket, ...], tuple[Unit, ...]]:
+    """Group `entries` (in their given order) into buffers and buckets.
+
+    A new bucket starts when the next parameter would push the bucket past bucket_mb (a
+    parameter larger than that gets a bucket of its own; 0 = one parameter per bucket),
+    when it changes between sharded and replicated, and under ZeRO-3 at every unit edge,
+    so one unit's gather never waits on another's parameters.
+    """
+    keys: list[tuple[int, int, str]] = []
+    for e in entries:
+        key = (e.stage, e.chunk, e.dtype)
+        if key not in keys:
+            keys.append(key)
+    keys.sort(key=lambda k: (k[0], k[1]))
+    buffers, buckets = [], []
+    for b_index, key in enumerate(keys):
+        members = [e for e in entries if (e.stage, e.chunk, e.dtype) == key]
+        capacity = _bucket_capacity(bucket_mb, key[2])
+        runs: list[list[ParamEntry]] = []
+        for e in members:
+            if runs:
+                last = runs[-1]
+                same_kind = (last[-1].zero_dim is None) == (e.zero_dim is None)
+                same_unit = stage < 3 or last[-1].unit == e.unit
+                fits = sum(x.local_numel for x in last) + e.local_numel <= capacity
+                if same_kind and same_unit and fits:
+                    last.append(e)
+                    continue
+            runs.append([e])
+        start, ids = 0, []
+        align = align_elements(key[2])
+        for run in runs:
+            parts = group_size if run[0].zero_dim is not None else 1
+            slots, offset = [], 0
+            for e in run:
+                n = e.local_numel // parts
+                slots.append(Slot(e.name, e.local_shape, e.zero_dim, parts, offset, n))
+                offset += n
+            segment = -(-offset // align) * align
+            units = tuple(dict.fromkeys(e.unit for e in run))
+            bucket = Bucket(len(buckets), b_index, start, parts, segment, tuple(slots), units)
+            buckets.append(bucket)
+            ids.append(bucket.index)
+            start += bucket.numel
+        buffers.append(FlatBuffer(b_index, key[0], key[1], key[2], tuple(ids), start))
+    units = []
+    for name in dict.fromkeys(e.unit for e in entries):
+        members = [e for e in entries if e.unit == name]
+        names = {e.name for e in members}
+        units.append(Unit(name, members[0].stage, members[0].chunk,
+                          tuple(dict.fromkeys(e.module for e in members)), tuple(e.name for e in members),
+                          tuple(b.index for b in buckets if any(s.name in names for s in b.slots))))
+    return tuple(buffers), tuple(buckets), tuple(units)
+
+
+def zero_groups(mesh: MeshSpec, zero: ZeroPartition) -> dict[str, list[list[int]]]:
+    """Rank groups (global ranks) the engine's collectives run over.
+
+    shard: ranks splitting one bucket (reduce-scatter / all-gather);
+    replicate: ranks holding the same segment (all-reduce after the reduce-scatter, HSDP);
+    dp: every rank holding the same parameters (all-reduce of replicated buckets).
+    """
+    def groups(axes: tuple[str, ...]) -> list[list[int]]:
+        return rank_groups(mesh.shape, tuple(mesh.names.index(a) for a in axes))
+
+    replicate = tuple(a for a in DP_AXES if a not in zero.axes)
+    return {"shard": groups(zero.axes), "replicate": groups(replicate), "dp": groups(DP_AXES)}

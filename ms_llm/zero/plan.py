@@ -1,0 +1,191 @@
+"""ZeroPlan: the partition of one ModelPlan, queryable per rank.
+
+Pure functions of (ModelPlan, rank): checkpoint code asks `owned(rank)` / `owners(name)`
+which elements a rank holds, engines ask for buckets, groups and the collective schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ms_llm.config.model import DTYPE_BYTES
+from ms_llm.errors import StrategyError
+from ms_llm.strategy.cost import ADAM_STATE_BYTES
+from ms_llm.strategy.ir import ParallelStrategy
+from ms_llm.strategy.mesh import DENSE_AXES, MeshSpec
+from ms_llm.strategy.plan import ModelPlan, ZeroPartition, zero_partition
+from ms_llm.zero.partition import (
+    Bucket, FlatBuffer, ParamEntry, Slot, Unit, build_buckets, entries_from_plan, entries_from_shapes, zero_groups)
+from ms_llm.zero.schedule import Collective, grad_collectives, param_collectives
+
+
+@dataclass(frozen=True)
+class OwnedPiece:
+    """Elements of one parameter a rank holds in one bucket segment.
+
+    The segment range [start, start + numel) of buffer `buffer` holds the box `local_box`
+    of the rank's TP-local tensor, row-major; `global_box` is the same box in the full
+    tensor (for a sharded piece it equals the parameter's zero_layout.shard_box). When
+    `contiguous`, the box is the flat range [local_offset, local_offset + numel) of the
+    TP-local tensor. `primary` marks exactly one rank among all ranks holding identical
+    copies (replicas across dp_replicate, tp-replicated parameters, replicated buckets):
+    the one a checkpoint writer or a norm computation should count.
+    """
+    name: str
+    rank: int
+    buffer: int
+    bucket: int
+    start: int
+    numel: int
+    local_box: tuple[tuple[int, ...], tuple[int, ...]]
+    global_box: tuple[tuple[int, ...], tuple[int, ...]]
+    local_offset: int
+    contiguous: bool
+    primary: bool
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    stage: int
+    mesh: MeshSpec
+    zero: ZeroPartition
+    entries: tuple[ParamEntry, ...]
+    buffers: tuple[FlatBuffer, ...]
+    buckets: tuple[Bucket, ...]
+    units: tuple[Unit, ...]
+    groups: dict[str, list[list[int]]]
+    dp_cp_size: int                # ranks whose gradients are averaged
+
+    # ---- ranks and groups ------------------------------------------------------------
+    def pipeline_stage(self, rank: int) -> int:
+        return self.mesh.coords(rank)["pp"]
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        return next(g for g in self.groups[kind] if rank in g)
+
+    def shard_index(self, rank: int) -> int:
+        """Which segment of every sharded bucket `rank` owns."""
+        return self.group_of("shard", rank).index(rank)
+
+    # ---- what lives on a rank ----------------------------------------------------------
+    def buckets_of(self, rank: int) -> tuple[Bucket, ...]:
+        stage = self.pipeline_stage(rank)
+        return tuple(b for b in self.buckets if self.buffers[b.buffer].stage == stage)
+
+    def units_of(self, rank: int) -> tuple[Unit, ...]:
+        """Gather units of the rank's pipeline stage in forward order."""
+        stage = self.pipeline_stage(rank)
+        return tuple(u for u in self.units if u.stage == stage)
+
+    def entry(self, name: str) -> ParamEntry:
+        return next(e for e in self.entries if e.name == name)
+
+    def slot(self, name: str) -> tuple[Bucket, Slot]:
+        for b in self.buckets:
+            for s in b.slots:
+                if s.name == name:
+                    return b, s
+        raise KeyError(name)
+
+    def grad_collectives(self, bucket: Bucket) -> tuple[Collective, ...]:
+        return grad_collectives(self.stage, bucket.sharded, len(self.groups["replicate"][0]))
+
+    def param_collectives(self, bucket: Bucket) -> tuple[Collective, ...]:
+        return param_collectives(self.stage, bucket.sharded)
+
+    # ---- ownership ---------------------------------------------------------------------
+    def _is_primary(self, entry: ParamEntry, sharded: bool, rank: int) -> bool:
+        coords = self.mesh.coords(rank)
+        copies = ["dp_replicate"] + [a for a in ("dp_shard", "cp") if not (sharded and a in self.zero.axes)]
+        if not _splits(entry, "tp"):
+            copies.append("tp")
+        return all(coords[a] == 0 for a in copies)
+
+    def pieces(self, rank: int, bucket: Bucket) -> tuple[OwnedPiece, ...]:
+        """The pieces of `bucket` that `rank` holds after a reduce-scatter / before an all-gather."""
+        index = self.shard_index(rank) if bucket.sharded else 0
+        stage_rank = self._stage_rank(rank)
+        buf_start = bucket.start + index * bucket.segment
+        out = []
+        for s in bucket.slots:
+            entry = self.entry(s.name)
+            box = s.piece_box(index)
+            tp_offsets, _ = entry.layout.shard_box(stage_rank)
+            global_box = (tuple(a + b for a, b in zip(tp_offsets, box[0])), box[1])
+            contiguous = s.zero_dim is None or all(n == 1 for n in s.local_shape[:s.zero_dim])
+            local_offset = _flat_offset(s.local_shape, box[0])
+            out.append(OwnedPiece(s.name, rank, bucket.buffer, bucket.index, buf_start + s.offset, s.numel,
+                                  box, global_box, local_offset, contiguous,
+                                  self._is_primary(entry, bucket.sharded, rank)))
+        return tuple(out)
+
+    def owned(self, rank: int) -> tuple[OwnedPiece, ...]:
+        """Every piece `rank` holds (its optimizer states, and its parameter / gradient
+        shards from stage 2 / 3 on), in buffer order."""
+        return tuple(p for b in self.buckets_of(rank) for p in self.pieces(rank, b))
+
+    def owners(self, name: str) -> tuple[OwnedPiece, ...]:
+        """Every rank's piece of parameter `name` (all ranks of its pipeline stage)."""
+        bucket, _ = self.slot(name)
+        stage = self.buffers[bucket.buffer].stage
+        ranks = [r for r in range(self.mesh.size) if self.pipeline_stage(r) == stage]
+        return tuple(p for r in ranks for p in self.pieces(r, bucket) if p.name == name)
+
+    def _stage_rank(self, rank: int) -> int:
+        coords = self.mesh.coords(rank)
+        stage_mesh = self.mesh.without("pp")
+        return stage_mesh.rank(**{n: coords[n] for n in stage_mesh.names})
+
+    # ---- memory ------------------------------------------------------------------------
+    def model_state_bytes(self, rank: int, optimizer: str, master_dtype: Optional[str] = None
+                          ) -> dict[str, int]:
+        """Bytes of params, grads and optimizer states the engine keeps on `rank` at the end
+        of backward (padding included): the exact counterpart of cost.zero_model_state_bytes."""
+        params = grads = optim = 0
+        per_elem = ADAM_STATE_BYTES if optimizer == "adamw" else 0
+        if master_dtype is not None:
+            per_elem += DTYPE_BYTES[master_dtype]
+        for b in self.buckets_of(rank):
+            item = DTYPE_BYTES[self.buffers[b.buffer].dtype]
+            unpadded = sum(s.numel * s.parts for s in b.slots)
+            params += item * (b.segment if self.stage >= 3 and b.sharded else unpadded)
+            grads += item * (b.segment if self.stage >= 2 else b.numel)
+            optim += per_elem * b.segment
+        return {"params": params, "grads": grads, "optimizer": optim}
+
+
+def _splits(entry: ParamEntry, axis: str) -> bool:
+    return any(axis in entry.layout.axes_of(d) for d in range(len(entry.layout.shape)))
+
+
+def _flat_offset(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
+    flat = 0
+    for size, off in zip(shape, offsets):
+        flat = flat * size + off
+    return flat
+
+
+def zero_plan(plan: ModelPlan) -> ZeroPlan:
+    """The partition both backends execute for `plan` (its strategy.zero stage, bucket_mb)."""
+    entries = entries_from_plan(plan)
+    return build_zero_plan(entries, plan.mesh, plan.zero, plan.strategy.zero.bucket_mb)
+
+
+def build_zero_plan(entries: list[ParamEntry], mesh: MeshSpec, zero: ZeroPartition, bucket_mb: float) -> ZeroPlan:
+    buffers, buckets, units = build_buckets(entries, zero.group_size, bucket_mb, zero.stage)
+    dp_cp = 1
+    for a in ("dp_replicate", "dp_shard", "cp"):
+        dp_cp *= mesh.axis_size(a)
+    return ZeroPlan(zero.stage, mesh, zero, tuple(entries), buffers, buckets, units, zero_groups(mesh, zero), dp_cp)
+
+
+def zero_plan_for_params(params: list[tuple[str, tuple[int, ...], str, str]], strategy: ParallelStrategy,
+                         world_size: int, dtype: str) -> ZeroPlan:
+    """The partition of a data-parallel-only model given as (name, shape, unit, module)."""
+    s = strategy.resolve(world_size)
+    if s.model_parallel_size != 1:
+        raise StrategyError("strategy: a model given by parameter shapes runs data parallel only; "
+                            "set tp, pp and cp to 1 or plan it as a LLaMA model")
+    mesh = MeshSpec(DENSE_AXES, (1, s.dp_replicate, s.dp_shard, 1, 1))
+    zero = zero_partition(s, mesh)
+    return build_zero_plan(entries_from_shapes(params, mesh, zero, dtype), mesh, zero, s.zero.bucket_mb)

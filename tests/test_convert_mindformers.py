@@ -1,0 +1,104 @@
+"""MindFormers YAML -> IR: degrees, parallel optimizer, MindFormers' global-batch and FFN rules."""
+from pathlib import Path
+
+import pytest
+
+from ms_llm.convert import ConversionError, ReadOptions, load, read
+from ms_llm.convert.mindformers import mindformers_ffn
+from ms_llm.errors import ConfigError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SEVEN_B = (FIXTURES / "mindformers_llama2_7b.yaml").read_text()
+
+
+def test_llama2_7b_pretrain():
+    conv = load(FIXTURES / "mindformers_llama2_7b.yaml")
+    job = conv.job
+    m, s, t = job.model, job.strategy, job.train
+    assert (job.device, job.backend, conv.world_size) == ("910b", "mindspore", 8)
+    assert (s.dp, s.tp, s.pp, s.zero.stage) == (8, 1, 1, 1)           # enable_parallel_optimizer
+    assert (t.global_batch_size, t.micro_batch_size) == (64, 1)       # batch 1 * dp 8 * accumulation 8
+    assert (m.name, m.ffn_hidden_size, m.num_kv_heads, m.vocab_size) == ("llama2_7b", 11008, 32, 32000)
+    assert (s.precision.param_dtype, s.precision.master_dtype, s.precision.loss_scale) == \
+        ("float16", "float16", "dynamic")                              # param_init_type float16, no fp32 copy
+    assert s.precision.initial_loss_scale == 65536
+    assert (t.seed, t.optimizer.lr, t.optimizer.beta2, t.optimizer.weight_decay) == (0, 5e-5, 0.95, 0.0)
+    assert t.optimizer.grad_clip == 1.0 and t.checkpoint.interval == 100 and not t.checkpoint.async_save
+    text = "\n".join(conv.warnings)
+    assert "train_dataset: section not modelled" in text and "max_device_memory = '58GB'" in text
+    assert "ObsMonitor" in text and "warmup_ratio" in text
+
+
+def test_llama2_70b_pretrain():
+    conv = load(FIXTURES / "mindformers_llama2_70b.yaml")
+    m, s, t = conv.job.model, conv.job.strategy, conv.job.train
+    assert conv.world_size == 64                                       # 2*4*8, whatever the comment says
+    assert (s.dp, s.tp, s.pp, s.sequence_parallel, s.zero.stage) == (2, 4, 8, True, 1)
+    assert (t.global_batch_size, t.micro_batch_size) == (256, 1)      # batch 1 * dp 2 * micro_batch_num 128
+    assert m.ffn_hidden_size == 28672 and m.num_kv_heads == 8         # ffn_dim_multiplier 1.3, multiple_of 256
+    assert t.checkpoint.interval == 1000                               # CheckpointMointor, MindFormers' alias
+
+
+def test_mindformers_ffn_rule_differs_from_meta():
+    assert mindformers_ffn(8192, 256, 1.3) == 28672                   # multiplier (+0.01) before the 2/3
+    assert mindformers_ffn(4096, 256, None) == 11008
+    assert mindformers_ffn(5120, 256, None) == 13824
+
+
+def test_gradient_accumulation_is_ignored_under_pipeline_parallel():
+    text = (FIXTURES / "mindformers_llama2_70b.yaml").read_text().replace(
+        "gradient_accumulation_steps: 1", "gradient_accumulation_steps: 4")
+    conv = read(text, "70b.yaml")
+    assert conv.job.train.global_batch_size == 256
+    assert any("ignored under pipeline parallel" in w for w in conv.warnings)
+
+
+def test_interleave_offsets_recompute_and_shard_size():
+    text = SEVEN_B.replace("  pipeline_stage: 1", "  pipeline_stage: 4") \
+        .replace("  data_parallel: 8", "  data_parallel: 2") \
+        .replace("  micro_batch_num: 1", "  micro_batch_num: 8").replace("    offset: 0", "    offset: [1, -1, 0, 0]") \
+        .replace("  recompute: False", "  recompute: [2, 2, 2, 2]") \
+        .replace("    gradient_accumulation_shard: False", "    gradient_accumulation_shard: True\n"
+                                                             "    optimizer_weight_shard_size: 1")
+    conv = read(text, "7b_pp4.yaml")
+    s = conv.job.strategy
+    assert (s.pp, s.pipeline.layer_split, s.recompute.num_layers, s.zero.stage, s.zero.shard_size) == \
+        (4, (9, 7, 8, 8), 2, 2, 1)
+    assert conv.job.train.global_batch_size == 16
+
+
+@pytest.mark.parametrize("change,message", [
+    (("  data_parallel: 8", "  data_parallel: 4"), "--world-size 8"),
+    (("  model_parallel: 1", "  model_parallel: 2\n  context_parallel: 2"), "use_flash_attention"),
+    (("parallel_mode: 1", "parallel_mode: 0"), "parallel.full_batch: must be False in data_parallel mode"),
+    (("parallel_mode: 1", "parallel_mode: 0\n  full_batch: False"), None),
+    (("parallel_mode: 1", "parallel_mode: 7"), "parallel.parallel_mode: got 7"),
+    (("    hidden_size: 4096", "    hidden_size: many"), "model.model_config.hidden_size: got 'many'"),
+    (("    offset: 0", "    offset: [1, 2]"), None),
+])
+def test_contradictions_name_the_key(change, message):
+    old, new = change
+    text = SEVEN_B.replace(old, new)
+    if "full_batch: False" in new:
+        text = text.replace("  full_batch: True\n", "")
+    if "context_parallel" in new:
+        text = text.replace("use_flash_attention: True", "use_flash_attention: False")
+    options = ReadOptions(world_size=8) if message == "--world-size 8" else ReadOptions()
+    if message is None:
+        read(text, "7b.yaml")                 # data_parallel mode done right, or offsets without pp: fine
+        return
+    with pytest.raises(ConversionError, match=message):
+        read(text, "7b.yaml", options=options)
+
+
+def test_data_parallel_mode_refuses_model_parallel():
+    text = SEVEN_B.replace("parallel_mode: 1", "parallel_mode: 0") \
+        .replace("  model_parallel: 1", "  model_parallel: 2") \
+        .replace("  data_parallel: 8", "  data_parallel: 4")
+    with pytest.raises(ConversionError, match="7b.yaml: parallel.parallel_mode: data_parallel"):
+        read(text, "7b.yaml")
+
+
+def test_not_yaml():
+    with pytest.raises(ConfigError, match="bad.yaml: line 3 not valid YAML"):
+        read("parallel_config:\n  data_parallel: [1,\n", "bad.yaml", "mindformers")

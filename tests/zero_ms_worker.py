@@ -1,0 +1,70 @@
+"""msrun worker for tests/test_zero_mindspore.py: the MindSpore LLaMA trained data parallel by
+the shared ZeRO engine, on the same model, data and settings as the torch workers. Rank 0
+writes the final parameters and losses, every rank its model-state bytes."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import mindspore as ms
+from mindspore import ops
+from mindspore.communication import get_group_size, get_rank, init
+from safetensors.numpy import save_file
+
+from ms_llm.mindspore.model import LossCell, Transformer
+from ms_llm.mindspore.zero import MsZeroDataParallel
+from ms_llm.strategy.plan import plan
+from ms_llm.zero import zero_plan
+from ms_llm.zero.engine import EngineConfig
+
+from zero_cases import MICRO, MODEL, GLOBAL_BATCH, batches, case_name, strategy_for, train_config
+
+
+def run_case(rank: int, world: int, case: str, out: Path) -> None:
+    stage, opt_name, shard, dtype, offload = case.split(":")
+    strategy = strategy_for(world, int(stage), int(shard), dtype, offload == "1")
+    train = train_config(world, opt_name)
+    mplan = plan(MODEL, strategy, train, world)
+    net = Transformer(MODEL)
+    net.init_weights(1 + rank)                 # replicas start different: the engine broadcasts rank 0's
+    runner = MsZeroDataParallel(LossCell(net), zero_plan(mplan), rank, EngineConfig.from_job(mplan.strategy, train))
+    per_rank = GLOBAL_BATCH // world
+    mean = ops.AllReduce()
+    losses, state_bytes = [], None
+    for step in batches():
+        local = step[rank * per_rank:(rank + 1) * per_rank].astype(np.int32)
+        total = 0.0
+        for i, micro in enumerate(np.split(local, MICRO)):
+            inputs, labels = ms.Tensor(micro[:, :-1]), ms.Tensor(micro[:, 1:])
+            if i < MICRO - 1:
+                with runner.no_sync():
+                    loss = runner.backward(inputs, labels, scale=1 / MICRO)
+            else:
+                loss = runner.backward(inputs, labels, scale=1 / MICRO)
+            total += float(loss.asnumpy())
+        state_bytes = runner.model_state_bytes()
+        runner.step(train.optimizer.lr)
+        losses.append(float(mean(ms.Tensor([total / world], ms.float32)).asnumpy()[0]))
+    name = case_name(case)
+    if rank == 0:
+        save_file({n: p.asnumpy().astype(np.float32) for n, p in net.parameters_and_names()},
+                  str(out / f"{name}.safetensors"))
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses}))
+    (out / f"{name}.bytes{rank}.json").write_text(json.dumps(state_bytes))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", required=True, help="stage:optimizer:shard:dtype:offload,...")
+    args = ap.parse_args()
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    init()
+    for case in args.cases.split(","):
+        run_case(get_rank(), get_group_size(), case, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""TensorOps for torch: slices are views, every update is in place, no host round trips
+except the offloaded optimizer states the strategy asks for."""
+from __future__ import annotations
+
+import torch
+
+from ms_llm.zero.partition import Slot
+from ms_llm.zero.protocol import SGD, AdamW
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _piece_shape(slot: Slot) -> tuple[int, ...]:
+    shape = list(slot.local_shape)
+    if slot.zero_dim is not None:
+        shape[slot.zero_dim] //= slot.parts
+    return tuple(shape)
+
+
+def _chunks(t: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """(parts, *piece_shape) view of a TP-local tensor: chunk i along the ZeRO dim first."""
+    if slot.zero_dim is None:
+        return t.view((1,) + tuple(slot.local_shape))
+    d, shape = slot.zero_dim, tuple(slot.local_shape)
+    split = shape[:d] + (slot.parts, shape[d] // slot.parts) + shape[d + 1:]
+    return t.view(split).movedim(d, 0)
+
+
+def _columns(buf: torch.Tensor, start: int, segment: int, slot: Slot) -> torch.Tensor:
+    """(parts, *piece_shape) view of the slot's piece in every segment of a bucket."""
+    rows = buf.narrow(0, start, slot.parts * segment).view(slot.parts, segment)
+    return rows.narrow(1, slot.offset, slot.numel).view((slot.parts,) + _piece_shape(slot))
+
+
+class TorchOps:
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._restoring: set[int] = set()
+
+    def _where(self, host: bool) -> torch.device:
+        return torch.device("cpu") if host else self.device
+
+    def zeros(self, numel: int, dtype: str, host: bool = False) -> torch.Tensor:
+        pin = host and self.device.type == "cuda"
+        return torch.zeros(numel, dtype=DTYPES[dtype], device=self._where(host), pin_memory=pin)
+
+    def read(self, buf: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+        return buf.narrow(0, start, numel)
+
+    def write(self, buf: torch.Tensor, start: int, src: torch.Tensor) -> torch.Tensor:
+        dst = buf.narrow(0, start, src.numel())
+        if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype or dst.device != src.device:
+            dst.copy_(src, non_blocking=True)
+        return buf
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return dst.add_(src)
+
+    def scale(self, t: torch.Tensor, factor: float) -> torch.Tensor:
+        return t.mul_(factor)
+
+    def cast(self, t: torch.Tensor, dtype: str, host: bool = False) -> torch.Tensor:
+        out = torch.empty(t.numel(), dtype=DTYPES[dtype], device=self._where(host),
+                          pin_memory=host and self.device.type == "cuda")
+        return out.copy_(t.reshape(-1))
+
+    @torch.no_grad()
+    def pack(self, buf, start, segment, slot, value, accumulate):
+        cols, src = _columns(buf, start, segment, slot), _chunks(value.detach(), slot)
+        if accumulate:
+            cols.add_(src)
+        else:
+            cols.copy_(src)
+        return buf
+
+    @torch.no_grad()
+    def pack_own(self, buf, start, segment, slot, index, value):
+        dst = buf.narrow(0, start + index * segment + slot.offset, slot.numel).view(_piece_shape(slot))
+        dst.copy_(_chunks(value.detach(), slot)[index if slot.zero_dim is not None else 0])
+        return buf
+
+    @torch.no_grad()
+    def unpack(self, buf, start, segment, slot, param) -> None:
+        target = _chunks(param.data, slot)
+        if id(param) in self._restoring:
+            # Re-gathered for backward: autograd saved this parameter for the current graph,
+            # so the rewrite must not count as an in-place change of a saved tensor.
+            self._restoring.discard(id(param))
+            with torch.autograd._unsafe_preserve_version_counter(param):
+                target.copy_(_columns(buf, start, segment, slot))
+        else:
+            target.copy_(_columns(buf, start, segment, slot))
+
+    def sum_squares(self, t: torch.Tensor, ranges) -> torch.Tensor:
+        total = torch.zeros(1, dtype=torch.float32, device=t.device)
+        for a, b in ranges:
+            piece = t[a:b].float()
+            total += torch.dot(piece, piece)
+        return total.to(self.device)
+
+    def item(self, t: torch.Tensor) -> float:
+        return float(t.item())
+
+    def nbytes(self, t: torch.Tensor) -> int:
+        return t.untyped_storage().nbytes()
+
+    def release(self, param: torch.Tensor) -> None:
+        param.data.untyped_storage().resize_(0)
+
+    def materialize(self, param: torch.Tensor) -> None:
+        storage = param.data.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(param.numel() * param.element_size())
+            self._restoring.add(id(param))
+
+    @torch.no_grad()
+    def adamw(self, p, g, m, v, step, lr, hp: AdamW):
+        """torch.optim.AdamW's single-tensor update, operation for operation."""
+        if hp.weight_decay != 0:
+            p.mul_(1 - lr * hp.weight_decay)
+        m.lerp_(g, 1 - hp.beta1)
+        v.mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
+        bias_correction1 = 1 - hp.beta1 ** step
+        bias_correction2 = 1 - hp.beta2 ** step
+        step_size = lr / bias_correction1
+        denom = (v.sqrt() / bias_correction2 ** 0.5).add_(hp.eps)
+        p.addcdiv_(m, denom, value=-step_size)
+        return p, m, v
+
+    @torch.no_grad()
+    def sgd(self, p, g, lr, hp: SGD):
+        """torch.optim.SGD without momentum: p -= lr * (g + wd * p)."""
+        if hp.weight_decay != 0:
+            g = g.add(p, alpha=hp.weight_decay)
+        return p.add_(g, alpha=-lr)
