@@ -1,4 +1,4 @@
-"""Checkpoints in the torch trainer: what this rank holds, saving on a cadence, resuming.
+"""The torch trainer's training state for ms_llm.checkpoint.trainer (save cadence, resume).
 
 Every tensor of the training state is paired with the Piece of its global tensor this rank
 holds, whatever engine runs data parallelism:
@@ -13,10 +13,7 @@ under any strategy, engine or world size, and from MindSpore checkpoints.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-import zlib
-from typing import Optional
 
 import numpy as np
 import torch
@@ -25,20 +22,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ms_llm.checkpoint import (Checkpoint, CheckpointWriter, IntervalInputs, MemoryTier, Piece, Region,
-                               candidates, choose_interval, layout_piece, load_with_fallback, optim_name,
-                               restore_folders, run_config)
-from ms_llm.checkpoint.format import INDEX
-from ms_llm.config.job import JobConfig
-from ms_llm.data.sampler import SamplerState
+from ms_llm.checkpoint import Checkpoint, Piece, Region, layout_piece, optim_name
+from ms_llm.checkpoint.trainer import Held
+from ms_llm.checkpoint.writer import SaveItem
 from ms_llm.errors import CheckpointError
-from ms_llm.run import MetricsLogger, RunFolder, lr_at
 from ms_llm.strategy.plan import ModelPlan
 from torch_backend.checkpoint import load_into, save_items
 from torch_backend.step import TrainStep
 from torch_backend.weights import canonical_name
-
-Held = dict[str, tuple[Piece, torch.Tensor]]
 
 
 def _dtensor_piece(name: str, t: DTensor, plan: ModelPlan, rank: int) -> Piece:
@@ -126,147 +117,47 @@ def training_state(step_fn: TrainStep, plan: ModelPlan, rank: int, create: bool 
     return held
 
 
-def _master_of(name: str) -> Optional[str]:
-    """The weight an optim.master.<weight> tensor copies, None for other names."""
-    prefix = optim_name("master", "")
-    return name[len(prefix):] if name.startswith(prefix) else None
+class TorchTrainerState:
+    """ms_llm.checkpoint.trainer.TrainerState over a TrainStep (any engine, any lowering)."""
+    backend = "torch"
 
+    def __init__(self, step_fn: TrainStep, plan: ModelPlan, rank: int):
+        self.step_fn, self.plan, self.rank = step_fn, plan, rank
 
-def set_optimizer_step(step_fn: TrainStep, steps: int) -> None:
-    engine = _zero_engine(step_fn)
-    if engine is not None:
-        engine.step_count = steps
-        return
-    optimizer = step_fn.optimizer
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    for state in local.state.values():
-        if "step" in state:
-            state["step"].fill_(steps)
+    def held(self, create: bool) -> Held:
+        return training_state(self.step_fn, self.plan, self.rank, create)
 
+    def save_items(self, held: Held) -> list[SaveItem]:
+        return save_items({n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()})
 
-def _session(rank: int) -> str:
-    """A token equal on all ranks of this launch and new for every launch."""
-    token = torch.tensor([int.from_bytes(os.urandom(7), "little") if rank == 0 else 0], dtype=torch.int64)
-    dist.broadcast(token, 0)
-    return f"{int(token):x}"
+    def load(self, ckpt: Checkpoint, held: Held) -> list[str]:
+        return load_into(ckpt, {n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()},
+                         strict=False)
 
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
 
-class TrainerCheckpoints:
-    """The trainer's side: `start = resume()`, `after_step(k, dt)` each step, `close()`."""
+    def session_token(self) -> str:
+        token = torch.tensor([int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(token, 0)
+        return f"{int(token):x}"
 
-    def __init__(self, job: JobConfig, run: RunFolder, plan: ModelPlan, step_fn: TrainStep, sampler, rank: int,
-                 logger: MetricsLogger):
-        self.job, self.run, self.plan, self.step_fn, self.sampler, self.rank = job, run, plan, step_fn, sampler, rank
-        self.logger = logger
-        self.cfg = job.train.checkpoint
-        self.memory = None
-        if self.cfg.memory_tier:
-            job_id = f"{job.name}-{zlib.crc32(str(run.root).encode()):08x}"
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
-            self.memory = MemoryTier.for_job(job_id, local_world_size=local)
-        self.writer: Optional[CheckpointWriter] = None
-        self.interval = self.cfg.interval if isinstance(self.cfg.interval, int) else None
-        self.step_times: list[float] = []
-
-    # ---- resume --------------------------------------------------------------------------
-    def _folders(self) -> list:
-        if self.cfg.load:
-            path = self.run.root.parent / self.cfg.load if not os.path.isabs(self.cfg.load) else self.cfg.load
-            return [path] if (os.path.isfile(os.path.join(path, INDEX))) else candidates(path)
-        return restore_folders(self.run.checkpoints, self.memory)
-
-    def resume(self) -> int:
-        """Load the newest usable checkpoint (the memory tier when it is newest); return the
-        step to continue from (0 when there is none)."""
-        folders = self._folders()
-        if not folders:
-            if self.cfg.load:
-                raise CheckpointError(f"train.checkpoint.load: {self.cfg.load} holds no committed checkpoint")
-            return 0
-        held = training_state(self.step_fn, self.plan, self.rank, create=True)
-        pieces = {n: p for n, (p, _) in held.items()}
-        tensors = {n: t for n, (_, t) in held.items()}
-        weights = [n for n in pieces if n in self.plan.params]
-
-        def load(ckpt: Checkpoint) -> list[str]:
-            missing = [n for n in weights if n not in ckpt.index.tensors]
-            if missing:
-                raise CheckpointError(f"{ckpt.folder}: lacks weight {missing[0]!r}; a different model?")
-            loaded = load_into(ckpt, pieces, tensors, strict=False)
-            # A run keeping fp32 master weights, resumed from one that did not: start them from the weights.
-            masters = {w: n for n in pieces if n not in ckpt.index.tensors and (w := _master_of(n))}
-            return loaded + load_into(ckpt, {w: dataclasses.replace(pieces[n], name=w) for w, n in masters.items()},
-                                      {w: tensors[n] for w, n in masters.items()})
-
-        ckpt, _ = load_with_fallback(folders, load)
-        steps = torch.tensor([ckpt.step, -ckpt.step], dtype=torch.int64)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        if int(steps[0]) != -int(steps[1]):
-            raise CheckpointError(f"ranks restored different steps ({-int(steps[1])} .. {int(steps[0])}); a "
-                                  "checkpoint is damaged on some ranks only: remove it and restart")
-        state = ckpt.state
-        if "sampler" in state and self.sampler.step_of(SamplerState.from_dict(state["sampler"])) != ckpt.step:
-            raise CheckpointError(f"{ckpt.folder}: data position does not match step {ckpt.step}; train.seed or "
-                                  "global_batch_size changed since it was saved")
-        set_optimizer_step(self.step_fn, int(state.get("optimizer_step", ckpt.step)))
-        own = ckpt.rank_state(self.rank)
-        if own and "torch_rng" in own and ckpt.index.world_size == self.plan.world_size:
-            torch.set_rng_state(torch.from_numpy(np.frombuffer(own["torch_rng"], dtype=np.uint8).copy()))
-        if self.rank == 0:
-            print(f"resumed from {ckpt.folder} (step {ckpt.step}, saved by {ckpt.config.get('backend', '?')} on "
-                  f"{ckpt.index.world_size} rank(s))", flush=True)
-        return ckpt.step
-
-    # ---- save ----------------------------------------------------------------------------
-    def after_step(self, step: int, step_time: float) -> None:
-        """Called with the number of completed steps; saves on the cadence."""
-        self.step_times.append(step_time)
-        if self.cfg.interval == 0:
+    def set_optimizer_step(self, steps: int) -> None:
+        engine = _zero_engine(self.step_fn)
+        if engine is not None:
+            engine.step_count = steps
             return
-        if self.interval is None:           # 'auto': save once to measure, then decide
-            if self.writer is None:
-                self.save(step)
-            elif self.writer.last is not None and self.writer.last.step < step:
-                self._decide()
-            return
-        if step % self.interval == 0 or step == self.plan.train.steps:
-            self.save(step)
+        optimizer = self.step_fn.optimizer
+        local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        for state in local.state.values():
+            if "step" in state:
+                state["step"].fill_(steps)
 
-    def _decide(self) -> None:
-        last = self.writer.wait()
-        measured = torch.tensor([last.stall_s, last.total_s, float(np.median(self.step_times))], dtype=torch.float64)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX)     # every rank takes the same decision
-        stall, total, iter_s = measured.tolist()
-        decision = choose_interval(IntervalInputs(stall, total, iter_s, total, self.cfg.mtbf_hours))
-        self.interval = decision.steps
-        if self.rank == 0:
-            print(decision.report(), flush=True)
+    def rank_state(self) -> dict:
+        return {"torch_rng": torch.get_rng_state().numpy().tobytes()}
 
-    def save(self, step: int) -> None:
-        if self.writer is None:
-            self.writer = CheckpointWriter(self.run.checkpoints, self.rank, self.plan.world_size,
-                                           session=_session(self.rank), keep_last=self.cfg.keep_last,
-                                           memory=self.memory)
-        held = training_state(self.step_fn, self.plan, self.rank)
-        pieces = {n: p for n, (p, _) in held.items()}
-        items = save_items(pieces, {n: t for n, (_, t) in held.items()})
-        state = {"step": step, "optimizer_step": step, "lr": lr_at(step, self.plan.train),
-                 "sampler": self.sampler.state_at(step).to_dict(), "loss_scale": None}
-        rank_state = {"torch_rng": torch.get_rng_state().numpy().tobytes()}
-        previous = self.writer.last
-        stats = self.writer.save(step, items, state=state, rank_state=rank_state,
-                                 config=run_config(self.plan, "torch"))     # waits for `previous` first
-        self._report_durable(previous)
-        self.logger.event(checkpoint_step=step, stall_s=stats.stall_s, wait_s=stats.wait_s, bytes=stats.bytes)
-        if not self.cfg.async_save:
-            self.writer.wait()
-
-    def _report_durable(self, stats) -> None:
-        """A metrics record for a save once it is durable."""
-        if stats is not None:
-            self.logger.event(checkpoint_step=stats.step, total_s=stats.total_s, persist_s=stats.persist_s)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self._report_durable(self.writer.wait())
-            self.writer.close()
+    def set_rank_state(self, state: dict) -> None:
+        if "torch_rng" in state:
+            torch.set_rng_state(torch.from_numpy(np.frombuffer(state["torch_rng"], dtype=np.uint8).copy()))
