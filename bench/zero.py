@@ -7,7 +7,9 @@ Stage 3: ZeroDataParallel(stage 3) vs FSDP2 fully_shard (each decoder layer, the
 Every engine trains the same model (fp32, AdamW, no clipping) on the same batches; the
 engines take turns a few steps at a time so machine noise hits all of them alike. Prints
 tokens/s, the shared engine's ratio to torch's, and model-state bytes per rank (params +
-grads + optimizer states held at the end of backward, rank 0) next to the cost formula.
+grads + optimizer states held at the end of backward, rank 0) next to the cost formula,
+and gloo's collectives timed on one whole-model bucket (why the engine's torch
+implementation uses all-reduce and broadcasts on gloo).
 """
 from __future__ import annotations
 
@@ -41,6 +43,33 @@ def _storage_bytes(tensors) -> int:
 
 def _optim_tensors(optimizer):
     return [v for state in optimizer.state.values() for v in state.values() if hasattr(v, "dim") and v.dim() > 0]
+
+
+def _collective_times(numel: int, rank: int, world: int, repeat: int = 5) -> dict[str, float]:
+    """Milliseconds per collective on a bucket of `numel` fp32 elements, gloo's own forms and
+    the all-reduce / broadcast forms TorchComm uses on gloo."""
+    import torch
+    import torch.distributed as dist
+
+    numel -= numel % world
+    buf, seg = torch.randn(numel), numel // world
+    own = buf.narrow(0, rank * seg, seg)
+    forms = {
+        "all_reduce": lambda: dist.all_reduce(buf),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(own, buf),
+        "all_gather": lambda: dist.all_gather_single(buf, own),
+        "broadcast_segments": lambda: [dist.broadcast(buf.narrow(0, i * seg, seg), src=i) for i in range(world)],
+    }
+    out = {}
+    for name, fn in forms.items():
+        fn()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        dist.barrier()
+        out[name] = (time.perf_counter() - start) / repeat * 1e3
+    return out
 
 
 def worker(args) -> None:
@@ -126,6 +155,7 @@ def worker(args) -> None:
                 adam.zero_grad()
             runners[name] = (step, lambda adam=adam: measure[id(adam)], None)
 
+    collectives = _collective_times(sum(p.numel() for p in fresh().parameters()), rank, world)
     elapsed = {name: 0.0 for name in ENGINES}
     for name in ENGINES:                                  # warm-up: first-step allocations, lazy states
         runners[name][0](data[0, rank * per:(rank + 1) * per])
@@ -149,6 +179,7 @@ def worker(args) -> None:
         result = {name: {"tokens_per_s": tokens / elapsed[name], "state_bytes": runners[name][1]()}
                   for name in ENGINES}
         result["formula"] = formula
+        result["collectives"] = collectives
         Path(args.out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -192,6 +223,12 @@ def main() -> None:
                 r = res[name]
                 print(f"{world:>3} {stage:>5} {name:<14} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / base:>6.2f} "
                       f"{r['state_bytes'] / 2**20:>14.3f} {res['formula'][str(stage)] / 2**20:>11.3f}")
+    print("\ngloo, ms per collective on a whole-model fp32 bucket (all_reduce / broadcast_segments are what "
+          "the shared engine issues on gloo for reduce_scatter / all_gather)")
+    names = list(rows[0][1]["collectives"])
+    print(f"{'dp':>3} " + " ".join(f"{n:>18}" for n in names))
+    for world, res in rows:
+        print(f"{world:>3} " + " ".join(f"{res['collectives'][n]:>18.1f}" for n in names))
 
 
 if __name__ == "__main__":

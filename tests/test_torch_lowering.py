@@ -111,6 +111,6 @@ def test_engine_choice(strategy, world, engine):
 
 
 def test_shared_engine_refusal_names_the_field():
-    with pytest.raises(StrategyError, match="strategy.pipeline.virtual_stages.*engine: native"):
+    with pytest.raises(StrategyError, match="strategy.pipeline.schedule.*engine: native"):
         engine_for(plan_for({"dp": 2, "pp": 2, "zero": {"engine": "shared"},
-                             "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}, 4))
+                             "pipeline": {"schedule": "zero_bubble"}}, 4))

@@ -83,6 +83,10 @@ CASES: dict[str, tuple[int, dict, str]] = {
     "shared_zero2_dp2_tp2": (4, {"dp": 2, "tp": 2, "zero": {"stage": 2, **SHARED}}, "adamw"),
     "shared_zero3_dp2_tp2_sp": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 3, **SHARED}},
                                 "sgd"),
+    "shared_zero2_pp2_dp2_interleaved": (4, {"pp": 2, "dp": 2, "zero": {"stage": 2, **SHARED},
+                                             "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}, "sgd"),
+    "shared_zero3_pp2_dp2_interleaved": (4, {"pp": 2, "dp": 2, "zero": {"stage": 3, **SHARED},
+                                             "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}, "sgd"),
 }
 
 

@@ -147,8 +147,7 @@ class SharedZero(DataParallel):
     def wrap(self, parts):
         from torch_backend.zero import ZeroDataParallel
 
-        (part,) = parts          # one chunk per rank: shared_engine_problem() checked it
-        self.engine = ZeroDataParallel(part, self.zplan, dist.get_rank(), self.config, self.device)
+        self.engine = ZeroDataParallel(parts, self.zplan, dist.get_rank(), self.config, self.device)
         return parts
 
     def sync(self, part, last):
@@ -181,8 +180,6 @@ def mixed_precision(plan: ModelPlan) -> MixedPrecisionPolicy:
 def shared_engine_problem(plan: ModelPlan) -> Optional[str]:
     """Why the shared engine cannot run this plan on torch yet (None: it can)."""
     s = plan.strategy
-    if s.pipeline.virtual_stages > 1:
-        return "strategy.pipeline.virtual_stages: the torch adapter of the shared ZeRO engine takes one chunk per rank"
     if s.pp > 1 and s.pipeline.schedule in ("zero_bubble", "zbv"):
         # Their split weight-gradient pass sets .grad outside autograd's accumulation hooks.
         return (f"strategy.pipeline.schedule: {s.pipeline.schedule} computes weight gradients outside the "

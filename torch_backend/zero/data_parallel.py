@@ -34,16 +34,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ZeroDataParallel:
-    def __init__(self, model: nn.Module, zplan: ZeroPlan, rank: int, config: EngineConfig,
+    """`model`: the rank's module, or its model chunks (virtual pipeline stages), whose
+    parameter and module names are the plan's."""
+
+    def __init__(self, model: nn.Module | list[nn.Module], zplan: ZeroPlan, rank: int, config: EngineConfig,
                  device: torch.device | str = "cpu"):
-        self.model = model
+        self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
+        named = {name: p for part in self.parts for name, p in part.named_parameters()}
         with torch.no_grad():
-            params = {name: _local(p) for name, p in model.named_parameters()}
+            params = {name: _local(p) for name, p in named.items()}
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.engine = ZeroEngine(zplan, rank, params, TorchComm(), TorchOps(torch.device(device)), config, world)
         self._queued = False
         self._handles = []
-        named = dict(model.named_parameters())
         for name in self.engine._slot:
             self._handles.append(named[name].register_post_accumulate_grad_hook(self._grad_hook(name)))
         if self.engine.gather is not None:
@@ -73,11 +76,19 @@ class ZeroDataParallel:
     def _hook_units(self) -> None:
         gather = self.engine.gather
         for unit in gather.units:
-            modules = [self.model.get_submodule(m) for m in unit.modules]
+            modules = [self._module(m) for m in unit.modules]
             for i, module in enumerate(modules):
                 last = i == len(modules) - 1
                 self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit.name)))
                 self._handles.append(module.register_forward_hook(self._post_forward(unit.name, last)))
+
+    def _module(self, name: str) -> nn.Module:
+        for part in self.parts:
+            try:
+                return part.get_submodule(name)
+            except AttributeError:
+                continue
+        raise KeyError(f"ZeRO-3: no module {name!r} in the model chunks of this rank")
 
     def _pre_forward(self, unit: str):
         def hook(module, args) -> None:
