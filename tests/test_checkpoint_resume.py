@@ -32,9 +32,10 @@ def _job(tmp: Path, name: str, tokens: Path, strategy: dict, interval: int, load
     return path
 
 
-def _train(config: Path, run: Path, steps: int) -> dict[int, float]:
+def _train(config: Path, run: Path, steps: int, backend: str = "torch") -> dict[int, float]:
     proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run),
-                           "--steps", str(steps)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--steps", str(steps), "--backend", backend], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
 
@@ -84,3 +85,22 @@ def test_resume_under_another_strategy(reference, strategy, request):
     losses = _train(_job(tmp, name, tokens, strategy, 0, load), run, 6)
     assert sorted(losses) == [4, 5, 6]
     assert [losses[k] for k in (4, 5, 6)] == pytest.approx([ref[k] for k in (4, 5, 6)], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.mindspore
+def test_torch_to_mindspore_to_torch_resume(reference):
+    """MindSpore (2 msrun workers, ZeRO-1) continues the torch run from its step-3 checkpoint,
+    saves at step 5, and torch finishes step 6 from that: every loss on the torch curve."""
+    pytest.importorskip("mindspore")
+    tmp, tokens, ref_run, ref = reference
+    load = str(ref_run / "checkpoints" / "step_00000003")
+    ms_run = tmp / "ms_resume"
+    ms_losses = _train(_job(tmp, "ms_resume", tokens, {"dp": 2, "zero": {"stage": 1}}, 5, load), ms_run, 5,
+                       backend="mindspore")
+    assert sorted(ms_losses) == [4, 5]
+    assert [ms_losses[k] for k in (4, 5)] == pytest.approx([ref[k] for k in (4, 5)], abs=1e-5)
+    saved = ms_run / "checkpoints" / "step_00000005"
+    assert (saved / "index.json").is_file()
+    back = _train(_job(tmp, "torch_again", tokens, {"tp": 2}, 0, str(saved)), tmp / "torch_again", 6)
+    assert sorted(back) == [6] and back[6] == pytest.approx(ref[6], abs=1e-5)

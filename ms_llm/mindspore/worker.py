@@ -22,11 +22,13 @@ import mindspore as ms
 from mindspore import nn
 from mindspore.communication import get_group_size, get_rank, init
 
+from ms_llm.checkpoint.trainer import TrainerCheckpoints
 from ms_llm.config.job import load_job
 from ms_llm.data import GlobalBatchSampler, load_tokens
 from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.mindspore.optim import AdamW
+from ms_llm.mindspore.resume import MsTrainerState
 from ms_llm.mindspore.train_step import TrainStep
 from ms_llm.run import MetricsLogger, RunFolder, StepMetrics, lr_at
 from ms_llm.strategy.devices import get_device
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.event(event="start", backend="mindspore", mode=mode, world_size=world, dp=dp, zero_stage=p.zero.stage,
                  micro_batches=p.micro_batches)
 
-    for step in range(train.steps):
+    checkpoints = TrainerCheckpoints(job, run, p, MsTrainerState(step_cell, p, rank, world), sampler, rank, logger)
+    for step in range(checkpoints.resume(), train.steps):
         rows = sampler.local_batch(step, dp_rank, dp)                      # (G/dp, T+1)
         rows = rows.reshape(p.micro_batches, train.micro_batch_size, train.seq_len + 1)
         lr = lr_at(step, train)
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.event(event="diverged", step=step + 1)
             logger.close()
             return 3
+        checkpoints.after_step(step + 1, elapsed)
+    checkpoints.close()
     logger.event(event="done", steps=train.steps)
     logger.close()
     return 0
