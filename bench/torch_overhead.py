@@ -2,10 +2,12 @@
 
 Same model (configs/models/tiny.yaml), batches, AdamW, gradient clipping and threads; fp32.
 The two alternate in one process (repeat r: K steps of one, then K of the other, order
-flipping each repeat) and the ratio of their median step times is printed. The dp2 row
-runs the same comparison under torchrun on 2 ranks (plain loop: DistributedDataParallel).
+flipping each repeat); the median of the per-repeat time ratios is printed. The dp2 rows
+run the same comparison under torchrun on 2 ranks (plain loop: DistributedDataParallel),
+once with the trainer on torch's DDP (engine native) and once on ms_llm's ZeRO engine
+(engine shared, stage 0: the same all-reduce data parallelism).
 
-    python bench/torch_overhead.py [--repeats 7] [--steps 8]
+    python bench/torch_overhead.py [--repeats 15] [--steps 2]
 """
 from __future__ import annotations
 
@@ -39,10 +41,11 @@ from torch_backend.step import TrainStep, optimizer_args  # noqa: E402
 GLOBAL_BATCH, SEQ = 8, 128
 
 
-def job_for(world: int):
+def job_for(world: int, engine: str):
     return job_from_dict({
         "name": "bench", "device": "cpu", "model": "tiny",
-        "strategy": {"dp": world, "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
+        "strategy": {"dp": world, "zero": {"engine": engine},
+                     "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
         "train": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // world, "seq_len": SEQ,
                   "steps": 1000, "optimizer": {"name": "adamw", "lr": 1e-3}, "schedule": {"warmup_steps": 10}},
     })
@@ -70,9 +73,9 @@ def plain_step_fn(job, world: int):
     return step
 
 
-def measure(repeats: int, steps: int, tokens_path: str) -> dict:
+def measure(repeats: int, steps: int, tokens_path: str, engine: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    job = job_for(world)
+    job = job_for(world, engine)
     plan = make_plan(job.model, job.strategy, job.train, world)
     ours = TrainStep(lower(plan, build_meshes(plan.mesh, "cpu"), torch.device("cpu"), rank))
     plain = plain_step_fn(job, world)
@@ -89,13 +92,16 @@ def measure(repeats: int, steps: int, tokens_path: str) -> dict:
                 runners[name](k, batch).item()
             if r:
                 times[name].append((time.perf_counter() - t0) / steps)
-    return {"world": world, "threads": torch.get_num_threads(),
-            "ms_llm": statistics.median(times["ms_llm"]), "plain": statistics.median(times["plain"])}
+    # Each repeat pairs adjacent blocks of the two, so load that drifts over the run cancels.
+    ratios = [a / b for a, b in zip(times["ms_llm"], times["plain"])]
+    return {"world": world, "engine": ours.m.dp.name, "threads": torch.get_num_threads(),
+            "ms_llm": statistics.median(times["ms_llm"]), "plain": statistics.median(times["plain"]),
+            "ratio": statistics.median(ratios)}
 
 
 def worker(args) -> None:
     init_distributed()
-    result = measure(args.repeats, args.steps, args.tokens)
+    result = measure(args.repeats, args.steps, args.tokens, args.engine)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     shutdown()
@@ -103,11 +109,12 @@ def worker(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--steps", type=int, default=2, help="steps per timed block")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the single process")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tokens", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engine", default="native", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -115,27 +122,26 @@ def main() -> None:
     tmp = ROOT / ".tmp"
     tmp.mkdir(exist_ok=True)
     tokens = str(build_stdlib_corpus(tmp / "bench-data", max_bytes=1_000_000))
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
     rows = []
-    for world in (1, 2):
-        if world == 2:
-            env["OMP_NUM_THREADS"] = "1"
+    for world, engine in ((1, "native"), (2, "native"), (2, "shared")):
+        env["OMP_NUM_THREADS"] = str(args.threads if world == 1 else 1)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", __file__, "--worker", "--tokens", tokens,
+               f"--master-port={free_port()}", __file__, "--worker", "--tokens", tokens, "--engine", engine,
                "--repeats", str(args.repeats), "--steps", str(args.steps)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
-            sys.exit(f"bench failed (world {world}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+            sys.exit(f"bench failed (world {world}, {engine}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
         rows.append(json.loads(lines[0][len("RESULT "):]))
 
-    print(f"torch_overhead: model tiny, seq {SEQ}, global batch {GLOBAL_BATCH}, AdamW + clip, fp32, "
-          f"median of {args.repeats} interleaved blocks of {args.steps} steps")
-    print(f"{'setting':<10} {'threads/rank':>12} {'ms_llm ms/step':>15} {'plain ms/step':>14} {'ratio':>7}")
+    print(f"torch_overhead: model tiny, seq {SEQ}, global batch {GLOBAL_BATCH}, AdamW + clip, fp32; "
+          f"{args.repeats} interleaved pairs of {args.steps}-step blocks: median step times, median paired ratio")
+    print(f"{'setting':<18} {'threads/rank':>12} {'ms_llm ms/step':>15} {'plain ms/step':>14} {'ratio':>7}")
     for row in rows:
-        name = "1 process" if row["world"] == 1 else f"dp{row['world']}"
-        print(f"{name:<10} {row['threads']:>12} {1e3 * row['ms_llm']:>15.1f} {1e3 * row['plain']:>14.1f} "
-              f"{row['ms_llm'] / row['plain']:>7.3f}")
+        name = "1 process" if row["world"] == 1 else f"dp{row['world']} ({row['engine']})"
+        print(f"{name:<18} {row['threads']:>12} {1e3 * row['ms_llm']:>15.1f} {1e3 * row['plain']:>14.1f} "
+              f"{row['ratio']:>7.3f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """`ms-llm train --backend mindspore` on 2 msrun CPU workers follows the torch loss curve.
 
-The torch side is a single-process reference loop over the same global batches (the
-torch trainer's data parallelism averages to the same gradients), same init, AdamW,
-clipping and learning-rate schedule. Per-step losses must agree within 1e-4."""
+The same job (model, seed, data, AdamW, clipping, schedule, dp2) runs on both backends
+through the CLI (msrun and torchrun); per-step losses must agree within 1e-4, and both
+equal a single-process torch reference loop over the same global batches."""
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +20,7 @@ from ms_llm.run.metrics import read_metrics
 from torch_backend.model import Transformer as TorchTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
+FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
 JOB = {
     "name": "tiny_ms_cross", "backend": "mindspore", "device": "cpu",
     "model": {"name": "tiny_test", "vocab_size": 320, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
@@ -51,31 +52,46 @@ def torch_reference(job, tokens) -> list[float]:
     return losses
 
 
-@pytest.mark.slow
-@pytest.mark.mindspore
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_dp2_losses_match_the_torch_reference(tmp_path, zero_stage):
-    pytest.importorskip("mindspore")
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(JOB | {"strategy": {"dp": 2, "zero": {"stage": zero_stage}}}))
-    run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(job_file), "--backend", "mindspore",
+def launch(job_file: Path, backend: str, run: Path) -> list[float]:
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(job_file), "--backend", backend,
                            "--run-dir", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step     5/5 | loss" in proc.stdout
-    assert sorted(p.name for p in (run / "logs").glob("worker_*.log")) == ["worker_0.log", "worker_1.log"]
-    got = [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert len(list((run / "logs").rglob("*.log"))) >= 2
+    return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
-    job = load_job(job_file)
-    want = torch_reference(job, load_tokens(build_stdlib_corpus(tmp_path / "data")))
-    assert len(got) == len(want) == 5
-    assert np.abs(np.array(got) - np.array(want)).max() <= 1e-4, (got, want)
-    assert got[-1] < got[0]
+
+@pytest.fixture(scope="module")
+def torch_losses(tmp_path_factory):
+    """The torch backend (torchrun, dp2) and the single-process reference on the same job."""
+    tmp = tmp_path_factory.mktemp("torch")
+    job_file = tmp / "job.yaml"
+    job_file.write_text(yaml.safe_dump(JOB | {"strategy": {"dp": 2, "precision": FP32}}))
+    reference = torch_reference(load_job(job_file), load_tokens(build_stdlib_corpus(tmp / "data")))
+    return launch(job_file, "torch", tmp / "run"), reference
+
+
+@pytest.mark.slow
+@pytest.mark.mindspore
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_dp2_losses_match_the_torch_backend(tmp_path, zero_stage, torch_losses):
+    """ZeRO changes where optimizer states live, not the arithmetic: stage 0 (one GRAPH-mode step)
+    and stage 1 (the shared engine) both follow torch dp2."""
+    pytest.importorskip("mindspore")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(JOB | {"strategy": {"dp": 2, "zero": {"stage": zero_stage}, "precision": FP32}}))
+    ms_losses = launch(job_file, "mindspore", tmp_path / "ms")
+    trainer, reference = torch_losses
+    assert len(ms_losses) == len(trainer) == len(reference) == 5
+    assert np.abs(np.array(ms_losses) - np.array(trainer)).max() <= 1e-4, (ms_losses, trainer)
+    assert np.abs(np.array(ms_losses) - np.array(reference)).max() <= 1e-4, (ms_losses, reference)
+    assert ms_losses[-1] < ms_losses[0]
 
 
 def test_a_strategy_that_needs_semi_auto_parallel_fails_early_on_cpu(tmp_path):
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(JOB | {"strategy": {"dp": 1, "tp": 2, "sequence_parallel": True}}))
+    job_file.write_text(yaml.safe_dump(JOB | {"strategy": {"dp": 1, "tp": 2, "sequence_parallel": True,
+                                                           "precision": FP32}}))
     proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(job_file), "--backend", "mindspore",
                            "--run-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -95,3 +111,29 @@ def test_dry_run_prints_the_lowering_of_the_70b_job():
     assert "model.layers.{0-79}.self_attn.o_proj.matmul: in ((2, 4), (1, 4)) out ((8, 1),)" in out
     assert "stage 7: model.layers.{70-79}, model.norm, lm_head, loss" in out
     assert "imported mindspore: False" in out           # printed without MindSpore, on any machine
+
+
+def test_bfloat16_on_cpu_is_refused_with_the_fix():
+    from ms_llm.config.job import job_from_dict
+    from ms_llm.mindspore.launch import cpu_runtime_problems
+    from ms_llm.strategy.plan import plan
+
+    job = job_from_dict(JOB | {"strategy": {"dp": 2, "zero": {"stage": 3}}})
+    problems = cpu_runtime_problems(plan(job.model, job.strategy, job.train))
+    assert any("set both to float32" in p for p in problems)
+    assert not any("zero.stage" in p for p in problems)          # the shared engine runs ZeRO-3 on CPU
+
+
+@pytest.mark.mindspore
+def test_dry_run_with_a_run_dir_writes_mindspore_strategy_files(tmp_path):
+    ms = pytest.importorskip("mindspore")
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", "configs/train/llama2_70b_dp2_tp4_pp8.yaml",
+                           "--backend", "mindspore", "--dry-run", "--run-dir", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    files = sorted((tmp_path / "strategy").glob("ckpt_strategy_rank_*.ckpt"))
+    assert len(files) == 64
+    last = ms.parallel.build_searched_strategy(str(tmp_path / "strategy" / "ckpt_strategy_rank_63.ckpt"))
+    head = last["lm_head.weight"]
+    assert list(head.dev_matrix[0].dim) == [2, 4] and list(head.tensor_map[0].dim) == [0, -1]
+    assert "model.layers.79.mlp.down_proj.weight" in last and "model.layers.0.mlp.down_proj.weight" not in last

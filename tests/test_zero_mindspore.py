@@ -73,8 +73,8 @@ def test_mindspore_model_state_bytes_match_the_formula(run, case):
 @pytest.mark.slow
 @pytest.mark.mindspore
 def test_ms_llm_train_runs_the_shared_engine(tmp_path):
-    """`ms-llm train --backend mindspore` with strategy.zero.engine shared, stage 3 (which only
-    the shared engine runs on CPU) follows the torch loss curve."""
+    """`ms-llm train --backend mindspore` with ZeRO-3 (the shared engine, per-layer gathers in
+    PyNative) follows the torch loss curve."""
     import numpy as np
     import yaml
 

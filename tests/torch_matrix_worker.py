@@ -41,6 +41,7 @@ NATIVE, SHARED = {"engine": "native"}, {"engine": "shared"}
 CASES: dict[str, tuple[int, dict, str]] = {
     "ref": (1, {}, "sgd"),
     "ref_adamw": (1, {}, "adamw"),
+    "compile_selective": (1, {"recompute": {"policy": "selective"}}, "sgd"),     # train.compile: true
     "dp2": (2, {"dp": 2, "zero": NATIVE}, "sgd"),
     "dp2_adamw": (2, {"dp": 2, "zero": NATIVE}, "adamw"),
     "tp2": (2, {"tp": 2}, "sgd"),
@@ -92,10 +93,12 @@ CASES: dict[str, tuple[int, dict, str]] = {
 def job_for(case: str):
     world, strategy, opt = CASES[case]
     lr = 0.5 if opt == "sgd" else 1e-2
+    compile = case.startswith("compile")
     return job_from_dict({
         "name": case, "device": "cpu", "model": MODEL,
         "strategy": {**strategy, "precision": FP32},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "steps": STEPS, "seed": 7,
+                  "compile": compile,
                   "optimizer": {"name": opt, "lr": lr, "weight_decay": 0.01, "grad_clip": 1.0},
                   "schedule": {"warmup_steps": 1}},
     })
@@ -144,7 +147,7 @@ def run_case(case: str, tokens: np.ndarray, out: Path) -> None:
     tc = job.train
     plan = make_plan(job.model, job.strategy, tc, world)
     meshes = build_meshes(plan.mesh, "cpu")
-    lowered = lower(plan, meshes, torch.device("cpu"), rank)
+    lowered = lower(plan, meshes, torch.device("cpu"), rank, compile=tc.compile)
     step_fn = TrainStep(lowered)
     sampler = GlobalBatchSampler(tokens, tc.seq_len, tc.global_batch_size, tc.seed)
     dp_rank, dp_size = meshes.coord("dp"), meshes.size("dp")

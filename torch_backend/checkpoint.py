@@ -94,8 +94,16 @@ def load_into(ckpt: Checkpoint, pieces: dict[str, Piece], tensors: dict[str, tor
               strict: bool = True) -> list[str]:
     """Copy each piece from `ckpt` into the matching local tensor (converting dtype when the
     checkpoint's differs, e.g. fp32 weights into bf16 parameters). Returns the names loaded."""
-    arrays = ckpt.read_pieces(pieces, strict=strict)
+    direct = {}                              # CPU tensors of the saved dtype are read into in place
+    for name in pieces:
+        dst = local(tensors[name]) if name in tensors else None
+        if (dst is not None and name in ckpt.index.tensors and dst.device.type == "cpu" and dst.is_contiguous()
+                and DTYPE_NAMES.get(dst.dtype) == ckpt.entry(name).dtype):
+            direct[name] = to_numpy(dst)
+    arrays = ckpt.read_pieces(pieces, strict=strict, out=direct)
     for name, array in arrays.items():
+        if name in direct:
+            continue
         dst = local(tensors[name])
         src = from_numpy(array, ckpt.entry(name).dtype)
         if tuple(dst.shape) != tuple(src.shape):

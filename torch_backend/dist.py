@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ms_llm.launch import free_port
 
 
 def init_distributed() -> torch.device:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ms_llm.checkpoint.trainer import TrainerCheckpoints
 from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens
@@ -18,6 +19,7 @@ from ms_llm.strategy.devices import get_device
 from ms_llm.strategy.plan import plan as make_plan
 from torch_backend.lower import lower
 from torch_backend.mesh import build_meshes
+from torch_backend.resume import TorchTrainerState
 from torch_backend.step import TrainStep
 
 
@@ -46,7 +48,12 @@ def train(job: JobConfig, run: RunFolder, device: torch.device) -> list[StepMetr
 
     # Lower the plan: mesh, pipeline chunks, TP/SP, AC, compile, DP/ZeRO (torch_backend/parallelize).
     meshes = build_meshes(plan.mesh, device.type)
-    step_fn = TrainStep(lower(plan, meshes, device, rank, compile=tc.compile))
+    lowered = lower(plan, meshes, device, rank, compile=tc.compile)
+    step_fn = TrainStep(lowered)
+    if rank == 0:
+        print(f"lowered: {plan.mesh.describe()} | data parallel: {lowered.dp.name} (ZeRO {plan.zero.stage}) | "
+              f"{plan.micro_batches} micro-batch(es) | precision {plan.strategy.precision.compute_dtype} | "
+              f"device {device}", flush=True)
 
     # Data: the global batch of step k is fixed; this dp rank reads its rows of it.
     sampler = GlobalBatchSampler(token_stream(tc, run), tc.seq_len, tc.global_batch_size, tc.seed)
@@ -57,7 +64,8 @@ def train(job: JobConfig, run: RunFolder, device: torch.device) -> list[StepMetr
     flops_per_token = plan.model.flops_per_token(tc.seq_len)
     peak_flops = get_device(job.device).peak_flops * world
     history = []
-    for step in range(tc.steps):
+    checkpoints = TrainerCheckpoints(job, run, plan, TorchTrainerState(step_fn, plan, rank), sampler, rank, logger)
+    for step in range(checkpoints.resume(), tc.steps):
         t0 = time.perf_counter()
         batch = torch.from_numpy(sampler.local_batch(step, dp_rank, dp_size))    # (B_local, T + 1)
         loss, grad_norm = step_fn(step, batch)
@@ -68,5 +76,7 @@ def train(job: JobConfig, run: RunFolder, device: torch.device) -> list[StepMetr
                         grad_norm=grad_norm, step_time_s=dt)
         logger.log(m, force=step == 0)
         history.append(m)
+        checkpoints.after_step(step + 1, dt)
+    checkpoints.close()
     logger.close()
     return history

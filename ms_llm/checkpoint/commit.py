@@ -99,8 +99,7 @@ def merge_fragments(frags: list[dict], step: int, world_size: int) -> Index:
                  tensors=tensors, save_stats=first.get("stats", {}))
 
 
-def commit(root: Path, step: int, world_size: int, session: str, keep_last: int,
-           timeout_s: float = 1800.0) -> Path:
+def commit(root: Path, step: int, world_size: int, session: str, timeout_s: float = 1800.0) -> Path:
     """Wait for all fragments of `session`, write the index, publish the folder. Returns it."""
     root = Path(root)
     folder = tmp_dir(root, step)
@@ -128,7 +127,6 @@ def commit(root: Path, step: int, world_size: int, session: str, keep_last: int,
         os.replace(folder, final)
     fsync_dir(root)
     write_durable(root / LATEST, final.name.encode())
-    retain(root, keep_last)
     return final
 
 

@@ -17,7 +17,9 @@ import logging
 import math
 import mmap
 import os
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
@@ -54,6 +56,9 @@ class Checkpoint:
         self.index: Index = index
         self._files: dict[str, tuple[mmap.mmap, dict[str, TensorSpan]]] = {}
         self._verified: set[tuple[str, str, int]] = set()
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.workers = min(8, os.cpu_count() or 1)
 
     @classmethod
     def open(cls, path: str | Path) -> "Checkpoint":
@@ -109,9 +114,10 @@ class Checkpoint:
         return from_dict(ParallelStrategy, self.config["strategy"], "strategy")
 
     # ---- reading -----------------------------------------------------------------------
-    def read(self, name: str, want: Region | Piece) -> np.ndarray:
+    def read(self, name: str, want: Region | Piece, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The data of region `want` of tensor `name`: shaped like the box, or 1-d for a flat
-        region; bfloat16 comes back as its raw uint16 bits."""
+        region; bfloat16 comes back as its raw uint16 bits. `out` (C-contiguous, that shape and
+        the storage dtype) receives it in place, e.g. a view of the parameter being loaded."""
         entry = self.entry(name)
         region = want.region if isinstance(want, Piece) else want
         if len(region.offsets) != len(entry.shape) or any(
@@ -119,36 +125,51 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {entry.shape}; the wanted box "
                                   f"{region.offsets}+{region.sizes} does not fit (a different model config?)")
         dtype = storage_dtype(entry.dtype)
-        out = np.empty(region.numel, dtype=dtype)
+        if out is None:
+            out = np.empty(region.shape, dtype=dtype)
+        elif out.shape != region.shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise CheckpointError(f"{name}: destination is {out.dtype} {out.shape}; reading this piece needs a "
+                                  f"C-contiguous {dtype} {region.shape} array")
+        flat = out.reshape(-1)
         covered = 0
         for wp in region.pieces():
-            dst_piece = out[wp.start:wp.start + wp.numel].reshape(wp.sizes)
+            dst_piece = flat[wp.start:wp.start + wp.numel].reshape(wp.sizes)
             for shard in entry.shards:
                 for sp in shard.region.pieces():
                     box = intersect(wp.offsets, wp.sizes, sp.offsets, sp.sizes)
                     if box is None:
                         continue
+                    covered += math.prod(box[1])
+                    src_runs = touched_bytes(box, sp, dtype.itemsize)
+                    dst_runs = touched_bytes(box, wp, dtype.itemsize)
+                    if len(src_runs[0]) == 1 and len(dst_runs[0]) == 1:    # one byte run each side
+                        lo = wp.start * dtype.itemsize + int(dst_runs[0][0])
+                        dst = memoryview(flat.view(np.uint8))[lo:lo + int(dst_runs[1][0] - dst_runs[0][0])]
+                        self._pread(entry, shard, sp.start * dtype.itemsize + int(src_runs[0][0]), dst)
+                        continue
                     src = self._shard_view(entry, shard, sp.start, sp.numel).reshape(sp.sizes)
                     self._verify(entry, shard, sp.start * dtype.itemsize, box, sp)
                     dst_piece[local_slices(box, wp)] = src[local_slices(box, sp)]
-                    covered += math.prod(box[1])
         if covered != region.numel:
             raise CheckpointError(f"{self.folder}: tensor {name!r}: the saved shards hold {covered} of the "
                                   f"{region.numel} wanted elements; the index does not cover the tensor")
-        return out.reshape(region.shape)
+        return out
 
     def read_full(self, name: str) -> np.ndarray:
         entry = self.entry(name)
         return self.read(name, Region((0,) * len(entry.shape), entry.shape))
 
-    def read_pieces(self, pieces: dict[str, Piece], strict: bool = True) -> dict[str, np.ndarray]:
-        """Read every piece; with strict=False tensors the checkpoint lacks are left out
-        (e.g. optimizer states when starting from exported weights)."""
+    def read_pieces(self, pieces: dict[str, Piece], strict: bool = True,
+                    out: Optional[dict[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
+        """Read every piece (into `out[name]` where given); with strict=False tensors the
+        checkpoint lacks are left out (e.g. optimizer states when starting from exported weights)."""
         missing = [n for n in pieces if n not in self.index.tensors]
         if missing and strict:
             raise CheckpointError(f"{self.folder}: lacks {len(missing)} wanted tensor(s), e.g. {missing[0]!r}; "
                                   "was it saved from a different model?")
-        return {n: self.read(n, p) for n, p in pieces.items() if n in self.index.tensors}
+        names = [n for n in pieces if n in self.index.tensors]
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:    # copies and CRCs release the GIL
+            return dict(zip(names, pool.map(lambda n: self.read(n, pieces[n], (out or {}).get(n)), names)))
 
     def verify(self) -> None:
         """Check every block of every shard (tools and tests; loading checks what it reads)."""
@@ -161,7 +182,10 @@ class Checkpoint:
     def close(self) -> None:
         for mm, _ in self._files.values():
             mm.close()
+        for fd in self._fds.values():
+            os.close(fd)
         self._files.clear()
+        self._fds.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self
@@ -171,16 +195,40 @@ class Checkpoint:
 
     # ---- internals ---------------------------------------------------------------------
     def _open_file(self, fname: str) -> tuple[mmap.mmap, dict[str, TensorSpan]]:
+        with self._lock:
+            return self._open_file_locked(fname)
+
+    def _open_file_locked(self, fname: str) -> tuple[mmap.mmap, dict[str, TensorSpan]]:
         if fname not in self._files:
             path = self.folder / fname
             spans, _, size = read_header(str(path))
             fd = os.open(path, os.O_RDONLY)
-            try:
-                mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-            finally:
-                os.close(fd)
-            self._files[fname] = (mm, spans)
+            self._fds[fname] = fd
+            self._files[fname] = (mmap.mmap(fd, size, access=mmap.ACCESS_READ), spans)
         return self._files[fname]
+
+    def _pread(self, entry: TensorEntry, shard: ShardEntry, start: int, dst: memoryview) -> None:
+        """Read shard bytes [start, start + len(dst)) straight into `dst` (the fast path for
+        contiguous pieces: one kernel copy), then check the checksum blocks they touch: whole
+        blocks on `dst` itself, the two partial edge blocks on the file."""
+        mm, span = self._span(entry, shard)
+        fd, n, done = self._fds[shard.file], len(dst), 0
+        while done < n:
+            got = os.preadv(fd, [dst[done:]], span.start + start + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.folder / shard.file}: tensor {entry.name!r}: file ended while reading")
+            done += got
+        if not shard.crc32:
+            return
+        block = shard.block
+        for b in range(start // block, (start + n - 1) // block + 1):
+            key = (shard.file, shard.key, b)
+            lo, hi = b * block, min((b + 1) * block, span.nbytes)
+            if key in self._verified:
+                continue
+            data = dst[lo - start:hi - start] if start <= lo and hi <= start + n else \
+                memoryview(mm)[span.start + lo:span.start + hi]
+            self._check_block(entry, shard, b, data, span.start + lo)
 
     def _span(self, entry: TensorEntry, shard: ShardEntry) -> tuple[mmap.mmap, TensorSpan]:
         mm, spans = self._open_file(shard.file)
@@ -218,10 +266,13 @@ class Checkpoint:
                 continue
             lo = span.start + int(b) * block
             hi = min(lo + block, span.start + span.nbytes)
-            if zlib.crc32(memoryview(mm)[lo:hi]) != shard.crc32[b]:
-                raise CheckpointError(f"{self.folder / shard.file}: tensor {entry.name!r} (key {shard.key!r}) "
-                                      f"fails its checksum in bytes [{lo}, {hi}): the file is corrupted")
-            self._verified.add(key)
+            self._check_block(entry, shard, int(b), memoryview(mm)[lo:hi], lo)
+
+    def _check_block(self, entry: TensorEntry, shard: ShardEntry, b: int, data: memoryview, at: int) -> None:
+        if zlib.crc32(data) != shard.crc32[b]:
+            raise CheckpointError(f"{self.folder / shard.file}: tensor {entry.name!r} (key {shard.key!r}) fails "
+                                  f"its checksum in bytes [{at}, {at + len(data)}): the file is corrupted")
+        self._verified.add((shard.file, shard.key, b))
 
 
 def candidates(*roots: str | Path) -> list[Path]:

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -25,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from ms_llm.checkpoint import commit as commit_mod
+from ms_llm.checkpoint.direct_io import aligned_buffer, write_file
 from ms_llm.checkpoint.format import encode_state, rank_file
 from ms_llm.checkpoint.safetensors_io import dtype_name, header_bytes, storage_dtype
 from ms_llm.checkpoint.shards import Piece
@@ -33,7 +35,6 @@ from ms_llm.errors import CheckpointError
 # A local tensor as numpy (a view is fine: it is copied before save() returns) or a function
 # that fills a given numpy array (lets a backend copy device memory straight into the buffer).
 Data = Union[np.ndarray, Callable[[np.ndarray], None]]
-CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,12 @@ class _Layout:
 class CheckpointWriter:
     def __init__(self, root: str | Path, rank: int, world_size: int, *, session: str = "",
                  keep_last: int = 3, memory=None, block_bytes: int = 4 << 20,
-                 max_bytes_per_s: float = 0.0, commit_timeout_s: float = 1800.0):
+                 max_bytes_per_s: float = 0.0, commit_timeout_s: float = 1800.0, workers: int = 0):
         """`session` must be equal on all ranks of one launch and new for every relaunch (e.g.
         the launcher's run id plus restart count): it keeps fragments of a crashed attempt out
         of a later commit. `memory` is a memory_tier.MemoryTier or None. `max_bytes_per_s`
         throttles the background disk write (0 = unthrottled) so it leaves bandwidth to the
-        job's data loading."""
+        job's data loading. `workers` threads copy and checksum (0 = up to 8, one per core)."""
         if not 0 <= rank < world_size:
             raise CheckpointError(f"checkpoint writer: rank {rank} outside world size {world_size}")
         self.root = Path(root)
@@ -86,7 +87,9 @@ class CheckpointWriter:
         self.memory = memory
         self.block_bytes, self.max_bytes_per_s = block_bytes, max_bytes_per_s
         self.commit_timeout_s = commit_timeout_s
-        self._buffer = np.empty(0, dtype=np.uint8)
+        self._buffer = aligned_buffer(0)
+        self._pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1),
+                                        thread_name_prefix="ckpt-copy")
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.last: Optional[SaveStats] = None
@@ -107,12 +110,13 @@ class CheckpointWriter:
             self.memory.heartbeat()
         layout = self._layout([i for i in items if i.piece.primary])
         if self._buffer.nbytes < layout.nbytes:
-            self._buffer = np.empty(layout.nbytes, dtype=np.uint8)
+            self._buffer = aligned_buffer(layout.nbytes)
         image = self._buffer[:layout.nbytes]
         image[:len(layout.header)] = np.frombuffer(layout.header, dtype=np.uint8)
-        for item, dtype, span in zip(layout.items, layout.dtypes, layout.spans):
-            dst = image[span.start:span.start + span.nbytes].view(storage_dtype(dtype)).reshape(span.shape)
-            self._copy(item, dst)
+        dsts = [image[span.start:span.start + span.nbytes].view(storage_dtype(dtype)).reshape(span.shape)
+                for dtype, span in zip(layout.dtypes, layout.spans)]
+        for _ in self._pool.map(self._copy, layout.items, dsts):   # copies release the GIL: run them in parallel
+            pass
         meta = {"state": encode_state(state or {}), "rank_state": encode_state(rank_state or {}),
                 "config": config or {}}
         stats.bytes = layout.nbytes
@@ -131,6 +135,7 @@ class CheckpointWriter:
     def close(self) -> None:
         """Wait for the last save; the memory tier's snapshot stays for a restart."""
         self.wait()
+        self._pool.shutdown()
 
     def _join(self) -> None:
         if self._thread is not None:
@@ -190,45 +195,42 @@ class CheckpointWriter:
 
     def _persist(self, stats: SaveStats, layout: _Layout, image: np.ndarray, meta: dict, start: float) -> None:
         t0 = time.perf_counter()
-        shards = []
-        for item, key, span in zip(layout.items, layout.keys, layout.spans):
-            data = memoryview(image[span.start:span.start + span.nbytes])
-            crcs = [zlib.crc32(data[i:i + self.block_bytes]) for i in range(0, span.nbytes, self.block_bytes)]
-            shards.append({"name": item.piece.name, "key": key, **item.piece.region.to_json(),
-                           "block": self.block_bytes, "crc32": crcs})
+        # Checksums on the pool while this thread writes the file; the fragment needs both.
+        crcs = [self._pool.submit(self._checksums, image, span) for span in layout.spans]
         fragment = {"rank": self.rank, "session": self.session, "file": rank_file(self.rank), **meta,
                     "tensors": {i.piece.name: {"shape": list(i.piece.shape), "dtype": d, "layout": i.piece.layout}
-                                for i, d in zip(layout.items, layout.dtypes)},
-                    "shards": shards}
+                                for i, d in zip(layout.items, layout.dtypes)}}
+
+        def shards() -> list[dict]:
+            return [{"name": item.piece.name, "key": key, **item.piece.region.to_json(), "block": self.block_bytes,
+                     "crc32": crc.result()} for item, key, crc in zip(layout.items, layout.keys, crcs)]
         step = stats.step
         if self.memory is not None:
-            self._write_copy(self.memory.root, step, image, fragment, throttle=False)
+            self._write_data(self.memory.root, step, image, throttle=False)
+            fragment["shards"] = shards()
+            commit_mod.write_fragment(commit_mod.tmp_dir(self.memory.root, step), self.rank, fragment)
             if self.rank == 0:
-                commit_mod.commit(self.memory.root, step, self.world_size, self.session,
-                                  self.memory.keep_last, self.commit_timeout_s)
+                commit_mod.commit(self.memory.root, step, self.world_size, self.session, self.commit_timeout_s)
+                commit_mod.retain(self.memory.root, self.memory.keep_last)
             stats.memory_s = time.perf_counter() - t0
+        self._write_data(self.root, step, image, throttle=True)
+        fragment["shards"] = shards()
         fragment["stats"] = {"stall_s": stats.stall_s, "persist_s": time.perf_counter() - t0}
-        self._write_copy(self.root, step, image, fragment, throttle=True)
+        commit_mod.write_fragment(commit_mod.tmp_dir(self.root, step), self.rank, fragment)
         if self.rank == 0:
-            commit_mod.commit(self.root, step, self.world_size, self.session, self.keep_last,
-                              self.commit_timeout_s)
+            commit_mod.commit(self.root, step, self.world_size, self.session, self.commit_timeout_s)
         stats.persist_s = time.perf_counter() - t0
-        stats.total_s = time.perf_counter() - start
+        stats.total_s = time.perf_counter() - start            # durable; deleting old ones is not on that path
+        if self.rank == 0:
+            commit_mod.retain(self.root, self.keep_last)
 
-    def _write_copy(self, root: Path, step: int, image: np.ndarray, fragment: dict, throttle: bool) -> None:
+    def _checksums(self, image: np.ndarray, span) -> list[int]:
+        data = memoryview(image[span.start:span.start + span.nbytes])
+        return [zlib.crc32(data[i:i + self.block_bytes]) for i in range(0, span.nbytes, self.block_bytes)]
+
+    def _write_data(self, root: Path, step: int, image: np.ndarray, throttle: bool) -> None:
+        """This rank's shard file into the step's temporary folder, fsynced."""
         folder = commit_mod.tmp_dir(root, step)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / rank_file(self.rank)
-        view = memoryview(image)
-        rate = self.max_bytes_per_s if throttle else 0.0
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            for off in range(0, len(view), CHUNK):
-                f.write(view[off:off + CHUNK])
-                if rate:
-                    ahead = (off + CHUNK) / rate - (time.perf_counter() - t0)
-                    if ahead > 0:
-                        time.sleep(ahead)
-            f.flush()
-            os.fsync(f.fileno())
-        commit_mod.write_fragment(folder, self.rank, fragment)
+        write_file(folder / rank_file(self.rank), self._buffer, len(image),
+                   self.max_bytes_per_s if throttle else 0.0)

@@ -68,6 +68,7 @@ def dry_run_text(low: Lowering) -> str:
         out.append(f"training cell: nn.PipelineCell(net, micro_size={p.micro_batches})")
     elif p.micro_batches > 1:
         out.append(f"training cell: gradient accumulation over {p.micro_batches} micro-batches")
-    out.append("strategy files: ckpt_strategy_rank_{rank}.ckpt per rank in <run>/strategy (ParallelStrategyMap)")
+    out.append("strategy files: <run>/strategy/ckpt_strategy_rank_{rank}.ckpt per rank (ParallelStrategyMap); "
+               "with --run-dir, --dry-run writes them")
     out += [f"note: {n}" for n in low.notes]
     return "\n".join(out)

@@ -1,8 +1,8 @@
 """`ms-llm train --backend mindspore`: check the strategy, prepare the run folder, start msrun.
 
 This module imports no MindSpore; the workers do. On a CPU machine MindSpore refuses to
-compile semi_auto_parallel graphs, so only data parallel (+ ZeRO stage 1/2, our engine
-over MindSpore's CPU AllReduce/AllGather) runs here, under msrun --join=True on a free
+compile semi_auto_parallel graphs, so only data parallel (+ ZeRO stages 1-3, the shared
+engine over MindSpore's CPU AllReduce/AllGather) runs here, under msrun --join=True on a free
 port, logs in the run folder. Other strategies fail before any process starts, with the
 reason and what to use instead; `--dry-run` prints their lowering without compiling.
 """
@@ -40,12 +40,16 @@ def cpu_runtime_problems(p: ModelPlan) -> list[str]:
         problems.append(
             f"strategy: {', '.join(needs_auto)} needs MindSpore's semi_auto_parallel, which MindSpore compiles "
             "only on Ascend (or GPU): on CPU it stops with 'Invalid communication backend'. Here use data "
-            "parallel (dp, zero.stage 1 or 2), run the same command on an Ascend machine, use --backend torch, "
+            "parallel (dp, zero.stage 1-3), run the same command on an Ascend machine, use --backend torch, "
             "or add --dry-run to print the lowering")
-    if s.zero.stage >= 3 and s.zero.engine != "shared":
-        problems.append("strategy.zero.stage: 3 keeps parameters sharded between uses; MindSpore does that with "
-                        "its parallel optimizer (optimizer_level level3), Ascend only. Use stage 1 or 2 on CPU, "
-                        "or strategy.zero.engine: shared (ms_llm's ZeRO engine, PyNative)")
+    if s.zero.stage >= 1 and s.zero.engine == "native":
+        problems.append("strategy.zero.engine: 'native' is MindSpore's parallel optimizer, Ascend only; on CPU "
+                        "use engine 'shared' or 'auto' (ms_llm's ZeRO engine)")
+    prec = s.precision
+    if (prec.param_dtype, prec.compute_dtype) != ("float32", "float32"):
+        problems.append(f"strategy.precision: the MindSpore CPU runtime trains in float32 (MindSpore has no bfloat16 "
+                        f"MatMul on CPU), got param_dtype {prec.param_dtype}, compute_dtype {prec.compute_dtype}; "
+                        "set both to float32 (Ascend runs the mixed-precision path)")
     if s.offload.optimizer or s.offload.params:
         problems.append("strategy.offload: the MindSpore CPU runtime has no offload (everything is host memory "
                         "already); remove it")
@@ -140,6 +144,12 @@ def cli_train(job: JobConfig, run_dir: str | None = None, world_size: int | None
         from ms_llm.mindspore.dry_run import dry_run_text
         from ms_llm.mindspore.lower import lower
 
-        print(dry_run_text(lower(plan(job.model, job.strategy, job.train, world_size))))
+        p = plan(job.model, job.strategy, job.train, world_size)
+        print(dry_run_text(lower(p)))
+        if run_dir is not None:             # the strategy files MindSpore would save, for its checkpoint tools
+            from ms_llm.mindspore.lower import write_strategy_files
+
+            files = write_strategy_files(p, Path(run_dir) / "strategy")
+            print(f"wrote {len(files)} strategy files to {Path(run_dir) / 'strategy'}")
         return 0
     return train(job, run_dir, world_size)

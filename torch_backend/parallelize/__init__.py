@@ -1,11 +1,11 @@
-"""Apply a ModelPlan to one model part (a whole model, or one pipeline chunk).
+"""Apply a ModelPlan to this rank's model parts (the whole model, or its pipeline chunks).
 
 The order is fixed, as in torchtitan, because each step must see what the previous made:
 
   1. tensor / sequence parallel: parameters become DTensors sharded over tp;
   2. materialize + init: after TP so a rank allocates only its TP shard, and before FSDP
      reshards the parameters;
-  3. activation checkpointing: wraps the TP-parallel layers, so recompute re-runs them;
+  3. activation checkpointing: hooks the TP-parallel layers, so recompute re-runs them;
   4. torch.compile per layer: after AC so the compiled region includes the recompute;
   5. data parallel / ZeRO (DDP, ZeroRedundancyOptimizer, FSDP2, or the shared engine):
      last, it replicates or shards the final parameters and hooks their gradients.

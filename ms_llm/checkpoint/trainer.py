@@ -1,0 +1,175 @@
+"""Checkpointing inside a training loop, written once for both backends.
+
+    checkpoints = TrainerCheckpoints(job, run, plan, state, sampler, rank, logger)
+    for step in range(checkpoints.resume(), train.steps):
+        ...one training step...
+        checkpoints.after_step(step + 1, step_time)
+    checkpoints.close()
+
+`state` is the backend's TrainerState: it lists the tensors of its training state with
+the Piece of the global tensor each holds, converts them, and runs the two tiny collectives
+the policy needs. Everything else (where to resume from, the cadence or the 'auto'
+interval, the training-state record, metrics) lives here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from ms_llm.checkpoint.format import INDEX, optim_name, run_config
+from ms_llm.checkpoint.interval import IntervalInputs, choose_interval
+from ms_llm.checkpoint.memory_tier import MemoryTier, restore_folders
+from ms_llm.checkpoint.reader import Checkpoint, candidates, load_with_fallback
+from ms_llm.checkpoint.shards import Piece
+from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem, SaveStats
+from ms_llm.data.sampler import SamplerState
+from ms_llm.errors import CheckpointError
+from ms_llm.run import MetricsLogger, RunFolder, lr_at
+
+Held = dict[str, tuple[Piece, Any]]       # checkpoint name -> (piece, the backend's tensor)
+
+
+class TrainerState(Protocol):
+    backend: str
+
+    def held(self, create: bool) -> Held:
+        """Every tensor of this rank's training state; `create` makes optimizer states that
+        exist only after a first step, so a load can fill them."""
+
+    def save_items(self, held: Held) -> list[SaveItem]: ...
+
+    def load(self, ckpt: Checkpoint, held: Held) -> list[str]:
+        """Fill the tensors from `ckpt` (those it has); return the names loaded."""
+
+    def max_over_ranks(self, values: list[float]) -> list[float]: ...
+
+    def session_token(self) -> str:
+        """Equal on all ranks of this launch, new for every launch."""
+
+    def set_optimizer_step(self, steps: int) -> None: ...
+
+    def rank_state(self) -> dict:
+        """This rank's own state (RNG), bytes allowed."""
+
+    def set_rank_state(self, state: dict) -> None: ...
+
+
+def master_of(name: str) -> Optional[str]:
+    """The weight an optim.master.<weight> tensor copies, None for other names."""
+    prefix = optim_name("master", "")
+    return name[len(prefix):] if name.startswith(prefix) else None
+
+
+class TrainerCheckpoints:
+    def __init__(self, job, run: RunFolder, plan, state: TrainerState, sampler, rank: int, logger: MetricsLogger):
+        self.job, self.run, self.plan, self.state, self.sampler, self.rank = job, run, plan, state, sampler, rank
+        self.cfg, self.logger = job.train.checkpoint, logger
+        self.memory = None
+        if self.cfg.memory_tier:
+            job_id = f"{job.name}-{zlib.crc32(str(run.root).encode()):08x}"
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+            self.memory = MemoryTier.for_job(job_id, local_world_size=local)
+        self.writer: Optional[CheckpointWriter] = None
+        self.interval = self.cfg.interval if isinstance(self.cfg.interval, int) else None
+        self.step_times: list[float] = []
+
+    # ---- resume --------------------------------------------------------------------------
+    def _folders(self) -> list[Path]:
+        if self.cfg.load:
+            path = Path(self.cfg.load)
+            return [path] if (path / INDEX).is_file() else candidates(path)
+        return restore_folders(self.run.checkpoints, self.memory)
+
+    def resume(self) -> int:
+        """Load the newest usable checkpoint (the memory tier when it is newest, the previous
+        one when the newest is damaged); return the step to continue from, 0 for none."""
+        folders = self._folders()
+        if not folders:
+            if self.cfg.load:
+                raise CheckpointError(f"train.checkpoint.load: {self.cfg.load} holds no committed checkpoint")
+            return 0
+        held = self.state.held(create=True)
+        weights = [n for n in held if n in self.plan.params]
+
+        def load(ckpt: Checkpoint) -> list[str]:
+            missing = [n for n in weights if n not in ckpt.index.tensors]
+            if missing:
+                raise CheckpointError(f"{ckpt.folder}: lacks weight {missing[0]!r}; a different model?")
+            loaded = self.state.load(ckpt, held)
+            # fp32 master weights the checkpoint lacks (it kept none) start from the weights.
+            masters = {w: n for n in held if n not in ckpt.index.tensors and (w := master_of(n))}
+            renamed = {w: (dataclasses.replace(held[n][0], name=w), held[n][1]) for w, n in masters.items()}
+            return loaded + self.state.load(ckpt, renamed)
+
+        ckpt, _ = load_with_fallback(folders, load)
+        newest, oldest = self.state.max_over_ranks([ckpt.step, -ckpt.step])
+        if newest != -oldest:
+            raise CheckpointError(f"ranks restored different steps ({-oldest:.0f} .. {newest:.0f}); a checkpoint "
+                                  "is damaged on some ranks only: remove it and restart")
+        saved = ckpt.state
+        if "sampler" in saved and self.sampler.step_of(SamplerState.from_dict(saved["sampler"])) != ckpt.step:
+            raise CheckpointError(f"{ckpt.folder}: data position does not match step {ckpt.step}; train.seed or "
+                                  "global_batch_size changed since it was saved")
+        self.state.set_optimizer_step(int(saved.get("optimizer_step", ckpt.step)))
+        own = ckpt.rank_state(self.rank)
+        if own and ckpt.index.world_size == self.plan.world_size:
+            self.state.set_rank_state(own)
+        if self.rank == 0:
+            print(f"resumed from {ckpt.folder} (step {ckpt.step}, saved by {ckpt.config.get('backend', '?')} on "
+                  f"{ckpt.index.world_size} rank(s))", flush=True)
+        self.logger.event(resumed_from=str(ckpt.folder), resumed_step=ckpt.step)
+        ckpt.close()
+        return ckpt.step
+
+    # ---- save ----------------------------------------------------------------------------
+    def after_step(self, step: int, step_time: float) -> None:
+        """Called with the number of completed steps; saves on the cadence."""
+        self.step_times.append(step_time)
+        if self.cfg.interval == 0:
+            return
+        if self.interval is None:           # 'auto': save once to measure, then decide
+            if self.writer is None:
+                self.save(step)
+            elif self.writer.last is not None and self.writer.last.step < step:
+                self._decide()
+            return
+        if step % self.interval == 0 or step == self.plan.train.steps:
+            self.save(step)
+
+    def _decide(self) -> None:
+        last = self.writer.wait()
+        times = sorted(self.step_times)
+        stall, total, iter_s = self.state.max_over_ranks([last.stall_s, last.total_s, times[len(times) // 2]])
+        decision = choose_interval(IntervalInputs(stall, total, iter_s, total, self.cfg.mtbf_hours))
+        self.interval = decision.steps                    # every rank computed the same
+        if self.rank == 0:
+            print(decision.report(), flush=True)
+        self.logger.event(checkpoint_interval=decision.steps, wasted_s_per_hour=decision.wasted_s_per_hour)
+
+    def save(self, step: int) -> None:
+        if self.writer is None:
+            self.writer = CheckpointWriter(self.run.checkpoints, self.rank, self.plan.world_size,
+                                           session=self.state.session_token(), keep_last=self.cfg.keep_last,
+                                           memory=self.memory)
+        items = self.state.save_items(self.state.held(create=False))
+        record = {"step": step, "optimizer_step": step, "lr": lr_at(step, self.plan.train),
+                  "sampler": self.sampler.state_at(step).to_dict(), "loss_scale": None}
+        previous = self.writer.last
+        stats = self.writer.save(step, items, state=record, rank_state=self.state.rank_state(),
+                                 config=run_config(self.plan, self.state.backend))   # waits for `previous` first
+        self._report_durable(previous)
+        self.logger.event(checkpoint_step=step, stall_s=stats.stall_s, wait_s=stats.wait_s, bytes=stats.bytes)
+        if not self.cfg.async_save:
+            self.writer.wait()
+
+    def _report_durable(self, stats: Optional[SaveStats]) -> None:
+        if stats is not None:
+            self.logger.event(checkpoint_step=stats.step, total_s=stats.total_s, persist_s=stats.persist_s)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self._report_durable(self.writer.wait())
+            self.writer.close()

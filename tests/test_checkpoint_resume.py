@@ -1,0 +1,106 @@
+"""Resume through the torch trainer (`ms-llm train`, torchrun): the loss after a restart,
+under the same or another strategy and world size, equals the uninterrupted run's."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ms_llm.data import build_stdlib_corpus
+from ms_llm.run.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = dict(name="resume", vocab_size=264, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+             ffn_hidden_size=64, max_seq_len=32, dtype="float32")
+FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
+
+
+def _job(tmp: Path, name: str, tokens: Path, strategy: dict, interval: int, load: str = "") -> Path:
+    job = {"name": name, "backend": "torch", "device": "cpu", "model": MODEL,
+           "strategy": {**strategy, "precision": FP32},
+           "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "steps": 6, "seed": 7,
+                     "log_every": 1, "optimizer": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+                     "schedule": {"warmup_steps": 2, "decay": "constant"},   # --steps then only stops early
+                     "data": {"source": str(tokens)},
+                     "checkpoint": {"interval": interval, "keep_last": 5, "load": load}}}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _train(config: Path, run: Path, steps: int, backend: str = "torch") -> dict[int, float]:
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run),
+                           "--steps", str(steps), "--backend", backend], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: dp2, checkpoints every 3 steps."""
+    tmp = tmp_path_factory.mktemp("resume")
+    tokens = build_stdlib_corpus(tmp / "data", max_bytes=400_000)
+    run = tmp / "ref"
+    losses = _train(_job(tmp, "ref", tokens, {"dp": 2}, 3), run, 6)
+    return tmp, tokens, run, losses
+
+
+@pytest.mark.slow
+def test_restart_in_place_continues_the_loss_curve(reference):
+    tmp, tokens, ref_run, ref = reference
+    run = tmp / "restart"
+    config = _job(tmp, "restart", tokens, {"dp": 2}, 2)
+    first = _train(config, run, 4)                       # "crashes" after step 4 (checkpoint at 4)
+    assert [first[k] for k in range(1, 5)] == pytest.approx([ref[k] for k in range(1, 5)], abs=1e-5)
+    second = _train(config, run, 6)                      # same run folder: resumes from its latest
+    assert sorted(second) == [1, 2, 3, 4, 5, 6]           # steps 5, 6 appended to the metrics
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [second[k] for k in (5, 6)] == pytest.approx([ref[k] for k in (5, 6)], abs=1e-5)
+    saves = [r for r in records if "checkpoint_step" in r]
+    assert {r["checkpoint_step"] for r in saves if "stall_s" in r} == {2, 4, 6}
+    assert all(r["total_s"] >= 0 for r in saves if "total_s" in r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [
+    {"tp": 2},                                                     # DTensor weights and Adam states
+    {"dp": 2, "zero": {"stage": 3}},                               # shared ZeRO engine, weight shards
+    {"dp": 2, "zero": {"stage": 1}},                               # shared ZeRO engine, optimizer shards
+    {"dp": 2, "zero": {"stage": 1, "engine": "native"}},           # ZeroRedundancyOptimizer
+    {"dp": 2, "zero": {"stage": 2, "engine": "native"}},           # FSDP2
+    {"pp": 2, "pipeline": {"schedule": "gpipe"}},
+    {"dp": 1},
+], ids=["tp2", "zero3_shared", "zero1_shared", "zero1_native", "zero2_fsdp2", "pp2", "single"])
+def test_resume_under_another_strategy(reference, strategy, request):
+    tmp, tokens, ref_run, ref = reference
+    name = "resume_" + request.node.callspec.id
+    run = tmp / name
+    load = str(ref_run / "checkpoints" / "step_00000003")
+    losses = _train(_job(tmp, name, tokens, strategy, 0, load), run, 6)
+    assert sorted(losses) == [4, 5, 6]
+    assert [losses[k] for k in (4, 5, 6)] == pytest.approx([ref[k] for k in (4, 5, 6)], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.mindspore
+def test_torch_to_mindspore_to_torch_resume(reference):
+    """MindSpore (2 msrun workers, ZeRO-1) continues the torch run from its step-3 checkpoint,
+    saves at step 5, and torch finishes step 6 from that: every loss on the torch curve."""
+    pytest.importorskip("mindspore")
+    tmp, tokens, ref_run, ref = reference
+    load = str(ref_run / "checkpoints" / "step_00000003")
+    ms_run = tmp / "ms_resume"
+    ms_losses = _train(_job(tmp, "ms_resume", tokens, {"dp": 2, "zero": {"stage": 1}}, 5, load), ms_run, 5,
+                       backend="mindspore")
+    assert sorted(ms_losses) == [4, 5]
+    assert [ms_losses[k] for k in (4, 5)] == pytest.approx([ref[k] for k in (4, 5)], abs=1e-5)
+    saved = ms_run / "checkpoints" / "step_00000005"
+    assert (saved / "index.json").is_file()
+    back = _train(_job(tmp, "torch_again", tokens, {"tp": 2}, 0, str(saved)), tmp / "torch_again", 6)
+    assert sorted(back) == [6] and back[6] == pytest.approx(ref[6], abs=1e-5)

@@ -1,0 +1,163 @@
+"""The torch trainer's training state for ms_llm.checkpoint.trainer (save cadence, resume).
+
+Every tensor of the training state is paired with the Piece of its global tensor this rank
+holds, whatever engine runs data parallelism:
+  - model weights: DTensors (tensor parallel, FSDP2) describe their own piece; plain tensors
+    hold the plan's layout;
+  - torch optimizers (AdamW / SGD, ZeroRedundancyOptimizer's local one): per-parameter
+    states sit where their parameter sits (ZeroRedundancyOptimizer: whole, on the owner);
+  - the shared ZeRO engine: its flat segments are cut into the pieces ms_llm.zero's
+    ZeroPlan says each rank owns (Adam moments, fp32 master, ZeRO-3 weight shards).
+Names are the checkpoint's (Hugging Face weights, optim.<state>.<weight>), so a run resumes
+under any strategy, engine or world size, and from MindSpore checkpoints.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ms_llm.checkpoint import Checkpoint, Piece, Region, layout_piece, optim_name
+from ms_llm.checkpoint.trainer import Held
+from ms_llm.checkpoint.writer import SaveItem
+from ms_llm.errors import CheckpointError
+from ms_llm.strategy.plan import ModelPlan
+from torch_backend.checkpoint import load_into, save_items
+from torch_backend.step import TrainStep
+from torch_backend.weights import canonical_name
+
+
+def _dtensor_piece(name: str, t: DTensor, plan: ModelPlan, rank: int) -> Piece:
+    if any(p.is_partial() for p in t.placements):
+        raise CheckpointError(f"{name}: a partial-sum DTensor cannot be saved; reduce it first")
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    split = {a for n, p in zip(t.device_mesh.mesh_dim_names, t.placements) if p.is_shard()
+             for a in plan.mesh.expand(n)}
+    coords = plan.mesh.coords(rank)
+    primary = all(coords[a] == 0 for a in plan.stage_mesh.names if a not in split)
+    return Piece(name, tuple(t.shape), Region(offsets, sizes), primary)
+
+
+def _piece(name: str, t: torch.Tensor, plan: ModelPlan, rank: int, weight: str) -> Piece:
+    if isinstance(t, DTensor):
+        return _dtensor_piece(name, t, plan, rank)
+    return layout_piece(name, plan.params[weight].layout, plan.stage_rank(rank))
+
+
+def _zero_engine(step_fn: TrainStep):
+    dp = step_fn.m.dp
+    return dp.engine.engine if dp.name == "shared" else None
+
+
+def _shared_engine_state(engine, plan: ModelPlan, rank: int) -> Held:
+    """Adam moments, master weights and ZeRO-3 weight shards of the shared engine."""
+    zplan, held = engine.zplan, {}
+    index = zplan.shard_index(rank)
+    for b in engine.buckets:
+        st = engine.state[b.index]
+        base = b.start + (index * b.segment if b.sharded else 0)
+        tensors = {"exp_avg": st.m, "exp_avg_sq": st.v, "master": st.master}
+        for owned in zplan.pieces(rank, b):
+            shape = plan.params[owned.name].shape
+            region = Region(*owned.global_box)
+            cut = slice(owned.start - base, owned.start - base + owned.numel)
+            for state, flat in tensors.items():
+                if flat is not None:
+                    name = optim_name(state, owned.name)
+                    held[name] = (Piece(name, shape, region, owned.primary), flat[cut].view(region.sizes))
+            if st.param_shard is not None:
+                held[owned.name] = (Piece(owned.name, shape, region, owned.primary),
+                                    st.param_shard[cut].view(region.sizes))
+    return held
+
+
+def _optimizer_state(step_fn: TrainStep, weights: dict[str, torch.Tensor], plan: ModelPlan, rank: int,
+                     create: bool) -> Held:
+    """Per-parameter states of a torch optimizer; `create` makes Adam's before its first step."""
+    optimizer, held = step_fn.optimizer, {}
+    owner = isinstance(optimizer, ZeroRedundancyOptimizer)
+    local = optimizer.optim if owner else optimizer
+    mine = {id(p) for g in local.param_groups for p in g["params"]}
+    adam = isinstance(local, torch.optim.AdamW)
+    for weight, p in weights.items():
+        if id(p) not in mine:
+            continue
+        state = local.state[p]
+        if create and adam and not state:
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                         exp_avg_sq=torch.zeros_like(p))
+        for key, value in state.items():
+            if not torch.is_tensor(value) or value.dim() == 0:
+                continue
+            name = optim_name(key, weight)
+            piece = _piece(name, value, plan, rank, weight)
+            if owner:                       # only the owning rank has it, whole
+                piece = Piece(name, piece.shape, Region((0,) * len(piece.shape), piece.shape), True)
+            held[name] = (piece, value)
+    return held
+
+
+def training_state(step_fn: TrainStep, plan: ModelPlan, rank: int, create: bool = False) -> Held:
+    """Every tensor of this rank's training state, by checkpoint name, with its piece."""
+    weights = {canonical_name(n): p for part in step_fn.m.parts for n, p in part.named_parameters()}
+    engine = _zero_engine(step_fn)
+    held: Held = {}
+    if engine is not None:
+        held.update(_shared_engine_state(engine, plan, rank))
+    else:
+        held.update(_optimizer_state(step_fn, weights, plan, rank, create))
+    for name, p in weights.items():
+        if name not in held:                # ZeRO-3 shards of the shared engine are already in
+            held[name] = (_piece(name, p, plan, rank, name), p)
+    return held
+
+
+class TorchTrainerState:
+    """ms_llm.checkpoint.trainer.TrainerState over a TrainStep (any engine, any lowering)."""
+    backend = "torch"
+
+    def __init__(self, step_fn: TrainStep, plan: ModelPlan, rank: int):
+        self.step_fn, self.plan, self.rank = step_fn, plan, rank
+
+    def held(self, create: bool) -> Held:
+        return training_state(self.step_fn, self.plan, self.rank, create)
+
+    def save_items(self, held: Held) -> list[SaveItem]:
+        return save_items({n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()})
+
+    def load(self, ckpt: Checkpoint, held: Held) -> list[str]:
+        return load_into(ckpt, {n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()},
+                         strict=False)
+
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def session_token(self) -> str:
+        token = torch.tensor([int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(token, 0)
+        return f"{int(token):x}"
+
+    def set_optimizer_step(self, steps: int) -> None:
+        engine = _zero_engine(self.step_fn)
+        if engine is not None:
+            engine.step_count = steps
+            return
+        optimizer = self.step_fn.optimizer
+        local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        for state in local.state.values():
+            if "step" in state:
+                state["step"].fill_(steps)
+
+    def rank_state(self) -> dict:
+        return {"torch_rng": torch.get_rng_state().numpy().tobytes()}
+
+    def set_rank_state(self, state: dict) -> None:
+        if "torch_rng" in state:
+            torch.set_rng_state(torch.from_numpy(np.frombuffer(state["torch_rng"], dtype=np.uint8).copy()))
