@@ -113,35 +113,6 @@ def load_into(ckpt: Checkpoint, pieces: dict[str, Piece], tensors: dict[str, tor
     return sorted(arrays)
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
-                      create: bool = False) -> dict[str, torch.Tensor]:
-    """Adam-style per-parameter states as checkpoint names (optim.exp_avg.<param>, ...).
-    With create=True, missing states are made (zeros, step 0) so a load can fill them."""
-    out = {}
-    for name, p in params.items():
-        state = optimizer.state[p]
-        if create and not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                out[f"optim.{key}.{name}"] = value
-    return out
-
-
-def optimizer_step(optimizer: torch.optim.Optimizer) -> int:
-    """The optimizer's step count (equal for every parameter), for the training state."""
-    steps = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
-    return steps.pop() if len(steps) == 1 else 0
-
-
-def set_optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
-    for state in optimizer.state.values():
-        if "step" in state:
-            state["step"].fill_(step)
-
-
 # ---- torch DCP bridge ------------------------------------------------------------------
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's .metadata is a pickle; this reads it allowing only DCP's metadata classes, torch

@@ -22,9 +22,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ms_llm.checkpoint import Checkpoint, Piece, Region, layout_piece, optim_name
+from ms_llm.checkpoint import Piece, Region, layout_piece, optim_name
 from ms_llm.checkpoint.trainer import Held
-from ms_llm.checkpoint.writer import SaveItem
 from ms_llm.errors import CheckpointError
 from ms_llm.strategy.plan import ModelPlan
 from torch_backend.checkpoint import load_into, save_items
@@ -127,12 +126,8 @@ class TorchTrainerState:
     def held(self, create: bool) -> Held:
         return training_state(self.step_fn, self.plan, self.rank, create)
 
-    def save_items(self, held: Held) -> list[SaveItem]:
-        return save_items({n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()})
-
-    def load(self, ckpt: Checkpoint, held: Held) -> list[str]:
-        return load_into(ckpt, {n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()},
-                         strict=False)
+    save_items = staticmethod(save_items)
+    load_into = staticmethod(load_into)
 
     def max_over_ranks(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)

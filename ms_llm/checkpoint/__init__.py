@@ -5,7 +5,17 @@ A checkpoint is a folder of safetensors shard files (one per rank) plus index.js
 ModelPlan and hand numpy over (torch: `t.detach().cpu().numpy()`, MindSpore: `.asnumpy()`;
 see torch_backend/checkpoint.py and ms_llm/mindspore/checkpoint.py).
 
-Save (every rank; returns after a host-memory snapshot, persists in the background):
+In a trainer (both backends do this; the backend only supplies a TrainerState, see
+torch_backend/resume.py and ms_llm/mindspore/resume.py):
+
+    from ms_llm.checkpoint.trainer import TrainerCheckpoints
+    checkpoints = TrainerCheckpoints(job, run, plan, state, sampler, rank, logger)
+    for step in range(checkpoints.resume(), train.steps):     # memory tier, run folder or train.checkpoint.load
+        ...
+        checkpoints.after_step(step + 1, step_time)           # saves every `interval` (or 'auto') steps
+    checkpoints.close()
+
+Save by hand (every rank; returns after a host-memory snapshot, persists in the background):
 
     from ms_llm.checkpoint import CheckpointWriter, SaveItem, param_pieces, optim_pieces, run_config
     writer = CheckpointWriter(run_dir / "checkpoints", rank, world, session=run_id, keep_last=3,
@@ -29,7 +39,7 @@ policy (train.checkpoint.interval: auto) is `choose_interval`. Exports and impor
 """
 from ms_llm.checkpoint.boxes import Region
 from ms_llm.checkpoint.format import optim_name, run_config, split_optim_name
-from ms_llm.checkpoint.interval import IntervalInputs, choose_interval, resolve_interval
+from ms_llm.checkpoint.interval import IntervalInputs, choose_interval
 from ms_llm.checkpoint.memory_tier import MemoryTier, restore_folders
 from ms_llm.checkpoint.reader import Checkpoint, candidates, load_with_fallback
 from ms_llm.checkpoint.shards import Piece, flat_pieces, layout_piece, optim_pieces, param_pieces
@@ -38,6 +48,6 @@ from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem, SaveStats
 __all__ = [
     "Checkpoint", "CheckpointWriter", "IntervalInputs", "MemoryTier", "Piece", "Region", "SaveItem",
     "SaveStats", "candidates", "choose_interval", "flat_pieces", "layout_piece", "load_with_fallback",
-    "optim_name", "optim_pieces", "param_pieces", "resolve_interval", "restore_folders", "run_config",
+    "optim_name", "optim_pieces", "param_pieces", "restore_folders", "run_config",
     "split_optim_name",
 ]

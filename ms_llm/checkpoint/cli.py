@@ -10,14 +10,17 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from ms_llm.checkpoint.hf import export_hf, import_hf
+from ms_llm.checkpoint.interval import IntervalInputs, choose_interval
+from ms_llm.checkpoint.reader import Checkpoint
+from ms_llm.checkpoint.reshard import layout_plan, reshard
+from ms_llm.config.job import load_section
 from ms_llm.errors import ConfigError
 
 FORMATS = ("ms_llm", "hf", "mindspore", "dcp")
 
 
 def _section(kind: str, value: str | None, flag: str):
-    from ms_llm.config.job import load_section
-
     if value is None:
         raise ConfigError(f"convert-checkpoint: {flag} is required for this conversion")
     return load_section(kind, value)
@@ -25,9 +28,6 @@ def _section(kind: str, value: str | None, flag: str):
 
 def _target(args, src: Path):
     """The ModelPlan the output is laid out for (--strategy, --world-size)."""
-    from ms_llm.checkpoint.reader import Checkpoint
-    from ms_llm.checkpoint.reshard import layout_plan
-
     strategy = _section("strategy", args.strategy, "--strategy")
     model = _section("model", args.model, "--model") if args.model else Checkpoint.open(src).model_config()
     return layout_plan(model, strategy, args.world_size)
@@ -35,7 +35,6 @@ def _target(args, src: Path):
 
 def _import(args, fmt: str, src: Path, dst: Path) -> Path:
     if fmt == "hf":
-        from ms_llm.checkpoint.hf import import_hf
         return import_hf(src, dst)
     model = _section("model", args.model, "--model")
     if fmt == "dcp":
@@ -50,7 +49,6 @@ def _import(args, fmt: str, src: Path, dst: Path) -> Path:
 
 def _export(args, fmt: str, src: Path, dst: Path) -> Path:
     if fmt == "hf":
-        from ms_llm.checkpoint.hf import export_hf
         return export_hf(src, dst, dtype=args.dtype)
     if fmt == "dcp":
         from torch_backend.checkpoint import export_dcp
@@ -58,7 +56,6 @@ def _export(args, fmt: str, src: Path, dst: Path) -> Path:
     if fmt == "mindspore":
         from ms_llm.mindspore.checkpoint import export_mindspore
         return export_mindspore(src, dst, _target(args, src))
-    from ms_llm.checkpoint.reshard import reshard
     return reshard(src, dst, _target(args, src))
 
 
@@ -78,9 +75,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_interval(args) -> int:
-    from ms_llm.checkpoint.interval import IntervalInputs, choose_interval
-    from ms_llm.checkpoint.reader import Checkpoint
-
     stall, total = args.stall, args.total
     if args.checkpoint:
         stats = Checkpoint.open(args.checkpoint).index.save_stats

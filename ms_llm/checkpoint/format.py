@@ -3,8 +3,7 @@
     step_00000100/
       index.json                  this file
       rank_00000.safetensors      what rank 0 held (only the copies it is primary for)
-      rank_00001.safetensors
-      ...
+      rank_00001.safetensors      (one per rank)
 
 index.json holds the format version, the step, the run config it was saved under (model,
 strategy, world size, backend), the training state (step, LR scheduler, data sampler,

@@ -82,11 +82,3 @@ def choose_interval(x: IntervalInputs) -> IntervalDecision:
             lines.append(f"     every {other} steps instead: W = {wo:.1f} s/hour")
     return IntervalDecision(steps, seconds, w, tuple(lines))
 
-
-def resolve_interval(interval: int | str, x: IntervalInputs | None) -> int:
-    """train.checkpoint.interval as a step count: a number as given, 'auto' from measurements."""
-    if interval != "auto":
-        return int(interval)
-    if x is None:
-        raise ConfigError("train.checkpoint.interval: 'auto' needs one measured save and step first")
-    return choose_interval(x).steps

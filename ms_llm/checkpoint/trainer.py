@@ -39,10 +39,12 @@ class TrainerState(Protocol):
         """Every tensor of this rank's training state; `create` makes optimizer states that
         exist only after a first step, so a load can fill them."""
 
-    def save_items(self, held: Held) -> list[SaveItem]: ...
+    def save_items(self, pieces: dict[str, Piece], tensors: dict[str, Any]) -> list[SaveItem]:
+        """The backend adapter's save_items (torch_backend / ms_llm.mindspore checkpoint.py)."""
 
-    def load(self, ckpt: Checkpoint, held: Held) -> list[str]:
-        """Fill the tensors from `ckpt` (those it has); return the names loaded."""
+    def load_into(self, ckpt: Checkpoint, pieces: dict[str, Piece], tensors: dict[str, Any],
+                  strict: bool = True) -> list[str]:
+        """The backend adapter's load_into: fill the tensors from `ckpt`, return the names."""
 
     def max_over_ranks(self, values: list[float]) -> list[float]: ...
 
@@ -98,11 +100,11 @@ class TrainerCheckpoints:
             missing = [n for n in weights if n not in ckpt.index.tensors]
             if missing:
                 raise CheckpointError(f"{ckpt.folder}: lacks weight {missing[0]!r}; a different model?")
-            loaded = self.state.load(ckpt, held)
+            loaded = self._load(ckpt, held)
             # fp32 master weights the checkpoint lacks (it kept none) start from the weights.
             masters = {w: n for n in held if n not in ckpt.index.tensors and (w := master_of(n))}
             renamed = {w: (dataclasses.replace(held[n][0], name=w), held[n][1]) for w, n in masters.items()}
-            return loaded + self.state.load(ckpt, renamed)
+            return loaded + self._load(ckpt, renamed)
 
         ckpt, _ = load_with_fallback(folders, load)
         newest, oldest = self.state.max_over_ranks([ckpt.step, -ckpt.step])
@@ -123,6 +125,10 @@ class TrainerCheckpoints:
         self.logger.event(resumed_from=str(ckpt.folder), resumed_step=ckpt.step)
         ckpt.close()
         return ckpt.step
+
+    def _load(self, ckpt: Checkpoint, held: Held) -> list[str]:
+        return self.state.load_into(ckpt, {n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()},
+                                    strict=False)
 
     # ---- save ----------------------------------------------------------------------------
     def after_step(self, step: int, step_time: float) -> None:
@@ -154,7 +160,8 @@ class TrainerCheckpoints:
             self.writer = CheckpointWriter(self.run.checkpoints, self.rank, self.plan.world_size,
                                            session=self.state.session_token(), keep_last=self.cfg.keep_last,
                                            memory=self.memory)
-        items = self.state.save_items(self.state.held(create=False))
+        held = self.state.held(create=False)
+        items = self.state.save_items({n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()})
         record = {"step": step, "optimizer_step": step, "lr": lr_at(step, self.plan.train),
                   "sampler": self.sampler.state_at(step).to_dict(), "loss_scale": None}
         previous = self.writer.last

@@ -21,14 +21,14 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.direct_io import aligned_buffer, write_file
 from ms_llm.checkpoint.format import encode_state, rank_file
-from ms_llm.checkpoint.safetensors_io import dtype_name, header_bytes, storage_dtype
+from ms_llm.checkpoint.safetensors_io import TensorSpan, dtype_name, header_bytes, storage_dtype
 from ms_llm.checkpoint.shards import Piece
 from ms_llm.errors import CheckpointError
 
@@ -65,7 +65,7 @@ class _Layout:
     items: list[SaveItem]
     dtypes: list[str]
     keys: list[str]
-    spans: list                     # safetensors_io.TensorSpan per item
+    spans: list[TensorSpan]
     header: bytes
     nbytes: int
 
@@ -115,8 +115,7 @@ class CheckpointWriter:
         image[:len(layout.header)] = np.frombuffer(layout.header, dtype=np.uint8)
         dsts = [image[span.start:span.start + span.nbytes].view(storage_dtype(dtype)).reshape(span.shape)
                 for dtype, span in zip(layout.dtypes, layout.spans)]
-        for _ in self._pool.map(self._copy, layout.items, dsts):   # copies release the GIL: run them in parallel
-            pass
+        list(self._pool.map(self._copy, layout.items, dsts))    # copies release the GIL: run them in parallel
         meta = {"state": encode_state(state or {}), "rank_state": encode_state(rank_state or {}),
                 "config": config or {}}
         stats.bytes = layout.nbytes

@@ -10,9 +10,8 @@ import os
 import mindspore as ms
 from mindspore import nn, ops
 
-from ms_llm.checkpoint import Checkpoint, optim_name, optim_pieces, param_pieces
+from ms_llm.checkpoint import optim_name, optim_pieces, param_pieces
 from ms_llm.checkpoint.trainer import Held
-from ms_llm.checkpoint.writer import SaveItem
 from ms_llm.errors import CheckpointError
 from ms_llm.mindspore.checkpoint import load_into, save_items
 from ms_llm.mindspore.train_step import TrainStep
@@ -55,12 +54,8 @@ class MsTrainerState:
                 out[name] = (piece, t)
         return out
 
-    def save_items(self, held: Held) -> list[SaveItem]:
-        return save_items({n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()})
-
-    def load(self, ckpt: Checkpoint, held: Held) -> list[str]:
-        return load_into(ckpt, {n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()},
-                         strict=False)
+    save_items = staticmethod(save_items)
+    load_into = staticmethod(load_into)
 
     def max_over_ranks(self, values: list[float]) -> list[float]:
         if self._gather is None:
