@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.event(event="start", backend="mindspore", mode=mode, world_size=world, dp=dp, zero_stage=p.zero.stage,
                  micro_batches=p.micro_batches)
 
-    checkpoints = TrainerCheckpoints(job, run, p, MsTrainerState(step_cell, p, rank, world), sampler, rank, logger)
+    checkpoints = TrainerCheckpoints(job, run, p, MsTrainerState(step_fn, p, rank, world), sampler, rank, logger)
     for step in range(checkpoints.resume(), train.steps):
         rows = sampler.local_batch(step, dp_rank, dp)                      # (G/dp, T+1)
         rows = rows.reshape(p.micro_batches, train.micro_batch_size, train.seq_len + 1)
