@@ -106,3 +106,21 @@ def test_torch_to_mindspore_to_torch_resume(reference, zero_stage):
     back = _train(_job(tmp, f"torch_again{zero_stage}", tokens, {"tp": 2}, 0, str(saved)),
                   tmp / f"torch_again{zero_stage}", 6)
     assert sorted(back) == [6] and back[6] == pytest.approx(ref[6], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_auto_interval_measures_the_first_save_then_decides(reference):
+    tmp, tokens, _, _ = reference
+    run = tmp / "auto"
+    config = _job(tmp, "auto", tokens, {"dp": 1}, 0)
+    job = yaml.safe_load(config.read_text())
+    job["train"]["checkpoint"]["interval"] = "auto"
+    config.write_text(yaml.safe_dump(job))
+    losses = _train(config, run, 6)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    records = read_metrics(run / "metrics.jsonl")
+    decided = [r for r in records if "checkpoint_interval" in r]
+    assert len(decided) == 1 and decided[0]["checkpoint_interval"] >= 1
+    first = [r for r in records if r.get("checkpoint_step") == 1 and "stall_s" in r]
+    assert first and first[0]["stall_s"] > 0
+    assert (run / "checkpoints" / "step_00000001" / "index.json").is_file()
