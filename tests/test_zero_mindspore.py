@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from ms_llm.launch import free_port
 from ms_llm.strategy import cost
 from ms_llm.strategy.plan import plan
 
@@ -32,7 +33,7 @@ def run(tmp_path_factory):
     env.setdefault("GLOG_v", "3")
     msrun = shutil.which("msrun", path=env["PATH"])
     cmd = [msrun, f"--worker_num={WORLD}", f"--local_worker_num={WORLD}", "--master_addr=127.0.0.1",
-           "--master_port=29751", f"--log_dir={out / 'logs'}", "--join=True", "python",
+           f"--master_port={free_port()}", f"--log_dir={out / 'logs'}", "--join=True", "python",
            str(ROOT / "tests" / "zero_ms_worker.py"), "--out", str(out), "--cases", ",".join(CASES)]
     proc = subprocess.run(cmd, cwd=ROOT / "tests", capture_output=True, text=True, timeout=1200, env=env)
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((out / "logs").glob("worker_*.log")))
