@@ -6,6 +6,7 @@ shard of the AdamW moments (the plan's optimizer layout), so its pieces are the 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import mindspore as ms
 from mindspore import nn, ops
@@ -35,8 +36,10 @@ class MsTrainerState:
     """ms_llm.checkpoint.trainer.TrainerState over the worker's TrainStep cell."""
     backend = "mindspore"
 
-    def __init__(self, step_cell: TrainStep, plan: ModelPlan, rank: int, world: int):
-        self.optimizer, self.plan, self.rank, self.world = step_cell.optimizer, plan, rank, world
+    def __init__(self, step_cell: Optional[TrainStep], plan: ModelPlan, rank: int, world: int):
+        """`step_cell` None: a subclass holds the optimizer states (ms_llm.mindspore.zero)."""
+        self.optimizer = step_cell.optimizer if step_cell is not None else None
+        self.plan, self.rank, self.world = plan, rank, world
         self._gather = _Gather() if world > 1 else None
 
     def held(self, create: bool) -> Held:

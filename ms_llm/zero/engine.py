@@ -24,7 +24,7 @@ from ms_llm.checkpoint.format import optim_name
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.zero.gather import UnitGather
-from ms_llm.zero.partition import Bucket, Slot
+from ms_llm.zero.partition import Bucket
 from ms_llm.zero.plan import ZeroPlan
 from ms_llm.zero.protocol import SGD, AdamW, Comm, Handle, Tensor, TensorOps
 
@@ -350,8 +350,10 @@ class ZeroEngine:
             out["host" if self.config.offload else "optimizer"] += states
         return out
 
-    def slot(self, name: str) -> tuple[Bucket, Slot]:
-        return self._slot[name]
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The parameters this rank's engine manages (its pipeline stage's), in buffer order."""
+        return tuple(self._slot)
 
 
 class _Done:
