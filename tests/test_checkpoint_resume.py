@@ -89,18 +89,38 @@ def test_resume_under_another_strategy(reference, strategy, request):
 
 @pytest.mark.slow
 @pytest.mark.mindspore
-def test_torch_to_mindspore_to_torch_resume(reference):
-    """MindSpore (2 msrun workers, ZeRO-1) continues the torch run from its step-3 checkpoint,
+@pytest.mark.parametrize("zero_stage", [0, 1], ids=["graph_step", "shared_zero"])
+def test_torch_to_mindspore_to_torch_resume(reference, zero_stage):
+    """MindSpore (2 msrun workers; its GRAPH step, or the shared ZeRO engine) continues the torch run from its step-3 checkpoint,
     saves at step 5, and torch finishes step 6 from that: every loss on the torch curve."""
     pytest.importorskip("mindspore")
     tmp, tokens, ref_run, ref = reference
     load = str(ref_run / "checkpoints" / "step_00000003")
-    ms_run = tmp / "ms_resume"
-    ms_losses = _train(_job(tmp, "ms_resume", tokens, {"dp": 2, "zero": {"stage": 1}}, 5, load), ms_run, 5,
-                       backend="mindspore")
+    ms_run = tmp / f"ms_resume{zero_stage}"
+    ms_losses = _train(_job(tmp, f"ms_resume{zero_stage}", tokens, {"dp": 2, "zero": {"stage": zero_stage}}, 5, load),
+                       ms_run, 5, backend="mindspore")
     assert sorted(ms_losses) == [4, 5]
     assert [ms_losses[k] for k in (4, 5)] == pytest.approx([ref[k] for k in (4, 5)], abs=1e-5)
     saved = ms_run / "checkpoints" / "step_00000005"
     assert (saved / "index.json").is_file()
-    back = _train(_job(tmp, "torch_again", tokens, {"tp": 2}, 0, str(saved)), tmp / "torch_again", 6)
+    back = _train(_job(tmp, f"torch_again{zero_stage}", tokens, {"tp": 2}, 0, str(saved)),
+                  tmp / f"torch_again{zero_stage}", 6)
     assert sorted(back) == [6] and back[6] == pytest.approx(ref[6], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_auto_interval_measures_the_first_save_then_decides(reference):
+    tmp, tokens, _, _ = reference
+    run = tmp / "auto"
+    config = _job(tmp, "auto", tokens, {"dp": 1}, 0)
+    job = yaml.safe_load(config.read_text())
+    job["train"]["checkpoint"]["interval"] = "auto"
+    config.write_text(yaml.safe_dump(job))
+    losses = _train(config, run, 6)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    records = read_metrics(run / "metrics.jsonl")
+    decided = [r for r in records if "checkpoint_interval" in r]
+    assert len(decided) == 1 and decided[0]["checkpoint_interval"] >= 1
+    first = [r for r in records if r.get("checkpoint_step") == 1 and "stall_s" in r]
+    assert first and first[0]["stall_s"] > 0
+    assert (run / "checkpoints" / "step_00000001" / "index.json").is_file()

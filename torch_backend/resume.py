@@ -24,6 +24,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ms_llm.checkpoint import Piece, Region, layout_piece, optim_name
 from ms_llm.checkpoint.trainer import Held
+from ms_llm.checkpoint.zero_state import engine_slices
 from ms_llm.errors import CheckpointError
 from ms_llm.strategy.plan import ModelPlan
 from torch_backend.checkpoint import load_into, save_items
@@ -54,24 +55,11 @@ def _zero_engine(step_fn: TrainStep):
 
 
 def _shared_engine_state(engine, plan: ModelPlan, rank: int) -> Held:
-    """Adam moments, master weights and ZeRO-3 weight shards of the shared engine."""
-    zplan, held = engine.zplan, {}
-    index = zplan.shard_index(rank)
-    for b in engine.buckets:
-        st = engine.state[b.index]
-        base = b.start + (index * b.segment if b.sharded else 0)
-        tensors = {"exp_avg": st.m, "exp_avg_sq": st.v, "master": st.master}
-        for owned in zplan.pieces(rank, b):
-            shape = plan.params[owned.name].shape
-            region = Region(*owned.global_box)
-            cut = slice(owned.start - base, owned.start - base + owned.numel)
-            for state, flat in tensors.items():
-                if flat is not None:
-                    name = optim_name(state, owned.name)
-                    held[name] = (Piece(name, shape, region, owned.primary), flat[cut].view(region.sizes))
-            if st.param_shard is not None:
-                held[owned.name] = (Piece(owned.name, shape, region, owned.primary),
-                                    st.param_shard[cut].view(region.sizes))
+    """Adam moments, master weights and ZeRO-3 weight shards of the shared engine: views."""
+    held = {}
+    for name, s in engine_slices(engine, plan, rank).items():
+        flat = getattr(engine.state[s.bucket], s.attr)
+        held[name] = (s.piece, flat[s.start:s.start + s.numel].view(s.piece.region.sizes))
     return held
 
 

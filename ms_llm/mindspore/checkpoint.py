@@ -75,7 +75,7 @@ def load_into(ckpt: Checkpoint, pieces: dict[str, Piece], params: dict, strict: 
         value = from_numpy(array, ckpt.entry(name).dtype)
         if tuple(param.shape) != tuple(value.shape):
             raise CheckpointError(f"{name}: Parameter {tuple(param.shape)} but the piece read is {tuple(value.shape)}")
-        param.set_data(value.astype(param.dtype))
+        param[:] = value.astype(param.dtype)     # in place: compiled graphs holding it see the values
     return sorted(arrays)
 
 

@@ -1,21 +1,22 @@
 """The MindSpore trainer's training state for ms_llm.checkpoint.trainer (save cadence, resume).
 
-The CPU data-parallel worker keeps full weights on every rank and, with ZeRO, each rank's
-shard of the AdamW moments (the plan's optimizer layout), so its pieces are the plan's.
+Two step kinds run on CPU (ms_llm/mindspore/worker.py): without ZeRO one GRAPH-mode cell
+whose AdamW holds full moments next to full weights (the plan's layouts); with ZeRO the
+shared engine, whose flat segments ms_llm.checkpoint.zero_state cuts into pieces. Engine
+segments are replaced by each (functional) update, so a slice is looked up when it is used.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
 from ms_llm.checkpoint import optim_name, optim_pieces, param_pieces
 from ms_llm.checkpoint.trainer import Held
+from ms_llm.checkpoint.zero_state import EngineSlice, engine_slices
 from ms_llm.errors import CheckpointError
 from ms_llm.mindspore.checkpoint import load_into, save_items
-from ms_llm.mindspore.train_step import TrainStep
 from ms_llm.strategy.plan import ModelPlan
 
 STATES = ("exp_avg", "exp_avg_sq")
@@ -32,21 +33,62 @@ class _Gather(nn.Cell):
         return self.all_gather(x)
 
 
-class MsTrainerState:
-    """ms_llm.checkpoint.trainer.TrainerState over the worker's TrainStep cell."""
-    backend = "mindspore"
+class SegmentSlice:
+    """A piece of an engine segment with the Parameter surface the checkpoint adapter uses
+    (shape, dtype, astype, asnumpy to save; item assignment to load, in place)."""
 
-    def __init__(self, step_cell: Optional[TrainStep], plan: ModelPlan, rank: int, world: int):
-        """`step_cell` None: a subclass holds the optimizer states (ms_llm.mindspore.zero)."""
-        self.optimizer = step_cell.optimizer if step_cell is not None else None
-        self.plan, self.rank, self.world = plan, rank, world
+    def __init__(self, engine, where: EngineSlice):
+        self.engine, self.where = engine, where
+        self.shape = where.piece.local_shape
+
+    def _flat(self) -> Tensor:
+        return getattr(self.engine.state[self.where.bucket], self.where.attr)
+
+    @property
+    def dtype(self):
+        return self._flat().dtype
+
+    def _value(self) -> Tensor:
+        s = self.where
+        return self._flat()[s.start:s.start + s.numel].reshape(self.shape)
+
+    def astype(self, dtype) -> Tensor:
+        return self._value().astype(dtype)
+
+    def asnumpy(self):
+        return self._value().asnumpy()
+
+    def __setitem__(self, index, value: Tensor) -> None:
+        s = self.where
+        self._flat()[s.start:s.start + s.numel] = value.reshape(-1).astype(self.dtype)
+
+
+class MsTrainerState:
+    """ms_llm.checkpoint.trainer.TrainerState over the worker's GraphStep or ZeroStep."""
+    backend = "mindspore"
+    save_items = staticmethod(save_items)
+    load_into = staticmethod(load_into)
+
+    def __init__(self, step_fn, plan: ModelPlan, rank: int, world: int):
+        self.step_fn, self.plan, self.rank, self.world = step_fn, plan, rank, world
         self._gather = _Gather() if world > 1 else None
 
     def held(self, create: bool) -> Held:
-        opt = self.optimizer
-        weights = {p.name: p for p in opt.params}
-        out = {n: (piece, weights[n]) for n, piece in param_pieces(self.plan, self.rank).items()}
-        states = optim_pieces(self.plan, self.rank, STATES)
+        engine = getattr(getattr(self.step_fn, "runner", None), "engine", None)
+        if engine is not None:
+            out = {n: (s.piece, SegmentSlice(engine, s)) for n, s in engine_slices(engine, self.plan, self.rank).items()}
+            weights = {p.name: p for p in self.step_fn.runner.weights}
+        else:
+            opt = self.step_fn.cell.optimizer
+            weights = {p.name: p for p in opt.params}
+            out = self._optimizer(opt)
+        for name, piece in param_pieces(self.plan, self.rank).items():
+            if name not in out:                 # ZeRO-3 shards are already in, from the engine
+                out[name] = (piece, weights[name])
+        return out
+
+    def _optimizer(self, opt) -> Held:
+        states, out = optim_pieces(self.plan, self.rank, STATES), {}
         for i, p in enumerate(opt.params):
             for state, tensors in zip(STATES, (opt.exp_avg, opt.exp_avg_sq)):
                 name = optim_name(state, p.name)
@@ -56,9 +98,6 @@ class MsTrainerState:
                                           f"{piece.local_shape} piece; optimizer and plan disagree")
                 out[name] = (piece, t)
         return out
-
-    save_items = staticmethod(save_items)
-    load_into = staticmethod(load_into)
 
     def max_over_ranks(self, values: list[float]) -> list[float]:
         if self._gather is None:
@@ -71,7 +110,11 @@ class MsTrainerState:
         return f"ms-{os.environ.get('MS_SCHED_HOST', '')}-{os.environ.get('MS_SCHED_PORT', '')}"
 
     def set_optimizer_step(self, steps: int) -> None:
-        self.optimizer.step.set_data(ms.Tensor(float(steps), ms.float32))
+        engine = getattr(getattr(self.step_fn, "runner", None), "engine", None)
+        if engine is not None:
+            engine.step_count = steps
+        else:
+            self.step_fn.cell.optimizer.step.set_data(ms.Tensor(float(steps), ms.float32))
 
     def rank_state(self) -> dict:
         return {}                       # the model draws no random numbers while training

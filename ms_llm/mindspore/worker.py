@@ -29,7 +29,6 @@ from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.mindspore.optim import AdamW
 from ms_llm.mindspore.resume import MsTrainerState
-from ms_llm.mindspore.zero import ZeroTrainerState
 from ms_llm.mindspore.train_step import TrainStep
 from ms_llm.run import MetricsLogger, RunFolder, StepMetrics, lr_at
 from ms_llm.strategy.devices import get_device
@@ -116,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.event(event="start", backend="mindspore", mode=mode, world_size=world, dp=dp, zero_stage=p.zero.stage,
                  micro_batches=p.micro_batches)
 
-    state = (ZeroTrainerState(step_fn.runner, p, rank, world) if zero else MsTrainerState(step_fn.cell, p, rank, world))
-    checkpoints = TrainerCheckpoints(job, run, p, state, sampler, rank, logger)
+    checkpoints = TrainerCheckpoints(job, run, p, MsTrainerState(step_fn, p, rank, world), sampler, rank, logger)
     for step in range(checkpoints.resume(), train.steps):
         rows = sampler.local_batch(step, dp_rank, dp)                      # (G/dp, T+1)
         rows = rows.reshape(p.micro_batches, train.micro_batch_size, train.seq_len + 1)

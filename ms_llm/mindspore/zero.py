@@ -21,13 +21,6 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank
 
-from ms_llm.checkpoint.format import optim_name
-from ms_llm.checkpoint.boxes import Region
-from ms_llm.checkpoint.shards import Piece, layout_piece
-from ms_llm.checkpoint.trainer import Held
-from ms_llm.mindspore.checkpoint import from_numpy
-from ms_llm.mindspore.resume import MsTrainerState
-from ms_llm.strategy.plan import ModelPlan
 from ms_llm.zero.engine import EngineConfig, ZeroEngine
 from ms_llm.zero.partition import Slot
 from ms_llm.zero.plan import OwnedPiece, ZeroPlan
@@ -282,47 +275,3 @@ class MsZeroDataParallel:
     def owned(self) -> tuple[OwnedPiece, ...]:
         return self.engine.zplan.owned(self.engine.rank)
 
-
-class ZeroTrainerState(MsTrainerState):
-    """ms_llm.checkpoint.trainer's training state when the shared engine runs the step: the
-    model's weights (under ZeRO-3 the engine's shards), and the engine's Adam moments / master
-    weights cut into the pieces its ZeroPlan says this rank owns. Loads go back through the
-    engine, and into weights by in-place stores (the compiled gradient function keeps reading
-    the same parameter storage)."""
-
-    def __init__(self, runner: MsZeroDataParallel, plan: ModelPlan, rank: int, world: int):
-        super().__init__(None, plan, rank, world)
-        self.runner = runner
-
-    def held(self, create: bool) -> Held:
-        engine = self.runner.engine
-        states = engine.state_tensors()          # optim.<state>.<weight> and, under ZeRO-3, <weight>
-        out: Held = {}
-        for b in engine.buckets:
-            for owned in engine.zplan.pieces(self.rank, b):
-                shape, region = self.plan.params[owned.name].shape, Region(*owned.global_box)
-                for name in [optim_name(k, owned.name) for k in ("exp_avg", "exp_avg_sq", "master")] + [owned.name]:
-                    if name in states:
-                        out[name] = (Piece(name, shape, region, owned.primary), states[name])
-        srank = self.plan.stage_rank(self.rank)
-        for p in self.runner.weights:
-            if p.name not in out:
-                out[p.name] = (layout_piece(p.name, self.plan.params[p.name].layout, srank), p)
-        return out
-
-    def load_into(self, ckpt, pieces: dict, tensors: dict, strict: bool = True) -> list[str]:
-        arrays = ckpt.read_pieces(pieces, strict=strict)
-        weights = {p.name: p for p in self.runner.weights}
-        engine = self.runner.engine
-        into_engine = {}
-        for name, array in arrays.items():
-            value = from_numpy(array, ckpt.entry(name).dtype)
-            if name in weights and tensors[name] is weights[name]:
-                _store(weights[name], value)
-            else:
-                into_engine[name] = value
-        engine.load_state_tensors(into_engine, engine.step_count)
-        return sorted(arrays)
-
-    def set_optimizer_step(self, steps: int) -> None:
-        self.runner.engine.step_count = steps
