@@ -118,12 +118,6 @@ class MsOps:
     def read(self, buf: Tensor, start: int, numel: int) -> Tensor:
         return buf[start:start + numel]
 
-    def view(self, buf: Tensor, start: int, shape: tuple[int, ...]) -> Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        return buf[start:start + n].reshape(shape)
-
     def write(self, buf: Tensor, start: int, src: Tensor) -> Tensor:
         flat = src.reshape(-1)
         buf[start:start + flat.shape[0]] = flat.astype(buf.dtype)
