@@ -101,9 +101,10 @@ def test_model_state_bytes_match_the_formula(runs, world, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,case", [(w, c) for w, cases in RESUME.items() for c in cases])
-def test_state_tensors_are_the_checkpoint_pieces_and_resume_exactly(runs, world, case):
-    """The engine's state tensors have the shapes ms_llm.checkpoint expects on every rank,
-    and loading them into a freshly built engine continues bit for bit."""
+def test_engine_pieces_are_the_checkpoint_pieces_and_resume_exactly(runs, world, case):
+    """The engine's segments, cut by ms_llm.checkpoint.zero_state, are exactly the pieces the
+    plan's optimizer / stored layouts give every rank, and loading them into a freshly built
+    engine continues bit for bit."""
     stage, opt = case.split(":")
     folder = runs[world]
     mplan = plan(MODEL, strategy_for(world, int(stage)), train_config(world, opt), world)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from ms_llm.checkpoint.zero_state import engine_slices
 from ms_llm.config.train import OptimizerConfig
 from ms_llm.strategy.plan import plan
 from ms_llm.zero import zero_plan
@@ -107,27 +108,35 @@ def run_case(rank: int, world: int, stage: int, opt_name: str, shard: int, dtype
 
 
 def run_resume(rank: int, world: int, stage: int, opt_name: str, out: Path) -> None:
-    """Train two steps, keep only what a checkpoint keeps (model weights where they rest,
-    the engine's state tensors, the step count), rebuild everything from other weights,
-    load, train the third step."""
+    """Train two steps, keep only what a checkpoint keeps (model weights where they rest, the
+    engine's segments cut into checkpoint pieces by ms_llm.checkpoint.zero_state, the step
+    count), rebuild everything from other weights, load, train the third step."""
     model, dp, train = build(rank, world, stage, opt_name)
+    mplan = plan(MODEL, strategy_for(world, stage), train, world)
     train_steps(rank, world, model, dp, train.optimizer.lr, batches()[:2])
-    states = {k: v.clone() for k, v in dp.engine.state_tensors().items()}
-    # Under ZeRO-3 the sharded weights rest in the engine (state_tensors); the model holds none.
+    engine = dp.engine
+    slices = engine_slices(engine, mplan, rank)
+
+    def segment(e, s):
+        return getattr(e.state[s.bucket], s.attr).narrow(0, s.start, s.numel)
+    states = {name: segment(engine, s).clone() for name, s in slices.items()}
+    # Under ZeRO-3 the sharded weights rest in the engine; the model holds none of them.
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.untyped_storage().nbytes()}
-    step = dp.engine.step_count
+    step = engine.step_count
     dp.remove_hooks()
     model, dp, train = build(rank, world, stage, opt_name, seed=99)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in weights:
                 p.copy_(weights[n])
-    dp.engine.load_state_tensors(states, step)
+        for name, s in engine_slices(dp.engine, mplan, rank).items():
+            segment(dp.engine, s).copy_(states[name])
+    dp.engine.step_count = step
     train_steps(rank, world, model, dp, train.optimizer.lr, batches()[2:])
     params = full_params(model, dp)
     if rank == 0:
         save_file(params, out / f"resume_s{stage}_{opt_name}.safetensors")
-    shapes = {k: list(v.shape) for k, v in states.items()}
+    shapes = {name: list(s.piece.local_shape) for name, s in slices.items()}
     (out / f"resume_s{stage}_{opt_name}.shapes{rank}.json").write_text(json.dumps(shapes))
     dp.remove_hooks()
 

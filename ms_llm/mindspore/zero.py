@@ -118,14 +118,9 @@ class MsOps:
     def read(self, buf: Tensor, start: int, numel: int) -> Tensor:
         return buf[start:start + numel]
 
-    def view(self, buf: Tensor, start: int, shape: tuple[int, ...]) -> Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        return buf[start:start + n].reshape(shape)
-
     def write(self, buf: Tensor, start: int, src: Tensor) -> Tensor:
-        buf[start:start + src.shape[0]] = src.reshape(-1).astype(buf.dtype)
+        flat = src.reshape(-1)
+        buf[start:start + flat.shape[0]] = flat.astype(buf.dtype)
         return buf
 
     def add(self, dst: Tensor, src: Tensor) -> Tensor:
@@ -273,3 +268,4 @@ class MsZeroDataParallel:
 
     def owned(self) -> tuple[OwnedPiece, ...]:
         return self.engine.zplan.owned(self.engine.rank)
+

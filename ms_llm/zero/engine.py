@@ -20,11 +20,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
-from ms_llm.checkpoint.format import optim_name
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.zero.gather import UnitGather
-from ms_llm.zero.partition import Bucket, Slot
+from ms_llm.zero.partition import Bucket
 from ms_llm.zero.plan import ZeroPlan
 from ms_llm.zero.protocol import SGD, AdamW, Comm, Handle, Tensor, TensorOps
 
@@ -300,40 +299,6 @@ class ZeroEngine:
             return _Done()
         return self.comm.all_gather_into(pbuf, self.groups["shard"], async_op=True)
 
-    # ---- checkpoint state -----------------------------------------------------------
-    def _state_buffers(self, b: Bucket) -> dict[str, Tensor]:
-        st = self.state[b.index]
-        named = {"exp_avg": st.m, "exp_avg_sq": st.v, "master": st.master}
-        out = {optim_name(k, ""): t for k, t in named.items() if t is not None}
-        if st.param_shard is not None:
-            out[""] = st.param_shard
-        return out
-
-    def state_tensors(self) -> dict[str, Tensor]:
-        """This rank's optimizer states, and under ZeRO-3 its parameter shards, by checkpoint
-        name (optim.exp_avg.<param>, optim.exp_avg_sq.<param>, optim.master.<param>,
-        <param>), each shaped like its piece in ms_llm.checkpoint.shards (optim_pieces /
-        param_pieces): views on torch, so a checkpoint reader may also write into them."""
-        out = {}
-        for b in self.buckets:
-            for prefix, buf in self._state_buffers(b).items():
-                for piece, s in zip(self.zplan.pieces(self.rank, b), b.slots):
-                    out[prefix + s.name] = self.ops.view(buf, s.offset, piece.local_box[1])
-        return out
-
-    def load_state_tensors(self, values: dict[str, Tensor], step: int) -> None:
-        """Set states named as in state_tensors (any subset) and the optimizer step count."""
-        for b in self.buckets:
-            st = self.state[b.index]
-            for prefix, buf in self._state_buffers(b).items():
-                for s in b.slots:
-                    if prefix + s.name in values:
-                        buf = self.ops.write(buf, s.offset, values[prefix + s.name])
-                key = {optim_name("exp_avg", ""): "m", optim_name("exp_avg_sq", ""): "v",
-                       optim_name("master", ""): "master", "": "param_shard"}[prefix]
-                setattr(st, key, buf)
-        self.step_count = step
-
     # ---- accounting --------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank holds right now
@@ -350,8 +315,10 @@ class ZeroEngine:
             out["host" if self.config.offload else "optimizer"] += states
         return out
 
-    def slot(self, name: str) -> tuple[Bucket, Slot]:
-        return self._slot[name]
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The parameters this rank's engine manages (its pipeline stage's), in buffer order."""
+        return tuple(self._slot)
 
 
 class _Done:

@@ -73,9 +73,6 @@ class TensorOps(Protocol):
     def read(self, buf: Tensor, start: int, numel: int) -> Tensor:
         """buf[start:start + numel]: a view where the backend has them, else a copy."""
 
-    def view(self, buf: Tensor, start: int, shape: tuple[int, ...]) -> Tensor:
-        """buf[start:start + prod(shape)] shaped `shape` (for reading; a copy where views are missing)."""
-
     def write(self, buf: Tensor, start: int, src: Tensor) -> Tensor:
         """Store `src` (cast to buf's dtype) at buf[start:], return buf."""
 

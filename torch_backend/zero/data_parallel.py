@@ -50,7 +50,7 @@ class ZeroDataParallel:
         self.engine = ZeroEngine(zplan, rank, params, TorchComm(), TorchOps(torch.device(device)), config, world)
         self._queued = False
         self._handles = []
-        for name in self.engine._slot:
+        for name in self.engine.names:
             self._handles.append(named[name].register_post_accumulate_grad_hook(self._grad_hook(name)))
         if self.engine.gather is not None:
             self._hook_units()

@@ -62,12 +62,6 @@ class TorchOps:
     def read(self, buf: torch.Tensor, start: int, numel: int) -> torch.Tensor:
         return buf.narrow(0, start, numel)
 
-    def view(self, buf: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        return buf.narrow(0, start, n).view(shape)
-
     def write(self, buf: torch.Tensor, start: int, src: torch.Tensor) -> torch.Tensor:
         dst = buf.narrow(0, start, src.numel())
         if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype or dst.device != src.device:
