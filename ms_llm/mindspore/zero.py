@@ -160,6 +160,13 @@ class MsOps:
             total = total + (piece * piece).sum()
         return total
 
+    def bind(self, buf, slots, params, grads) -> bool:
+        """MindSpore parameters cannot be views of another tensor's storage."""
+        return False
+
+    def clear(self, t: Tensor) -> Tensor:
+        return ops.zeros_like(t)
+
     def item(self, t: Tensor) -> float:
         return float(t.reshape(-1)[0].item())
 

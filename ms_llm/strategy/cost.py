@@ -18,7 +18,7 @@ from ms_llm.config.model import DTYPE_BYTES, ModelConfig
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.devices import DeviceSpec
 from ms_llm.strategy.ir import ParallelStrategy
-from ms_llm.strategy.plan import ChunkPlan, ModelPlan, _chunk_layers, _chunk_stage, _recompute_modes
+from ms_llm.strategy.plan import ModelPlan, pipeline_chunks, recompute_modes
 
 ADAM_STATE_BYTES = 8       # m and v in fp32
 
@@ -156,11 +156,8 @@ def _stage_structure(model: ModelConfig, s: ParallelStrategy) -> tuple[tuple[int
            s.recompute.policy, s.recompute.num_layers)
     hit = _STRUCTURE_CACHE.get(key)
     if hit is None:
-        chunk_layers = _chunk_layers(model, s)
-        n = len(chunk_layers)
-        chunks = [ChunkPlan(i, *_chunk_stage(i, s.pp, s.pipeline.schedule), layers, i == 0, i == n - 1)
-                  for i, layers in enumerate(chunk_layers)]
-        modes = _recompute_modes(model, s, chunks)
+        chunks = pipeline_chunks(model, s)
+        modes = recompute_modes(model, s, chunks)
         stages = []
         for st in range(s.pp):
             mine = [c for c in chunks if c.stage == st]

@@ -127,12 +127,14 @@ class ModelPlan:
         return total
 
 
-def _chunk_layers(model: ModelConfig, s: ParallelStrategy) -> list[tuple[int, ...]]:
-    chunks = s.pp * s.pipeline.virtual_stages
-    counts = s.pipeline.layer_split or tuple([model.num_layers // chunks] * chunks)
+def pipeline_chunks(model: ModelConfig, s: ParallelStrategy) -> list[ChunkPlan]:
+    """The model chunks (pp x virtual stages) with their layers and the rank holding each."""
+    n_chunks = s.pp * s.pipeline.virtual_stages
+    counts = s.pipeline.layer_split or tuple([model.num_layers // n_chunks] * n_chunks)
     out, start = [], 0
-    for n in counts:
-        out.append(tuple(range(start, start + n)))
+    for i, n in enumerate(counts):
+        stage, virtual = _chunk_stage(i, s.pp, s.pipeline.schedule)
+        out.append(ChunkPlan(i, stage, virtual, tuple(range(start, start + n)), i == 0, i == n_chunks - 1))
         start += n
     return out
 
@@ -146,7 +148,7 @@ def _chunk_stage(index: int, pp: int, schedule: str) -> tuple[int, int]:
     return pos, virtual
 
 
-def _recompute_modes(model: ModelConfig, s: ParallelStrategy, chunks: list[ChunkPlan]) -> tuple[RecomputeMode, ...]:
+def recompute_modes(model: ModelConfig, s: ParallelStrategy, chunks: list[ChunkPlan]) -> tuple[RecomputeMode, ...]:
     policy, limit = s.recompute.policy, s.recompute.num_layers
     modes: list[RecomputeMode] = ["none"] * model.num_layers
     if policy == "none":
@@ -247,13 +249,8 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
 
     zero = zero_partition(s, mesh)
 
-    chunk_layers = _chunk_layers(model, s)
-    n_chunks = len(chunk_layers)
-    chunks = []
-    for i, layers in enumerate(chunk_layers):
-        stage, virtual = _chunk_stage(i, s.pp, s.pipeline.schedule)
-        chunks.append(ChunkPlan(i, stage, virtual, layers, i == 0, i == n_chunks - 1))
-    layer_chunk = tuple(i for i, layers in enumerate(chunk_layers) for _ in layers)
+    chunks = pipeline_chunks(model, s)
+    layer_chunk = tuple(c.index for c in chunks for _ in c.layers)
 
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
     kv = model.kv_dim
@@ -293,9 +290,9 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
             add(p + "mlp.down_proj.weight", (h, f), "row", layer, c, tp_dim=1)
         add(p + "input_layernorm.weight", (h,), "norm", layer, c)
         add(p + "post_attention_layernorm.weight", (h,), "norm", layer, c)
-    add("model.norm.weight", (h,), "norm", None, n_chunks - 1)
+    add("model.norm.weight", (h,), "norm", None, len(chunks) - 1)
     if not model.tie_embeddings:
-        add("lm_head.weight", (v, h), "head", None, n_chunks - 1, tp_dim=0)
+        add("lm_head.weight", (v, h), "head", None, len(chunks) - 1, tp_dim=0)
 
     notes = []
     unsharded = [p.name for p in params.values() if zero.group_size > 1 and p.zero_layout == p.layout
@@ -307,5 +304,5 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     return ModelPlan(
         model=model, strategy=s, train=train, world_size=world, mesh=mesh, expert_mesh=expert_mesh,
         params=params, activations=_activation_layouts(model, s, train, stage_mesh),
-        chunks=tuple(chunks), layer_chunk=layer_chunk, recompute=_recompute_modes(model, s, chunks),
+        chunks=tuple(chunks), layer_chunk=layer_chunk, recompute=recompute_modes(model, s, chunks),
         zero=zero, micro_batches=s.pipeline.micro_batches, notes=tuple(notes))

@@ -12,6 +12,9 @@ Per bucket and step (see ms_llm.zero.schedule):
   step      global gradient norm from each element's primary copy; the optimizer updates
             this rank's segment (fp32 master when parameters are low precision or states
             are offloaded); ZeRO-1/2 all-gather the updated parameters, ZeRO-3 keeps the shard.
+Unsharded buckets (every bucket at stage 0) stay allocated where the backend can alias
+them: the model's parameters and gradients are views of them (like DDP's
+gradient_as_bucket_view), so neither packing nor unpacking copies anything.
 """
 from __future__ import annotations
 
@@ -51,6 +54,8 @@ class _BucketState:
     grad_full: Optional[Tensor] = None      # the whole bucket's gradient (rank-major)
     grad_shard: Optional[Tensor] = None     # ZeRO-2/3: the reduced, accumulated own segment
     param_shard: Optional[Tensor] = None    # ZeRO-3: the owned segment of the parameters
+    param_full: Optional[Tensor] = None     # unsharded bucket the model's parameters are views of
+    grads_bound: bool = False               # the model's gradients are views of grad_full
     master: Optional[Tensor] = None
     m: Optional[Tensor] = None
     v: Optional[Tensor] = None
@@ -113,6 +118,8 @@ class ZeroEngine:
     def _own_params(self, b: Bucket) -> Tensor:
         """A bucket whose owned segment holds the current parameter values, packed from the
         model (the other segments are for the all-gather to fill)."""
+        if self.state[b.index].param_full is not None:
+            return self.state[b.index].param_full
         buf = self.ops.zeros(b.numel, self._dtype(b)) if b.padding else self.ops.empty(b.numel, self._dtype(b))
         for s in b.slots:
             if b.sharded:
@@ -123,6 +130,8 @@ class ZeroEngine:
 
     def _init_bucket(self, b: Bucket) -> None:
         st, cfg = self.state[b.index], self.config
+        if not b.sharded:
+            self._bind(b)
         own = self.ops.read(self._own_params(b), self._own_start(b), b.segment)
         state_dtype = cfg.master_dtype or self._dtype(b)
         if cfg.master_dtype:
@@ -138,6 +147,21 @@ class ZeroEngine:
         st.norm_ranges = _merge([(p.start - start, p.start - start + p.numel)
                                  for p in self.zplan.pieces(self.rank, b) if p.primary])
 
+    def _bind(self, b: Bucket) -> None:
+        """Make the model's parameters and gradients views of the bucket, where the backend can."""
+        st, params = self.state[b.index], [self.params[s.name] for s in b.slots]
+        full = self._own_params(b)
+        if not self.ops.bind(full, b.slots, params, grads=False):
+            self.ops.free(full)
+            return
+        st.param_full = full
+        grads = self.ops.zeros(b.numel, self._dtype(b))
+        st.grads_bound = self.ops.bind(grads, b.slots, params, grads=True)
+        if st.grads_bound:
+            st.grad_full = grads
+        else:
+            self.ops.free(grads)
+
     # ---- backward ----------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -152,8 +176,9 @@ class ZeroEngine:
     def _reduces_now(self, b: Bucket) -> bool:
         return self.sync or self.zplan.grad_collectives(b)[0].phase == "backward"
 
-    def on_grad(self, name: str, grad: Tensor) -> None:
-        """`grad` is the parameter's final gradient of this backward pass."""
+    def on_grad(self, name: str, grad: Tensor) -> bool:
+        """`grad` is the parameter's final gradient of this backward pass. Returns True when
+        it is a view of the engine's bucket, which the caller must then leave in place."""
         self.in_backward = True
         b, s = self._slot[name]
         st = self.state[b.index]
@@ -164,6 +189,7 @@ class ZeroEngine:
         self._launch_ready(final=False)
         if self.gather is not None:
             self.gather.on_grad(self._unit[name], name)
+        return st.grads_bound
 
     def _launch_ready(self, final: bool) -> None:
         while self._next_launch < len(self._reduce_order):
@@ -264,6 +290,8 @@ class ZeroEngine:
                 p = st.master
             elif st.param_shard is not None:
                 p = st.param_shard
+            elif st.param_full is not None:
+                p = st.param_full
             else:
                 pbuf = self._own_params(b)
                 p = ops.read(pbuf, self._own_start(b), b.segment)
@@ -278,21 +306,34 @@ class ZeroEngine:
                 st.master = p
             if st.param_shard is not None:
                 st.param_shard = ops.write(st.param_shard, 0, p)
+            elif st.param_full is not None:
+                st.param_full = ops.write(st.param_full, 0, p)
             else:
                 if pbuf is None:
                     pbuf = ops.empty(b.numel, self._dtype(b))     # the owned segment comes next, whole
                 pbuf = ops.write(pbuf, self._own_start(b), p)
                 gathers.append((b, pbuf, self._gather(b, pbuf)))
-            for t in (st.grad_full, st.grad_shard):
-                if t is not None:
-                    ops.free(t)
-            st.grad_full = st.grad_shard = None
+            self._drop_grads(b)
         for b, pbuf, handle in gathers:
             handle.wait()
             for s in b.slots:
                 ops.unpack(pbuf, 0, b.segment, s, self.params[s.name])
             ops.free(pbuf)
         return norm
+
+    def _drop_grads(self, b: Bucket) -> None:
+        """After the step: free the gradient buffers, or zero the one the model's gradients
+        are views of (and bind them again, should anything have replaced them)."""
+        st, ops = self.state[b.index], self.ops
+        if st.grads_bound:
+            st.grad_full = ops.clear(st.grad_full)
+            ops.bind(st.grad_full, b.slots, [self.params[s.name] for s in b.slots], grads=True)
+        elif st.grad_full is not None:
+            ops.free(st.grad_full)
+            st.grad_full = None
+        if st.grad_shard is not None:
+            ops.free(st.grad_shard)
+            st.grad_shard = None
 
     def _gather(self, b: Bucket, pbuf: Tensor) -> Handle:
         if not b.sharded or self.groups["shard"] is None:
@@ -308,6 +349,8 @@ class ZeroEngine:
             st = self.state[b.index]
             if st.param_shard is not None:
                 out["params"] += ops.nbytes(st.param_shard)
+            elif st.param_full is not None:
+                out["params"] += ops.nbytes(st.param_full)
             else:
                 out["params"] += sum(ops.nbytes(self.params[s.name]) for s in b.slots)
             out["grads"] += sum(ops.nbytes(t) for t in (st.grad_full, st.grad_shard) if t is not None)

@@ -87,13 +87,23 @@ class TensorOps(Protocol):
 
     def pack(self, buf: Tensor, start: int, segment: int, slot: Slot, value: Tensor, accumulate: bool) -> Tensor:
         """Store (or add) the TP-local tensor `value` into the bucket at buf[start:]: chunk i
-        along slot.zero_dim at start + i * segment + slot.offset. Return buf."""
+        along slot.zero_dim at start + i * segment + slot.offset. Return buf. A `value` that
+        is already its place in the bucket (bound by `bind`) is left as it is."""
 
     def pack_own(self, buf: Tensor, start: int, segment: int, slot: Slot, index: int, value: Tensor) -> Tensor:
         """Like pack, but only chunk `index` (this rank's), into segment `index`."""
 
     def unpack(self, buf: Tensor, start: int, segment: int, slot: Slot, param: Tensor) -> None:
         """Assemble the parameter from every segment of the bucket and store it into `param`."""
+
+    def bind(self, buf: Tensor, slots: tuple[Slot, ...], params: list[Tensor], grads: bool) -> bool:
+        """Make each parameter of an unsharded bucket (its gradient, with `grads`) a view of
+        its place in `buf`, so the model reads what the engine writes and autograd
+        accumulates where the engine reduces. False, binding nothing, where the backend
+        cannot alias every one of them."""
+
+    def clear(self, t: Tensor) -> Tensor:
+        """t filled with zeros, in place where possible."""
 
     def sum_squares(self, t: Tensor, ranges: tuple[tuple[int, int], ...]) -> Tensor:
         """Sum of squares of t[a:b] over `ranges`, as a one-element float32 tensor."""

@@ -7,7 +7,8 @@
     dp.step(lr)
 
 Gradients leave autograd through post-accumulate-grad hooks (p.grad is packed into its
-bucket and dropped), the end of backward is an autograd callback, and under ZeRO-3 module
+bucket and dropped, or, in unsharded buckets, already is a view of it and stays), the end
+of backward is an autograd callback, and under ZeRO-3 module
 hooks gather each unit's parameters before its forward and backward and free them after.
 Tensor-parallel (DTensor) parameters are handled through their local shards, which is what
 the plan partitions.
@@ -72,8 +73,8 @@ class ZeroDataParallel:
             if isinstance(grad, DTensor) and grad.placements != p.placements:
                 # e.g. a vocab-parallel embedding's gradient arrives replicated or partial
                 grad = grad.redistribute(p.device_mesh, p.placements)
-            self.engine.on_grad(name, _local(grad))
-            p.grad = None
+            if not self.engine.on_grad(name, _local(grad)):
+                p.grad = None
         return hook
 
     def _hook_units(self) -> None:

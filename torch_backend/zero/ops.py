@@ -3,6 +3,7 @@ except the offloaded optimizer states the strategy asks for."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ms_llm.zero.partition import Slot
 from ms_llm.zero.protocol import SGD, AdamW
@@ -81,6 +82,8 @@ class TorchOps:
     @torch.no_grad()
     def pack(self, buf, start, segment, slot, value, accumulate):
         cols, src = _columns(buf, start, segment, slot), _chunks(value.detach(), slot)
+        if src.data_ptr() == cols.data_ptr() and src.dtype == cols.dtype:
+            return buf                                  # a bound gradient: already in place
         if accumulate:
             cols.add_(src)
         else:
@@ -104,6 +107,23 @@ class TorchOps:
                 target.copy_(_columns(buf, start, segment, slot))
         else:
             target.copy_(_columns(buf, start, segment, slot))
+
+    @torch.no_grad()
+    def bind(self, buf, slots, params, grads) -> bool:
+        """Only plain parameters are rebound. A tensor-parallel DTensor's local shard (which
+        even passes isinstance(_, nn.Parameter)) is not the tensor autograd accumulates into."""
+        if not all(type(p) is nn.Parameter and p.dtype == buf.dtype and p.device == buf.device for p in params):
+            return False
+        for slot, p in zip(slots, params):
+            view = buf.narrow(0, slot.offset, slot.numel).view(slot.local_shape)
+            if grads:
+                p.grad = view
+            else:
+                p.data = view
+        return True
+
+    def clear(self, t: torch.Tensor) -> torch.Tensor:
+        return t.zero_()
 
     def sum_squares(self, t: torch.Tensor, ranges) -> torch.Tensor:
         total = torch.zeros(1, dtype=torch.float32, device=t.device)
