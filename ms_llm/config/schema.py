@@ -25,6 +25,25 @@ def spec(default: Any = dataclasses.MISSING, doc: str = "", *, ge: float | None 
     return dataclasses.field(default=default, metadata=meta)
 
 
+SCALAR_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def scalar(kind: type, value: Any) -> Any:
+    """`value` read as a YAML scalar of `kind` (a key of SCALAR_NAMES), or ValueError. An
+    integral float is an integer; a string that parses as a float is a number, since YAML 1.1
+    reads an exponent without a sign (1e-4) as a string."""
+    if kind is float and isinstance(value, str):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {bool: isinstance(value, bool), int: numeric and isinstance(value, int), float: numeric,
+          str: isinstance(value, str)}[kind]
+    if not ok:
+        raise ValueError(f"got {value!r}; expected {SCALAR_NAMES[kind]}")
+    return float(value) if kind is float else value
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -73,29 +92,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if value is None:
             return None
         raise ConfigError(f"{path}: got {value!r}; expected null")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: got {value!r}; expected true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{path}: got {value!r}; expected an integer")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML 1.1 reads "1e-4" as a string
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}: got {value!r}; expected a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{path}: got {value!r}; expected a string")
+    if tp in SCALAR_NAMES:
+        try:
+            return scalar(tp, value)
+        except ValueError:
+            raise ConfigError(f"{path}: got {value!r}; expected {SCALAR_NAMES[tp]}") from None
     raise TypeError(f"unsupported config type {tp!r} at {path}")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from ms_llm.config.job import JobConfig, job_from_dict
 from ms_llm.config.model import ModelConfig
+from ms_llm.config.schema import SCALAR_NAMES, scalar
 from ms_llm.errors import MsLlmError
 
 MISSING = object()
@@ -52,8 +53,7 @@ class Written:
 def _kind_name(kind: Any) -> str:
     if isinstance(kind, tuple):
         return "one of " + ", ".join(map(repr, kind))
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            list: "a list", dict: "a mapping"}[kind]
+    return {**SCALAR_NAMES, list: "a list", dict: "a mapping"}[kind]
 
 
 class Fields:
@@ -109,25 +109,16 @@ class Fields:
             if value in kind:
                 return value
             raise self.error(path, f"got {value!r}; expected {_kind_name(kind)}")
-        if self.text and isinstance(value, str) and kind in (int, float):
-            try:
-                return kind(value)
-            except ValueError:
-                raise self.error(path, f"got {value!r}; expected {_kind_name(kind)}") from None
-        if kind is float and isinstance(value, str):
-            try:
-                return float(value)          # YAML 1.1 reads 1.e-8 without a sign as a string
-            except ValueError:
-                pass
-        ok = {int: isinstance(value, int) and not isinstance(value, bool),
-              float: isinstance(value, (int, float)) and not isinstance(value, bool),
-              bool: isinstance(value, bool), str: isinstance(value, str),
-              list: isinstance(value, list), dict: isinstance(value, dict)}[kind]
-        if kind is int and isinstance(value, float) and value.is_integer():
-            return int(value)
-        if not ok:
+        if kind in (list, dict):
+            if isinstance(value, kind):
+                return value
             raise self.error(path, f"got {value!r}; expected {_kind_name(kind)}")
-        return float(value) if kind is float else value
+        try:
+            if self.text and isinstance(value, str) and kind is int:
+                return int(value)             # command-line values are strings
+            return scalar(kind, value)
+        except ValueError:
+            raise self.error(path, f"got {value!r}; expected {_kind_name(kind)}") from None
 
     def unused(self) -> list[str]:
         """A warning per key nobody asked for: one per top-level key, one per nested section
