@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -24,16 +23,11 @@ import torch.multiprocessing as mp
 from ckpt_helpers import STATES, cut, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Piece, Region, flat_pieces, layout_piece, optim_name
 from ms_llm.checkpoint import param_pieces, run_config
+from ms_llm.launch import free_port
 from ms_llm.strategy.layout import Shard
 from torch_backend.checkpoint import load_into, save_items
 
 MAX_WORLD = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def flat_optimizer_pieces(plan, rank: int) -> dict[str, Piece]:

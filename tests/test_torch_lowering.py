@@ -91,6 +91,12 @@ def test_unsupported_strategies_name_the_field():
     with pytest.raises(StrategyError, match="float16"):
         check_supported(plan_for({"precision": {"param_dtype": "float16", "compute_dtype": "float16",
                                                 "loss_scale": "dynamic"}}, 1))
+    with pytest.raises(StrategyError, match="strategy.offload.params"):
+        check_supported(plan_for({"dp": 2, "zero": {"stage": 3}, "offload": {"params": True}}, 2))
+    with pytest.raises(StrategyError, match="strategy.offload.optimizer.*engine: shared"):
+        check_supported(plan_for({"dp": 2, "zero": {"stage": 2, "engine": "native"},
+                                  "offload": {"optimizer": True}}, 2))
+    check_supported(plan_for({"dp": 2, "zero": {"stage": 2}, "offload": {"optimizer": True}}, 2))
 
 
 @pytest.mark.parametrize("strategy,world,engine", [

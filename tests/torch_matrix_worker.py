@@ -63,6 +63,7 @@ CASES: dict[str, tuple[int, dict, str]] = {
     "shared_zero3_dp2": (2, {"dp": 2, "zero": {"stage": 3, **SHARED}}, "sgd"),
     "shared_zero3_dp2_ac": (2, {"dp": 2, "zero": {"stage": 3, **SHARED}, "recompute": {"policy": "full"}}, "sgd"),
     "shared_zero1_dp2_adamw": (2, {"dp": 2, "zero": {"stage": 1, **SHARED}}, "adamw"),
+    "shared_zero2_dp2_offload": (2, {"dp": 2, "zero": {"stage": 2}, "offload": {"optimizer": True}}, "sgd"),
     "dp4": (4, {"dp": 4, "zero": NATIVE}, "sgd"),
     "dp2_tp2": (4, {"dp": 2, "tp": 2}, "sgd"),
     "dp2_tp2_sp_zero3": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 3, **NATIVE}}, "sgd"),

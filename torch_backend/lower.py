@@ -19,7 +19,7 @@ from ms_llm.errors import StrategyError
 from ms_llm.strategy.plan import ChunkPlan, ModelPlan
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize import parallelize
-from torch_backend.parallelize.dp import DataParallel, build_data_parallel
+from torch_backend.parallelize.dp import DataParallel, SharedZero, build_data_parallel, engine_for
 from torch_backend.parallelize.precision import autocast, check_precision
 from torch_backend.pipeline import build_schedule, cut_chunk
 
@@ -69,10 +69,13 @@ def check_supported(plan: ModelPlan) -> None:
     if plan.model.tie_embeddings and s.tp > 1:
         problems.append("model.tie_embeddings: a tied embedding cannot be both the vocab-parallel embedding "
                         "and head in the torch backend; untie it or use tp: 1")
-    if s.offload.optimizer or s.offload.params:
-        problems.append("strategy.offload: the torch backend does not offload yet; set optimizer/params false")
+    if s.offload.params:
+        problems.append("strategy.offload.params: the torch backend does not offload parameters yet; set it false")
     if problems:
         raise StrategyError(problems)
+    if s.offload.optimizer and engine_for(plan) != SharedZero.name:
+        raise StrategyError("strategy.offload.optimizer: on torch only the shared ZeRO engine keeps optimizer "
+                            "states in host memory; set strategy.zero.engine: shared (or auto)")
     check_precision(plan)
 
 
