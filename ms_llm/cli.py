@@ -36,7 +36,8 @@ def cmd_plan(args) -> int:
 def cmd_train(args) -> int:
     from ms_llm.launch import TrainRequest, train
 
-    return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps, args.dry_run))
+    return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps, args.dry_run,
+                              args.max_restarts))
 
 
 def cmd_demo(args) -> int:
@@ -48,7 +49,7 @@ def cmd_demo(args) -> int:
         print()
     print("$ ms-llm train configs/train/tiny_torch_dp2.yaml --backend torch", flush=True)
     return cmd_train(argparse.Namespace(config=root / "tiny_torch_dp2.yaml", backend="torch", nproc=None,
-                                        run_dir=None, steps=None, dry_run=False))
+                                        run_dir=None, steps=None, dry_run=False, max_restarts=0))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=None, help="override train.steps")
     t.add_argument("--dry-run", action="store_true",
                    help="print the lowering (MindSpore: parallel context and every op's strategy) without compiling")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="start the workers again after a failure, up to N times; each restart resumes from the "
+                        "run folder's newest checkpoint (needs train.checkpoint.interval)")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="run the embedded default job")

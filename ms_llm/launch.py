@@ -7,6 +7,10 @@ output to the console and to <run>/launcher.log. Worker logs go to <run>/logs/.
     torch:  torchrun --nproc-per-node W --master-addr 127.0.0.1 --master-port <free>
                      --log-dir <run>/logs --redirects 3 --tee 3 --local-ranks-filter 0
                      -m torch_backend.worker CONFIG --run-dir <run>
+
+With --max-restarts N a failed launch is started again (a fresh port, the same run folder)
+up to N times; the workers resume from the run folder's newest checkpoint, so a crash costs
+the steps since that checkpoint, not the run. The same loop serves both backends.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ms_llm.config.job import JobConfig, load_job
 from ms_llm.errors import ConfigError, StrategyError
@@ -36,6 +40,7 @@ class TrainRequest:
     run_dir: Optional[Path] = None     # None: runs/<name>-<time>
     steps: Optional[int] = None        # override train.steps
     dry_run: bool = False              # print the lowering, start nothing
+    max_restarts: int = 0              # start failed workers again, resuming from the newest checkpoint
 
 
 def free_port() -> int:
@@ -91,6 +96,27 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
         return proc.wait()
 
 
+def with_restarts(start: Callable[[], int], max_restarts: int, run: RunFolder) -> int:
+    """Run `start` (one launch of every worker, returning its exit status), and again after
+    each failure, at most `max_restarts` more times."""
+    rc = start()
+    for attempt in range(1, max_restarts + 1):
+        if rc == 0:
+            break
+        print(f"ms-llm train: workers failed (exit {rc}); restart {attempt} of {max_restarts}, resuming from "
+              f"the newest checkpoint in {run.checkpoints}", file=sys.stderr, flush=True)
+        rc = start()
+    return rc
+
+
+def check_restarts(job: JobConfig, max_restarts: int) -> None:
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts: got {max_restarts}; use 0 (fail on the first error) or more")
+    if max_restarts and job.train.checkpoint.interval == 0:
+        raise ConfigError("--max-restarts: train.checkpoint.interval is 0, so a restart would begin again at "
+                          "step 0; set train.checkpoint.interval to a step count or 'auto'")
+
+
 # Backend -> the command that starts its workers for (request, run folder, world size).
 COMMANDS = {"torch": torch_command}
 
@@ -102,6 +128,7 @@ def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, str]:
     backend = req.backend or job.backend
     if backend not in COMMANDS and backend != "mindspore":
         raise ConfigError(f"--backend: {backend!r} cannot train from this launcher; available: {', '.join(COMMANDS)}")
+    check_restarts(job, req.max_restarts)
     return job, plan(job.model, job.strategy, job.train, world_size(job, req.nproc)), backend
 
 
@@ -110,7 +137,7 @@ def train(req: TrainRequest) -> int:
     if backend == "mindspore":
         # msrun, the CPU data-parallel runtime and the Ascend checks live with the backend.
         from ms_llm.mindspore.launch import cli_train
-        return cli_train(job, req.run_dir, p.world_size, req.dry_run)
+        return cli_train(job, req.run_dir, p.world_size, req.dry_run, req.max_restarts)
     if req.dry_run:
         from ms_llm.strategy.cost import estimate
         from ms_llm.strategy.devices import get_device
@@ -120,7 +147,9 @@ def train(req: TrainRequest) -> int:
     run = RunFolder.create(job.name, req.run_dir)
     print(f"ms-llm train: {job.name} on {backend}, {p.world_size} process(es), mesh {p.mesh.describe()}, "
           f"run folder {run.root}", flush=True)
-    rc = run_logged(COMMANDS[backend](req, run, p.world_size), worker_env(run), run.launcher_log)
+    env = worker_env(run)
+    rc = with_restarts(lambda: run_logged(COMMANDS[backend](req, run, p.world_size), env, run.launcher_log),
+                       req.max_restarts, run)
     shutil.rmtree(run.root / "tmp", ignore_errors=True)
     if rc != 0:
         print(f"ms-llm train: workers failed (exit {rc}); logs in {run.logs} and {run.launcher_log}",

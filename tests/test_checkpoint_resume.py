@@ -3,8 +3,11 @@ under the same or another strategy and world size, equals the uninterrupted run'
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +127,74 @@ def test_auto_interval_measures_the_first_save_then_decides(reference):
     first = [r for r in records if r.get("checkpoint_step") == 1 and "stall_s" in r]
     assert first and first[0]["stall_s"] > 0
     assert (run / "checkpoints" / "step_00000001" / "index.json").is_file()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (here: the launcher we started, its torchrun, the workers)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue                                   # exited while we looked
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        out += below
+        todo += below
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    found = []
+    for p in _descendants(pid):
+        try:
+            if b"torch_backend.worker" in Path(f"/proc/{p}/cmdline").read_bytes():
+                found.append(p)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_and_repeats_only_the_steps_since_the_checkpoint(reference):
+    """kill -9 of one worker mid-run: torchrun stops the others, `--max-restarts 1` starts them
+    again, they resume from the newest checkpoint, the steps after it run again with the
+    losses they had the first time, and the run finishes every step."""
+    tmp, tokens, _, _ = reference
+    run, steps = tmp / "elastic", 200
+    config = _job(tmp, "elastic", tokens, {"dp": 2}, 10)
+    proc = subprocess.Popen([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run),
+                             "--steps", str(steps), "--max-restarts", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    killed, deadline = None, time.monotonic() + 300
+    try:
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            done = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] \
+                if (run / "metrics.jsonl").is_file() else []
+            if done and done[-1] >= 23 and 3 <= done[-1] % 10 <= 7:      # between two checkpoints
+                workers = _workers(proc.pid)
+                if workers:
+                    os.kill(workers[-1], signal.SIGKILL)
+                    killed = done[-1]
+            time.sleep(0.02)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed is not None, "the run ended before a worker could be killed"
+    assert proc.returncode == 0, out[-4000:]
+    assert "restart 1 of 1" in out
+    records = read_metrics(run / "metrics.jsonl")
+    resumed = [r["resumed_step"] for r in records if "resumed_step" in r]
+    assert len(resumed) == 1 and resumed[0] % 10 == 0 and 0 < resumed[0] <= killed
+    losses: dict[int, list[float]] = {}
+    for r in records:
+        if "loss" in r:
+            losses.setdefault(r["step"], []).append(r["loss"])
+    assert sorted(losses) == list(range(1, steps + 1))
+    repeated = sorted(k for k, v in losses.items() if len(v) > 1)
+    assert repeated[0] == resumed[0] + 1 and repeated[-1] >= killed
+    for k in repeated:
+        assert losses[k][0] == pytest.approx(losses[k][1], abs=1e-5), k

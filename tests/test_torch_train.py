@@ -43,6 +43,14 @@ def test_world_size_mismatch_is_one_clear_line(tmp_path):
     assert not (tmp_path / "r").exists()                              # nothing started, nothing written
 
 
+def test_restarts_without_checkpoints_are_refused(tmp_path):
+    proc = ms_llm("train", "configs/train/tiny_torch_dp2.yaml", "--max-restarts", "2", "--run-dir",
+                  str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--max-restarts: train.checkpoint.interval is 0" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_launcher_imports_no_framework():
     code = ("import sys, ms_llm.cli, ms_llm.launch; "
             "bad = [m for m in ('torch', 'mindspore') if m in sys.modules]; assert not bad, bad")

@@ -80,10 +80,13 @@ class TrainerCheckpoints:
 
     # ---- resume --------------------------------------------------------------------------
     def _folders(self) -> list[Path]:
-        if self.cfg.load:
-            path = Path(self.cfg.load)
-            return [path] if (path / INDEX).is_file() else candidates(path)
-        return restore_folders(self.run.checkpoints, self.memory)
+        """The run's own checkpoints come first: a restarted run continues from its newest,
+        even when it was started from train.checkpoint.load."""
+        own = restore_folders(self.run.checkpoints, self.memory)
+        if own or not self.cfg.load:
+            return own
+        path = Path(self.cfg.load)
+        return [path] if (path / INDEX).is_file() else candidates(path)
 
     def resume(self) -> int:
         """Load the newest usable checkpoint (the memory tier when it is newest, the previous

@@ -33,7 +33,8 @@ class CheckpointConfig:
     async_save: bool = spec(True, "Snapshot to host memory, persist in the background.")
     memory_tier: bool = spec(False, "Also keep the last snapshot in /dev/shm for fast restart.")
     mtbf_hours: float = spec(24.0, "Mean time between failures of the job, for interval='auto'.", ge=0.0)
-    load: str = spec("", "Checkpoint folder to start from; empty resumes from <run>/checkpoints/latest if any.")
+    load: str = spec("", "Checkpoint folder a new run starts from. A run folder that holds checkpoints of its "
+                         "own resumes from its newest (<run>/checkpoints/latest) either way.")
 
     def __post_init__(self) -> None:
         if isinstance(self.interval, int) and self.interval < 0:

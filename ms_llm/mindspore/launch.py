@@ -20,7 +20,7 @@ from pathlib import Path
 from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict
 from ms_llm.data import build_stdlib_corpus
 from ms_llm.errors import ConfigError, StrategyError
-from ms_llm.launch import free_port
+from ms_llm.launch import free_port, with_restarts
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan, plan
 
@@ -92,8 +92,9 @@ def msrun_command(world: int, port: int, run: RunFolder, config: Path, tokens: P
 
 
 def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> None:
-    """Print rank 0's progress lines from metrics.jsonl while msrun runs."""
-    seen = 0
+    """Print rank 0's progress lines from metrics.jsonl while msrun runs (lines a previous
+    launch wrote are not repeated)."""
+    seen = len(run.metrics.read_text().splitlines()) if run.metrics.is_file() else 0
     while True:
         done = proc.poll() is not None
         if run.metrics.is_file():
@@ -111,8 +112,8 @@ def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> N
         time.sleep(0.5)
 
 
-def train(job: JobConfig, run_dir: str | None = None, world_size: int | None = None) -> int:
-    """Train `job` with MindSpore; returns the exit status of msrun."""
+def train(job: JobConfig, run_dir: str | None = None, world_size: int | None = None, max_restarts: int = 0) -> int:
+    """Train `job` with MindSpore; returns the exit status of msrun (of its last launch)."""
     p = plan(job.model, job.strategy, job.train, world_size)
     ascend = ascend_available()
     if not ascend:
@@ -122,24 +123,28 @@ def train(job: JobConfig, run_dir: str | None = None, world_size: int | None = N
     run = RunFolder.create(job.name, run_dir)
     run.config.write_text(dump_yaml(job_to_dict(resolved_job(job, p))))
     tokens = token_file(job, run)
-    cmd = msrun_command(p.world_size, free_port(), run, run.config, tokens, AUTO_WORKER if ascend else CPU_WORKER)
     env = worker_env()
     mode = "semi_auto_parallel on Ascend" if ascend else "DATA_PARALLEL on CPU"
     print(f"ms-llm train: MindSpore {mode}, {p.world_size} workers (msrun), run folder {run.root}", flush=True)
-    with open(run.launcher_log, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root)
-        _follow(run, proc, job.train.steps, job.train.log_every)
-    if proc.returncode != 0:
-        worker0 = run.logs / "worker_0.log"
-        tail = worker0.read_text().splitlines()[-15:] if worker0.is_file() else []
-        print(f"ms-llm train: msrun exited with {proc.returncode}; logs in {run.logs} and {run.launcher_log}",
-              file=sys.stderr)
-        for line in tail:
-            print(f"  {line}", file=sys.stderr)
-    return proc.returncode
+
+    def launch() -> int:
+        cmd = msrun_command(p.world_size, free_port(), run, run.config, tokens, AUTO_WORKER if ascend else CPU_WORKER)
+        with open(run.launcher_log, "a") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root)
+            _follow(run, proc, job.train.steps, job.train.log_every)
+        if proc.returncode != 0:
+            worker0 = run.logs / "worker_0.log"
+            tail = worker0.read_text().splitlines()[-15:] if worker0.is_file() else []
+            print(f"ms-llm train: msrun exited with {proc.returncode}; logs in {run.logs} and {run.launcher_log}",
+                  file=sys.stderr)
+            for line in tail:
+                print(f"  {line}", file=sys.stderr)
+        return proc.returncode
+    return with_restarts(launch, max_restarts, run)
 
 
-def cli_train(job: JobConfig, run_dir: str | None = None, world_size: int | None = None, dry_run: bool = False) -> int:
+def cli_train(job: JobConfig, run_dir: str | None = None, world_size: int | None = None, dry_run: bool = False,
+              max_restarts: int = 0) -> int:
     if dry_run:
         from ms_llm.mindspore.dry_run import dry_run_text
         from ms_llm.mindspore.lower import lower
@@ -152,4 +157,4 @@ def cli_train(job: JobConfig, run_dir: str | None = None, world_size: int | None
             files = write_strategy_files(p, Path(run_dir) / "strategy")
             print(f"wrote {len(files)} strategy files to {Path(run_dir) / 'strategy'}")
         return 0
-    return train(job, run_dir, world_size)
+    return train(job, run_dir, world_size, max_restarts)

@@ -33,7 +33,10 @@ class MetricsLogger:
 
     def __init__(self, path: Path | None, total_steps: int, every: int, stream: TextIO = sys.stdout):
         self.path, self.total, self.every, self.stream = path, total_steps, every, stream
-        self._file = open(path, "a") if path is not None else None
+        self._file = None
+        if path is not None:
+            _drop_torn_tail(Path(path))
+            self._file = open(path, "a")
 
     def log(self, m: StepMetrics, force: bool = False) -> None:
         if self._file is None:
@@ -55,5 +58,17 @@ class MetricsLogger:
             self._file = None
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """A run killed mid-write can leave a partial last record; a restarted run appends after
+    the last whole one."""
+    if path.is_file():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+
+
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Whole records only: a last line without its newline is still being written."""
+    lines = Path(path).read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
