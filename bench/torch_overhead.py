@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from ms_llm.config.job import job_from_dict  # noqa: E402
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
-from ms_llm.launch import free_port  # noqa: E402
+from ms_llm.launch import torchrun  # noqa: E402
 from ms_llm.run import lr_at  # noqa: E402
 from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
 from torch_backend.dist import init_distributed, shutdown  # noqa: E402
@@ -126,8 +126,7 @@ def main() -> None:
     rows = []
     for world, engine in ((1, "native"), (2, "native"), (2, "shared")):
         env["OMP_NUM_THREADS"] = str(args.threads if world == 1 else 1)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", __file__, "--worker", "--tokens", tokens, "--engine", engine,
+        cmd = [*torchrun(world), __file__, "--worker", "--tokens", tokens, "--engine", engine,
                "--repeats", str(args.repeats), "--steps", str(args.steps)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]

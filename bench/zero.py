@@ -199,15 +199,14 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from ms_llm.launch import free_port
+    from ms_llm.launch import torchrun
     tmp = ROOT / ".tmp"
     tmp.mkdir(exist_ok=True)
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
     rows = []
     for world in (int(w) for w in args.dp.split(",")):
         with tempfile.NamedTemporaryFile(dir=tmp, suffix=".json") as f:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, "--worker",
+            cmd = [*torchrun(world), __file__, "--worker",
                    "--out", f.name, "--model", args.model, "--steps", str(args.steps), "--rounds", str(args.rounds),
                    "--batch", str(args.batch), "--seq", str(args.seq)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

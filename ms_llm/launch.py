@@ -4,8 +4,7 @@ The launcher imports no framework: it plans (so a bad strategy fails here, befor
 process starts), then runs the backend's own launcher as a subprocess and copies its
 output to the console and to <run>/launcher.log. Worker logs go to <run>/logs/.
 
-    torch:  torchrun --nproc-per-node W --master-addr 127.0.0.1 --master-port <free>
-                     --log-dir <run>/logs --redirects 3 --tee 3 --local-ranks-filter 0
+    torch:  torchrun --standalone --nproc-per-node W --log-dir <run>/logs --redirects 3 --tee 3 --local-ranks-filter 0
                      -m torch_backend.worker CONFIG --run-dir <run>
 
 With --max-restarts N a failed launch is started again (a fresh port, the same run folder)
@@ -49,6 +48,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(world: int) -> list[str]:
+    """torchrun for `world` processes on this machine. --standalone rendezvouses on a port the
+    agent's store binds itself (port 0), so no other process can take it in between, as can
+    happen with a free port picked beforehand."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+
+
 def world_size(job: JobConfig, nproc: Optional[int]) -> int:
     """Processes the strategy needs. `--nproc` fills dp = -1 (one replica without it) and must
     agree with a fixed dp."""
@@ -64,10 +70,8 @@ def world_size(job: JobConfig, nproc: Optional[int]) -> int:
 
 
 def torch_command(req: TrainRequest, run: RunFolder, world: int) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--log-dir={run.logs}",
-           "--redirects=3", "--tee=3", "--local-ranks-filter=0", "--role=rank",
-           "-m", "torch_backend.worker", str(Path(req.config).resolve()), "--run-dir", str(run.root)]
+    cmd = [*torchrun(world), f"--log-dir={run.logs}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
+           "--role=rank", "-m", "torch_backend.worker", str(Path(req.config).resolve()), "--run-dir", str(run.root)]
     if req.steps is not None:
         cmd += ["--steps", str(req.steps)]
     return cmd

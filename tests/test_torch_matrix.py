@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from ms_llm.data import build_stdlib_corpus
-from ms_llm.launch import free_port
+from ms_llm.launch import torchrun
 from torch_matrix_worker import CASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +34,7 @@ def matrix(tmp_path_factory):
     def results(world: int) -> Path:
         if world not in done:
             cases = [c for c, (w, _, _) in CASES.items() if w == world]
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                   "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-                   str(ROOT / "tests" / "torch_matrix_worker.py"), str(tokens), str(out), *cases]
+            cmd = [*torchrun(world), str(ROOT / "tests" / "torch_matrix_worker.py"), str(tokens), str(out), *cases]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
             done.add(world)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ms_llm.launch import free_port
+from ms_llm.launch import torchrun
 from ms_llm.checkpoint.shards import optim_pieces, param_pieces
 from ms_llm.strategy import cost
 from ms_llm.strategy.plan import plan
@@ -40,9 +40,7 @@ def runs(tmp_path_factory):
     out = {}
     for world, cases in CASES.items():
         folder = tmp_path_factory.mktemp(f"dp{world}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               str(ROOT / "tests" / "zero_torch_worker.py"), "--out", str(folder), "--cases", ",".join(cases),
+        cmd = [*torchrun(world), str(ROOT / "tests" / "zero_torch_worker.py"), "--out", str(folder), "--cases", ",".join(cases),
                "--resume", ",".join(RESUME[world])]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy())
         assert proc.returncode == 0, proc.stderr[-4000:]
