@@ -125,8 +125,27 @@ def check_restarts(job: JobConfig, max_restarts: int) -> None:
 COMMANDS = {"torch": torch_command}
 
 
+def absolute_paths(job: JobConfig) -> JobConfig:
+    """The job's file paths as the launching shell means them (workers may start elsewhere:
+    msrun starts them in the run folder), checked before any process starts."""
+    t = job.train
+    load, source = t.checkpoint.load, t.data.source
+    if load:
+        if not Path(load).exists():
+            raise ConfigError(f"train.checkpoint.load: {load} does not exist (relative to {Path.cwd()})")
+        load = str(Path(load).resolve())
+    if source != "stdlib":
+        if not Path(source).is_file():
+            raise ConfigError(f"train.data.source: token file {source} does not exist (relative to {Path.cwd()}); "
+                              "give a token file or 'stdlib'")
+        source = str(Path(source).resolve())
+    train = dataclasses.replace(t, checkpoint=dataclasses.replace(t.checkpoint, load=load),
+                                data=dataclasses.replace(t.data, source=source))
+    return dataclasses.replace(job, train=train)
+
+
 def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, str]:
-    job = load_job(req.config)
+    job = absolute_paths(load_job(req.config))
     if req.steps is not None:
         job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=req.steps))
     backend = req.backend or job.backend

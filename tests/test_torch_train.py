@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +49,19 @@ def test_restarts_without_checkpoints_are_refused(tmp_path):
                   str(tmp_path / "r"), timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--max-restarts: train.checkpoint.interval is 0" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("key,value", [("checkpoint", {"load": "no/such/checkpoint"}),
+                                       ("data", {"source": "no/such/tokens.bin"})])
+def test_missing_paths_are_one_clear_line_before_anything_starts(tmp_path, key, value):
+    job = yaml.safe_load((ROOT / "configs/train/tiny_torch_dp2.yaml").read_text())
+    job["train"][key] = value
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job))
+    proc = ms_llm("train", str(config), "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"train.{key}." in proc.stderr and "does not exist" in proc.stderr
     assert not (tmp_path / "r").exists()
 
 

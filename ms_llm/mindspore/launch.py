@@ -61,12 +61,10 @@ def ascend_available() -> bool:
 
 
 def token_file(job: JobConfig, run: RunFolder) -> Path:
+    """The token file the workers read (ms_llm.launch checked and made the job's path absolute)."""
     if job.train.data.source == "stdlib":
         return build_stdlib_corpus(run.data)
-    path = Path(job.train.data.source)
-    if not path.is_file():
-        raise ConfigError(f"train.data.source: token file {path} does not exist; give a token file or 'stdlib'")
-    return path
+    return Path(job.train.data.source)
 
 
 def resolved_job(job: JobConfig, p: ModelPlan) -> JobConfig:
