@@ -198,3 +198,32 @@ def test_killed_worker_restarts_and_repeats_only_the_steps_since_the_checkpoint(
     assert repeated[0] == resumed[0] + 1 and repeated[-1] >= killed
     for k in repeated:
         assert losses[k][0] == pytest.approx(losses[k][1], abs=1e-5), k
+
+
+def _damage_optimizer_shard(folder: Path, file: str) -> str:
+    """Flip one byte of an optimizer-state shard stored in `file` (one rank's file)."""
+    index = json.loads((folder / "index.json").read_text())
+    key = next(shard["key"] for name, entry in index["tensors"].items() if name.startswith("optim.")
+               for shard in entry["shards"] if shard["file"] == file)
+    data = bytearray((folder / file).read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    begin = 8 + header + json.loads(data[8:8 + header])[key]["data_offsets"][0]
+    data[begin] ^= 0xFF
+    (folder / file).write_bytes(data)
+    return key
+
+
+@pytest.mark.slow
+def test_damage_seen_by_one_rank_sends_every_rank_back_together(reference):
+    """Under ZeRO-1 each rank reads its optimizer shard from its own file: a flipped byte in
+    rank 1's file of the newest checkpoint fails rank 1 only. Both ranks resume from the
+    previous checkpoint, and the loss curve is the uninterrupted one."""
+    tmp, tokens, _, ref = reference
+    run = tmp / "damaged"
+    config = _job(tmp, "damaged", tokens, {"dp": 2, "zero": {"stage": 1}}, 2)
+    _train(config, run, 4)                                             # checkpoints at steps 2 and 4
+    _damage_optimizer_shard(run / "checkpoints" / "step_00000004", "rank_00001.safetensors")
+    losses = _train(config, run, 6)
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["resumed_step"] for r in records if "resumed_step" in r] == [2]
+    assert [losses[k] for k in (3, 4, 5, 6)] == pytest.approx([ref[k] for k in (3, 4, 5, 6)], abs=1e-5)

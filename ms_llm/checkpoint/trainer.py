@@ -14,20 +14,23 @@ interval, the training-state record, metrics) lives here.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from ms_llm.checkpoint.format import INDEX, optim_name, run_config
 from ms_llm.checkpoint.interval import IntervalInputs, choose_interval
 from ms_llm.checkpoint.memory_tier import MemoryTier, restore_folders
-from ms_llm.checkpoint.reader import Checkpoint, candidates, load_with_fallback
+from ms_llm.checkpoint.reader import Checkpoint, candidates
 from ms_llm.checkpoint.shards import Piece
 from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem, SaveStats
 from ms_llm.data.sampler import SamplerState
 from ms_llm.errors import CheckpointError
 from ms_llm.run import MetricsLogger, RunFolder, lr_at
+
+log = logging.getLogger(__name__)
 
 Held = dict[str, tuple[Piece, Any]]       # checkpoint name -> (piece, the backend's tensor)
 
@@ -109,11 +112,7 @@ class TrainerCheckpoints:
             renamed = {w: (dataclasses.replace(held[n][0], name=w), held[n][1]) for w, n in masters.items()}
             return loaded + self._load(ckpt, renamed)
 
-        ckpt, _ = load_with_fallback(folders, load)
-        newest, oldest = self.state.max_over_ranks([ckpt.step, -ckpt.step])
-        if newest != -oldest:
-            raise CheckpointError(f"ranks restored different steps ({-oldest:.0f} .. {newest:.0f}); a checkpoint "
-                                  "is damaged on some ranks only: remove it and restart")
+        ckpt = self._load_agreed(folders, load)
         saved = ckpt.state
         if "sampler" in saved and self.sampler.step_of(SamplerState.from_dict(saved["sampler"])) != ckpt.step:
             raise CheckpointError(f"{ckpt.folder}: data position does not match step {ckpt.step}; train.seed or "
@@ -128,6 +127,33 @@ class TrainerCheckpoints:
         self.logger.event(resumed_from=str(ckpt.folder), resumed_step=ckpt.step)
         ckpt.close()
         return ckpt.step
+
+    def _load_agreed(self, folders: list[Path], load: Callable[[Checkpoint], object]) -> Checkpoint:
+        """load_with_fallback for many ranks: after each folder the ranks compare, so a file
+        damaged for some ranks only sends all of them back to the previous checkpoint."""
+        most, least = self.state.max_over_ranks([len(folders), -len(folders)])
+        if most != -least:
+            raise CheckpointError(f"ranks see {-least:.0f} to {most:.0f} checkpoints to resume from; every rank "
+                                  "needs the same run folder (and train.checkpoint.load)")
+        failures = []
+        for folder in folders:
+            try:
+                ckpt = Checkpoint(folder)
+                load(ckpt)
+            except CheckpointError as exc:
+                log.warning("checkpoint %s unusable, trying the previous one: %s", folder, exc)
+                failures.append(f"  - {exc}")
+                ckpt = None
+            if self.state.max_over_ranks([float(ckpt is None)])[0]:
+                if ckpt is not None:
+                    ckpt.close()
+                continue
+            newest, oldest = self.state.max_over_ranks([ckpt.step, -ckpt.step])
+            if newest != -oldest:
+                raise CheckpointError(f"ranks loaded different steps ({-oldest:.0f} .. {newest:.0f}) from {folder}")
+            return ckpt
+        here = "\n".join(failures) or "  - (the failures were on other ranks)"
+        raise CheckpointError("no checkpoint loads on every rank:\n" + here)
 
     def _load(self, ckpt: Checkpoint, held: Held) -> list[str]:
         return self.state.load_into(ckpt, {n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()},
