@@ -4,12 +4,10 @@ The launcher imports no framework: it plans (so a bad strategy fails here, befor
 process starts), then runs the backend's own launcher as a subprocess and copies its
 output to the console and to <run>/launcher.log. Worker logs go to <run>/logs/.
 
-    torch:  torchrun --standalone --nproc-per-node W --log-dir <run>/logs --redirects 3 --tee 3 --local-ranks-filter 0
-                     -m torch_backend.worker CONFIG --run-dir <run>
+    torch:  torchrun --standalone --nproc-per-node W --log-dir <run>/logs --redirects 3 --tee 3
+                     --local-ranks-filter 0 -m torch_backend.worker CONFIG --run-dir <run>
 
-With --max-restarts N a failed launch is started again (a fresh port, the same run folder)
-up to N times; the workers resume from the run folder's newest checkpoint, so a crash costs
-the steps since that checkpoint, not the run. The same loop serves both backends.
+With --max-restarts N a failed launch is started again (ms_llm.elastic) up to N times.
 """
 from __future__ import annotations
 
@@ -21,9 +19,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from ms_llm.config.job import JobConfig, load_job
+from ms_llm.elastic import check_restarts, with_restarts
 from ms_llm.errors import ConfigError, StrategyError
 from ms_llm.run import RunFolder
 from ms_llm.strategy.plan import ModelPlan, plan
@@ -98,27 +97,6 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
             sys.stdout.flush()
             out.write(line)
         return proc.wait()
-
-
-def with_restarts(start: Callable[[], int], max_restarts: int, run: RunFolder) -> int:
-    """Run `start` (one launch of every worker, returning its exit status), and again after
-    each failure, at most `max_restarts` more times."""
-    rc = start()
-    for attempt in range(1, max_restarts + 1):
-        if rc == 0:
-            break
-        print(f"ms-llm train: workers failed (exit {rc}); restart {attempt} of {max_restarts}, resuming from "
-              f"the newest checkpoint in {run.checkpoints}", file=sys.stderr, flush=True)
-        rc = start()
-    return rc
-
-
-def check_restarts(job: JobConfig, max_restarts: int) -> None:
-    if max_restarts < 0:
-        raise ConfigError(f"--max-restarts: got {max_restarts}; use 0 (fail on the first error) or more")
-    if max_restarts and job.train.checkpoint.interval == 0:
-        raise ConfigError("--max-restarts: train.checkpoint.interval is 0, so a restart would begin again at "
-                          "step 0; set train.checkpoint.interval to a step count or 'auto'")
 
 
 # Backend -> the command that starts its workers for (request, run folder, world size).

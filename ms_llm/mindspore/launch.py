@@ -20,7 +20,8 @@ from pathlib import Path
 from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict
 from ms_llm.data import build_stdlib_corpus
 from ms_llm.errors import ConfigError, StrategyError
-from ms_llm.launch import free_port, with_restarts
+from ms_llm.elastic import with_restarts
+from ms_llm.launch import free_port
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan, plan
 
