@@ -73,6 +73,7 @@ CASES: dict[str, tuple[int, dict, str]] = {
     "zero2_dp4": (4, {"dp": 4, "zero": {"stage": 2, **NATIVE}}, "sgd"),
     "zero3_dp4": (4, {"dp": 4, "zero": {"stage": 3, **NATIVE}}, "sgd"),
     "zero3_hsdp": (4, {"dp": 4, "zero": {"stage": 3, "shard_size": 2, **NATIVE}}, "sgd"),
+    "shared_zero0_pp2_dp2": (4, {"pp": 2, "dp": 2, "pipeline": {"schedule": "1f1b"}, "zero": SHARED}, "sgd"),
     "shared_pp2_dp2": (4, {"pp": 2, "dp": 2, "pipeline": {"schedule": "1f1b"}, "zero": {"stage": 1, **SHARED}},
                        "sgd"),
     "shared_zero3_pp2_dp2": (4, {"pp": 2, "dp": 2, "pipeline": {"schedule": "gpipe"},
