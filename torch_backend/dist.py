@@ -1,6 +1,7 @@
 """Process-group setup and teardown for a worker, under torchrun or alone."""
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -25,7 +26,11 @@ def init_distributed() -> torch.device:
 
 
 def shutdown() -> None:
-    """Barrier first: without it, runs using a DeviceMesh can abort at exit."""
+    """Collect first: wrappers kept alive by reference cycles (DDP's reducer, optimizer hooks)
+    would otherwise release gloo work objects during interpreter teardown, which can abort
+    the process after a successful run. Then a barrier: without it, runs using a DeviceMesh
+    can abort at exit."""
     if dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()

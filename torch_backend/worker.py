@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from ms_llm.config.job import load_job
@@ -55,4 +56,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Every file and process group is closed by now. Skipping interpreter teardown keeps
+    # gloo's threads from aborting a finished run while Python finalizes (seen once:
+    # "terminate called without an active exception" after the last step).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
