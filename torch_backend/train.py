@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import time
 
 import numpy as np
@@ -14,8 +13,7 @@ from ms_llm.checkpoint.trainer import TrainerCheckpoints
 from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens
-from ms_llm.run import MetricsLogger, RunFolder, StepMetrics, lr_at
-from ms_llm.strategy.devices import get_device
+from ms_llm.run import MetricsLogger, RunFolder, StepMetrics, StepRate, lr_at, peak_rss_gb
 from ms_llm.strategy.plan import plan as make_plan
 from torch_backend.lower import lower
 from torch_backend.mesh import build_meshes
@@ -36,7 +34,7 @@ def token_stream(train: TrainConfig, run: RunFolder) -> np.ndarray:
 def memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # peak RSS (KiB on Linux)
+    return peak_rss_gb()
 
 
 def train(job: JobConfig, run: RunFolder, device: torch.device) -> list[StepMetrics]:
@@ -60,9 +58,7 @@ def train(job: JobConfig, run: RunFolder, device: torch.device) -> list[StepMetr
     dp_rank, dp_size = meshes.coord("dp"), meshes.size("dp")
 
     logger = MetricsLogger(run.metrics if rank == 0 else None, tc.steps, tc.log_every)
-    tokens_per_step = tc.global_batch_size * tc.seq_len
-    flops_per_token = plan.model.flops_per_token(tc.seq_len)
-    peak_flops = get_device(job.device).peak_flops * world
+    rate = StepRate.of(job, world)
     history = []
     checkpoints = TrainerCheckpoints(job, run, plan, TorchTrainerState(step_fn, plan, rank), sampler, rank, logger)
     for step in range(checkpoints.resume(), tc.steps):
@@ -71,9 +67,7 @@ def train(job: JobConfig, run: RunFolder, device: torch.device) -> list[StepMetr
         loss, grad_norm = step_fn(step, batch)
         loss, grad_norm = loss.item(), grad_norm.item()                        # waits for the step
         dt = time.perf_counter() - t0
-        m = StepMetrics(step=step + 1, loss=loss, lr=lr_at(step, tc), tokens_per_s=tokens_per_step / dt,
-                        mfu=flops_per_token * tokens_per_step / dt / peak_flops, memory_gb=memory_gb(device),
-                        grad_norm=grad_norm, step_time_s=dt)
+        m = rate.metrics(step + 1, loss, lr_at(step, tc), dt, memory_gb(device), grad_norm)
         logger.log(m, force=step == 0)
         history.append(m)
         checkpoints.after_step(step + 1, dt)

@@ -11,7 +11,7 @@ torch_backend/resume.py and ms_llm/mindspore/resume.py):
     from ms_llm.checkpoint.trainer import TrainerCheckpoints
     checkpoints = TrainerCheckpoints(job, run, plan, state, sampler, rank, logger)
     for step in range(checkpoints.resume(), train.steps):     # memory tier, run folder or train.checkpoint.load
-        ...
+        step_time = train_one_step(step)                      # the backend's step
         checkpoints.after_step(step + 1, step_time)           # saves every `interval` (or 'auto') steps
     checkpoints.close()
 

@@ -12,21 +12,19 @@ is built and checked up to compilation (tests/test_ms_auto_worker.py).
 """
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 import mindspore as ms
 from mindspore import nn
 
-from ms_llm.config.job import JobConfig, load_job
+from ms_llm.config.job import JobConfig
 from ms_llm.data import GlobalBatchSampler, load_tokens
 from ms_llm.mindspore.apply import apply_lowering, set_context
+from ms_llm.mindspore.launch import worker_args
 from ms_llm.mindspore.lower import Lowering, lower
 from ms_llm.mindspore.model import LossCell, Transformer
-from ms_llm.run import MetricsLogger, RunFolder, StepMetrics, lr_at
-from ms_llm.strategy.devices import get_device
+from ms_llm.run import MetricsLogger, StepRate, lr_at
 from ms_llm.strategy.plan import ModelPlan, plan
 
 DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
@@ -61,16 +59,9 @@ def logging_rank(p: ModelPlan) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--tokens", required=True)
-    args = ap.parse_args(argv)
-
+    job, run, tokens = worker_args(argv, __doc__.splitlines()[0])
     from mindspore.communication import get_group_size, get_rank, init
 
-    job = load_job(args.config)
-    run = RunFolder(Path(args.run_dir))
     ms.set_context(mode=ms.GRAPH_MODE)
     init()
     rank, world = get_rank(), get_group_size()
@@ -81,21 +72,16 @@ def main(argv: list[str] | None = None) -> int:
 
     train = job.train
     dp_rank = p.mesh.index_in("dp", rank)
-    sampler = GlobalBatchSampler(load_tokens(Path(args.tokens), train.data.token_dtype), train.seq_len,
+    sampler = GlobalBatchSampler(load_tokens(tokens, train.data.token_dtype), train.seq_len,
                                  train.global_batch_size, train.seed)
     logger = MetricsLogger(run.metrics if rank == logging_rank(p) else None, train.steps, train.log_every)
-    device = get_device(job.device)
-    tokens_per_step = train.global_batch_size * train.seq_len
-    flops_per_step = job.model.flops_per_token(train.seq_len) * tokens_per_step
+    rate = StepRate.of(job, world)
     for step in range(train.steps):
         rows = sampler.local_batch(step, dp_rank, p.strategy.dp)          # this dp rank's whole sequences
         start = time.perf_counter()
         loss = float(step_cell(ms.Tensor(rows[:, :-1], ms.int32), ms.Tensor(rows[:, 1:], ms.int32)).asnumpy())
         elapsed = time.perf_counter() - start
-        logger.log(StepMetrics(step=step + 1, loss=loss, lr=lr_at(step, train),
-                               tokens_per_s=tokens_per_step / elapsed,
-                               mfu=flops_per_step / elapsed / (device.peak_flops * world), memory_gb=0.0,
-                               step_time_s=elapsed))
+        logger.log(rate.metrics(step + 1, loss, lr_at(step, train), elapsed, memory_gb=0.0))
     logger.close()
     return 0
 

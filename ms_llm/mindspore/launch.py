@@ -8,6 +8,7 @@ reason and what to use instead; `--dry-run` prints their lowering without compil
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict
+from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict, load_job
 from ms_llm.data import build_stdlib_corpus
 from ms_llm.errors import ConfigError, StrategyError
 from ms_llm.elastic import with_restarts
@@ -88,6 +89,16 @@ def msrun_command(world: int, port: int, run: RunFolder, config: Path, tokens: P
     return [msrun, f"--worker_num={world}", f"--local_worker_num={world}", "--master_addr=127.0.0.1",
             f"--master_port={port}", f"--log_dir={run.logs}", "--join=True", "python", "-m", worker,
             "--config", str(config), "--run-dir", str(run.root), "--tokens", str(tokens)]
+
+
+def worker_args(argv: list[str] | None, description: str) -> tuple[JobConfig, RunFolder, Path]:
+    """What msrun_command hands a worker: its job, run folder and token file."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--tokens", required=True)
+    args = ap.parse_args(argv)
+    return load_job(args.config), RunFolder(Path(args.run_dir)), Path(args.tokens)
 
 
 def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> None:

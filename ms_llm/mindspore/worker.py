@@ -12,10 +12,7 @@ metrics.jsonl the torch backend writes.
 """
 from __future__ import annotations
 
-import argparse
-import resource
 import time
-from pathlib import Path
 
 import numpy as np
 import mindspore as ms
@@ -23,15 +20,14 @@ from mindspore import nn
 from mindspore.communication import get_group_size, get_rank, init
 
 from ms_llm.checkpoint.trainer import TrainerCheckpoints
-from ms_llm.config.job import load_job
 from ms_llm.data import GlobalBatchSampler, load_tokens
 from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks
+from ms_llm.mindspore.launch import worker_args
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.mindspore.optim import AdamW
 from ms_llm.mindspore.resume import MsTrainerState
 from ms_llm.mindspore.train_step import TrainStep
-from ms_llm.run import MetricsLogger, RunFolder, StepMetrics, lr_at
-from ms_llm.strategy.devices import get_device
+from ms_llm.run import MetricsLogger, StepRate, lr_at, peak_rss_gb
 from ms_llm.strategy.plan import plan
 
 
@@ -87,14 +83,7 @@ class ZeroStep:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--tokens", required=True)
-    args = ap.parse_args(argv)
-
-    job = load_job(args.config)
-    run = RunFolder(Path(args.run_dir))
+    job, run, tokens = worker_args(argv, __doc__.splitlines()[0])
     zero = job.strategy.zero.stage > 0
     ms.set_context(mode=ms.PYNATIVE_MODE if zero else ms.GRAPH_MODE, device_target="CPU")
     init()
@@ -105,12 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     dp_rank = p.mesh.index_in("dp", rank)
 
     step_fn = ZeroStep(job, p, rank, world) if zero else GraphStep(job, p, world)
-    sampler = GlobalBatchSampler(load_tokens(Path(args.tokens), train.data.token_dtype), train.seq_len,
+    sampler = GlobalBatchSampler(load_tokens(tokens, train.data.token_dtype), train.seq_len,
                                  train.global_batch_size, train.seed)
     logger = MetricsLogger(run.metrics if rank == 0 else None, train.steps, train.log_every)
-    device = get_device(job.device)
-    tokens_per_step = train.global_batch_size * train.seq_len
-    flops_per_step = job.model.flops_per_token(train.seq_len) * tokens_per_step
+    rate = StepRate.of(job, world)
     mode = "DATA_PARALLEL, PyNative + shared ZeRO engine" if zero else "DATA_PARALLEL, GRAPH"
     logger.event(event="start", backend="mindspore", mode=mode, world_size=world, dp=dp, zero_stage=p.zero.stage,
                  micro_batches=p.micro_batches)
@@ -123,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         loss, gnorm = step_fn(rows, lr)                                   # host floats: the step is done
         elapsed = time.perf_counter() - start
-        logger.log(StepMetrics(
-            step=step + 1, loss=loss, lr=lr, tokens_per_s=tokens_per_step / elapsed,
-            mfu=flops_per_step / elapsed / (device.peak_flops * world),
-            memory_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, grad_norm=gnorm,
-            step_time_s=elapsed))
+        logger.log(rate.metrics(step + 1, loss, lr, elapsed, peak_rss_gb(), gnorm))
         if not np.isfinite(loss):
             logger.event(event="diverged", step=step + 1)
             logger.close()

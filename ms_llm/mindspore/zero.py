@@ -88,13 +88,6 @@ class MsComm:
         return _Done()
 
 
-def _piece_shape(slot: Slot) -> tuple[int, ...]:
-    shape = list(slot.local_shape)
-    if slot.zero_dim is not None:
-        shape[slot.zero_dim] //= slot.parts
-    return tuple(shape)
-
-
 def _pieces(value: Tensor, slot: Slot) -> list[Tensor]:
     value = value.reshape(slot.local_shape)
     if slot.zero_dim is None:
@@ -147,7 +140,7 @@ class MsOps:
         return buf
 
     def unpack(self, buf, start, segment, slot, param) -> None:
-        shape = _piece_shape(slot)
+        shape = slot.piece_shape
         pieces = [buf[start + i * segment + slot.offset:start + i * segment + slot.offset + slot.numel].reshape(shape)
                   for i in range(slot.parts)]
         full = pieces[0] if slot.zero_dim is None else ops.cat(pieces, slot.zero_dim)
@@ -184,12 +177,12 @@ class MsOps:
 
     def adamw(self, p, g, m, v, step, lr, hp: AdamW):
         """torch.optim.AdamW's update (see TorchOps.adamw), written functionally."""
+        decay, step_size, bias_correction2_sqrt = hp.scalars(step, lr)
         if hp.weight_decay != 0:
-            p = p * (1 - lr * hp.weight_decay)
+            p = p * decay
         m = m + (g - m) * (1 - hp.beta1)
         v = v * hp.beta2 + g * g * (1 - hp.beta2)
-        step_size = lr / (1 - hp.beta1 ** step)
-        denom = ops.sqrt(v) / (1 - hp.beta2 ** step) ** 0.5 + hp.eps
+        denom = ops.sqrt(v) / bias_correction2_sqrt + hp.eps
         return p - m / denom * step_size, m, v
 
     def sgd(self, p, g, lr, hp: SGD):

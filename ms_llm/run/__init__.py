@@ -1,6 +1,6 @@
 """What every training run shares across backends: its folder, progress/metrics output, LR schedule."""
 from ms_llm.run.folder import RunFolder
 from ms_llm.run.lr import lr_at
-from ms_llm.run.metrics import MetricsLogger, StepMetrics
+from ms_llm.run.metrics import MetricsLogger, StepMetrics, StepRate, peak_rss_gb
 
-__all__ = ["RunFolder", "MetricsLogger", "StepMetrics", "lr_at"]
+__all__ = ["RunFolder", "MetricsLogger", "StepMetrics", "StepRate", "lr_at", "peak_rss_gb"]

@@ -1,11 +1,15 @@
-"""Progress lines and metrics.jsonl, identical for both backends."""
+"""Progress lines, metrics.jsonl and the tokens/s and MFU of a step, identical for both backends."""
 from __future__ import annotations
 
 import json
+import resource
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
+
+from ms_llm.config.job import JobConfig
+from ms_llm.strategy.devices import get_device
 
 
 @dataclass
@@ -26,6 +30,31 @@ class StepMetrics:
         if self.grad_norm == self.grad_norm:
             text += f" | gnorm {self.grad_norm:.3f}"
         return text
+
+
+@dataclass(frozen=True)
+class StepRate:
+    """What one optimizer step computes, for tokens/s and MFU: one formula for every backend."""
+    tokens: int                    # global batch x sequence length
+    flops: float                   # model FLOPs of those tokens, forward and backward
+    peak_flops: float              # of every device of the job together
+
+    @classmethod
+    def of(cls, job: JobConfig, world: int) -> "StepRate":
+        t = job.train
+        tokens = t.global_batch_size * t.seq_len
+        return cls(tokens, job.model.flops_per_token(t.seq_len) * tokens, get_device(job.device).peak_flops * world)
+
+    def metrics(self, step: int, loss: float, lr: float, elapsed: float, memory_gb: float,
+                grad_norm: float = float("nan")) -> StepMetrics:
+        return StepMetrics(step=step, loss=loss, lr=lr, tokens_per_s=self.tokens / elapsed,
+                           mfu=self.flops / elapsed / self.peak_flops, memory_gb=memory_gb, grad_norm=grad_norm,
+                           step_time_s=elapsed)
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory (ru_maxrss counts KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 class MetricsLogger:

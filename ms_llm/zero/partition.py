@@ -62,13 +62,20 @@ class Slot:
     offset: int                    # element offset of the parameter's piece inside every segment
     numel: int                     # elements of the piece (local numel / parts)
 
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        """Shape of the piece each segment holds (the TP-local shape, split along zero_dim)."""
+        shape = list(self.local_shape)
+        if self.zero_dim is not None:
+            shape[self.zero_dim] //= self.parts
+        return tuple(shape)
+
     def piece_box(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes) in the TP-local tensor of the piece segment `index` holds."""
-        offsets, sizes = [0] * len(self.local_shape), list(self.local_shape)
+        sizes, offsets = self.piece_shape, [0] * len(self.local_shape)
         if self.zero_dim is not None:
-            sizes[self.zero_dim] //= self.parts
             offsets[self.zero_dim] = index * sizes[self.zero_dim]
-        return tuple(offsets), tuple(sizes)
+        return tuple(offsets), sizes
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,11 @@ class AdamW:
     eps: float
     weight_decay: float
 
+    def scalars(self, step: int, lr: float) -> tuple[float, float, float]:
+        """(weight-decay factor, step size, sqrt of the second bias correction) of update
+        `step`, computed as torch.optim.AdamW does, so every backend's update matches it."""
+        return 1 - lr * self.weight_decay, lr / (1 - self.beta1 ** step), (1 - self.beta2 ** step) ** 0.5
+
 
 @dataclass(frozen=True)
 class SGD:

@@ -11,13 +11,6 @@ from ms_llm.zero.protocol import SGD, AdamW
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _piece_shape(slot: Slot) -> tuple[int, ...]:
-    shape = list(slot.local_shape)
-    if slot.zero_dim is not None:
-        shape[slot.zero_dim] //= slot.parts
-    return tuple(shape)
-
-
 def _chunks(t: torch.Tensor, slot: Slot) -> torch.Tensor:
     """(parts, *piece_shape) view of a TP-local tensor: chunk i along the ZeRO dim first."""
     if slot.zero_dim is None:
@@ -30,7 +23,7 @@ def _chunks(t: torch.Tensor, slot: Slot) -> torch.Tensor:
 def _columns(buf: torch.Tensor, start: int, segment: int, slot: Slot) -> torch.Tensor:
     """(parts, *piece_shape) view of the slot's piece in every segment of a bucket."""
     rows = buf.narrow(0, start, slot.parts * segment).view(slot.parts, segment)
-    return rows.narrow(1, slot.offset, slot.numel).view((slot.parts,) + _piece_shape(slot))
+    return rows.narrow(1, slot.offset, slot.numel).view((slot.parts,) + slot.piece_shape)
 
 
 class TorchOps:
@@ -92,7 +85,7 @@ class TorchOps:
 
     @torch.no_grad()
     def pack_own(self, buf, start, segment, slot, index, value):
-        dst = buf.narrow(0, start + index * segment + slot.offset, slot.numel).view(_piece_shape(slot))
+        dst = buf.narrow(0, start + index * segment + slot.offset, slot.numel).view(slot.piece_shape)
         dst.copy_(_chunks(value.detach(), slot)[index if slot.zero_dim is not None else 0])
         return buf
 
@@ -150,14 +143,12 @@ class TorchOps:
     @torch.no_grad()
     def adamw(self, p, g, m, v, step, lr, hp: AdamW):
         """torch.optim.AdamW's single-tensor update, operation for operation."""
+        decay, step_size, bias_correction2_sqrt = hp.scalars(step, lr)
         if hp.weight_decay != 0:
-            p.mul_(1 - lr * hp.weight_decay)
+            p.mul_(decay)
         m.lerp_(g, 1 - hp.beta1)
         v.mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
-        bias_correction1 = 1 - hp.beta1 ** step
-        bias_correction2 = 1 - hp.beta2 ** step
-        step_size = lr / bias_correction1
-        denom = (v.sqrt() / bias_correction2 ** 0.5).add_(hp.eps)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(hp.eps)
         p.addcdiv_(m, denom, value=-step_size)
         return p, m, v
 
