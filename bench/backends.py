@@ -71,18 +71,18 @@ def mindspore_fns(job, batch: np.ndarray) -> dict:
     import mindspore as ms
     from ms_llm.mindspore.model import LossCell, Transformer
     from ms_llm.mindspore.optim import AdamW
-    from ms_llm.mindspore.train_step import TrainStep
+    from ms_llm.mindspore.step import TrainCell
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     net = Transformer(job.model)
     net.init_weights(job.train.seed)
     loss_cell = LossCell(net)
-    step_cell = TrainStep(loss_cell, AdamW(loss_cell.trainable_params(), job.train.optimizer), 1,
-                          job.train.optimizer.grad_clip)
+    optimizer = AdamW(loss_cell.trainable_params(), job.train.optimizer)
+    step_cell = TrainCell(loss_cell, optimizer, 1, job.train.optimizer.grad_clip)
     inputs, labels = ms.Tensor(batch[None, :, :-1], ms.int32), ms.Tensor(batch[None, :, 1:], ms.int32)
-    lr = ms.Tensor(job.train.optimizer.lr, ms.float32)
+    scale, lr = ms.Tensor(1.0, ms.float32), ms.Tensor(job.train.optimizer.lr, ms.float32)
     x, y = inputs[0], labels[0]
-    return {"ms step": lambda: float(step_cell(inputs, labels, lr)[0].asnumpy()),
+    return {"ms step": lambda: float(step_cell(inputs, labels, scale, lr)[0].asnumpy()),
             "ms forward": lambda: float(loss_cell(x, y).asnumpy())}
 
 

@@ -24,3 +24,8 @@ class StrategyError(MsLlmError):
 class CheckpointError(MsLlmError):
     """A checkpoint that cannot be read as asked: missing, corrupted, truncated or incompatible.
     The message names the folder or file and the tensor."""
+
+
+class TrainingDiverged(MsLlmError):
+    """The loss or gradient norm stopped being finite. The message names the step and the last
+    checkpoint saved before it, which is kept."""

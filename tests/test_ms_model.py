@@ -12,7 +12,7 @@ from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import OptimizerConfig
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.mindspore.optim import AdamW
-from ms_llm.mindspore.train_step import TrainStep
+from ms_llm.mindspore.step import TrainCell
 from torch_backend.model import Transformer as TorchTransformer
 
 CFG = dict(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=160, max_seq_len=32,
@@ -60,7 +60,8 @@ def test_one_adamw_step_gives_the_same_next_loss(micro_batches):
     opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
     ours, ref = _pair(cfg)
     loss_cell = LossCell(ours)
-    step = TrainStep(loss_cell, AdamW(loss_cell.trainable_params(), opt_cfg), micro_batches, opt_cfg.grad_clip)
+    optimizer = AdamW(loss_cell.trainable_params(), opt_cfg)
+    step = TrainCell(loss_cell, optimizer, micro_batches, opt_cfg.grad_clip)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2),
                                   eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay)
     rng = np.random.default_rng(0)
@@ -69,7 +70,7 @@ def test_one_adamw_step_gives_the_same_next_loss(micro_batches):
     before = loss_cell(ms.Tensor(x[:, :-1], ms.int32), ms.Tensor(x[:, 1:], ms.int32)).asnumpy()
 
     loss, norm = step(ms.Tensor(batch[:, :, :-1], ms.int32), ms.Tensor(batch[:, :, 1:], ms.int32),
-                      ms.Tensor(opt_cfg.lr, ms.float32))
+                      ms.Tensor(1.0, ms.float32), ms.Tensor(opt_cfg.lr, ms.float32))
     torch_loss = 0.0
     for mb in torch.from_numpy(batch):
         part = F.cross_entropy(ref(mb[:, :-1]).flatten(0, 1), mb[:, 1:].flatten()) / micro_batches

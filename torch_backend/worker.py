@@ -1,48 +1,83 @@
-"""Worker entry point: one process of a training job.
+"""One process of a torch training job: plan, lower, then the shared loop (ms_llm.run.loop).
 
-    torchrun --nproc-per-node 8 -m torch_backend.worker CONFIG.yaml --run-dir runs/x
-    python -m torch_backend.worker CONFIG.yaml --run-dir runs/x       # a world of one
+    torchrun ... -m torch_backend.worker --run-dir RUN
 
-`ms-llm train CONFIG.yaml --backend torch` launches torchrun with this module itself.
+`ms-llm train` resolves the job once and writes RUN/config.yaml; a worker starts from that
+folder alone.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
+from pathlib import Path
 
 from ms_llm.config.job import load_job
-from ms_llm.errors import MsLlmError
+from ms_llm.errors import MsLlmError, TrainingDiverged
 from ms_llm.run import RunFolder
+from ms_llm.run.loop import DIVERGED_EXIT
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m torch_backend.worker", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="job YAML (model + strategy + train)")
-    p.add_argument("--run-dir", required=True, help="run folder shared by all workers")
-    p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.add_argument("--run-dir", required=True, help="run folder written by `ms-llm train` (holds config.yaml)")
     return p.parse_args(argv)
+
+
+def build_trainer(run: RunFolder, device):
+    """This rank's model, lowered from the plan, and its step function, for the shared loop."""
+    import torch
+    import torch.distributed as dist
+
+    from ms_llm.run import peak_rss_gb
+    from ms_llm.run.loop import Trainer, plan_for
+    from torch_backend.lower import lower
+    from torch_backend.mesh import build_meshes
+    from torch_backend.state import TorchTrainerState
+    from torch_backend.step import TrainStep
+
+    job = load_job(run.config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = plan_for(job, world)
+    # Lower the plan: mesh, pipeline chunks, TP/SP, AC, compile, DP/ZeRO (torch_backend/parallelize).
+    lowered = lower(plan, build_meshes(plan.mesh, device.type), device, rank, compile=job.train.compile)
+    step_fn = TrainStep(lowered)
+    if rank == 0:
+        print(f"lowered: {plan.mesh.describe()} | data parallel: {lowered.dp.name} (ZeRO {plan.zero.stage}) | "
+              f"{plan.micro_batches} micro-batch(es) | precision {plan.strategy.precision.compute_dtype} | "
+              f"device {device}", flush=True)
+
+    def step(i: int, rows) -> tuple[float, float]:
+        loss, grad_norm = step_fn(i, torch.from_numpy(rows))
+        return loss.item(), grad_norm.item()                  # waits for the step
+
+    def memory_gb() -> float:
+        return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else peak_rss_gb()
+
+    return Trainer(job, run, plan, rank, step, TorchTrainerState(step_fn, plan, rank), memory_gb, logs=rank == 0,
+                   loss_scale=getattr(step_fn, "loss_scale", None))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        job = load_job(args.config)
-        if args.steps is not None:
-            job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=args.steps))
-    except MsLlmError as exc:
-        print(f"torch_backend.worker: error: {exc}", file=sys.stderr)
+    run = RunFolder(Path(args.run_dir).resolve())
+    if not run.config.is_file():
+        print(f"torch_backend.worker: error: {run.config} does not exist; start workers with `ms-llm train`",
+              file=sys.stderr)
         return 2
     import torch.distributed as dist
 
+    from ms_llm.run.loop import train
     from torch_backend.dist import init_distributed, shutdown
-    from torch_backend.train import train
 
     device = init_distributed()
     rank = dist.get_rank()
     try:
-        history = train(job, RunFolder.create(job.name, args.run_dir), device)
+        history = train(build_trainer(run, device))
+    except TrainingDiverged as exc:     # every rank sees the same global loss and norm
+        shutdown()
+        print(f"torch_backend.worker: {exc}", file=sys.stderr)
+        return DIVERGED_EXIT
     except MsLlmError as exc:           # raised alike on every rank (plan / config problems)
         shutdown()
         print(f"torch_backend.worker: error: {exc}", file=sys.stderr)

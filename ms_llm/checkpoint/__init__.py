@@ -6,7 +6,7 @@ ModelPlan and hand numpy over (torch: `t.detach().cpu().numpy()`, MindSpore: `.a
 see torch_backend/checkpoint.py and ms_llm/mindspore/checkpoint.py).
 
 In a trainer (both backends do this; the backend only supplies a TrainerState, see
-torch_backend/resume.py and ms_llm/mindspore/resume.py):
+torch_backend/state.py and ms_llm/mindspore/state.py):
 
     from ms_llm.checkpoint.trainer import TrainerCheckpoints
     checkpoints = TrainerCheckpoints(job, run, plan, state, sampler, rank, logger)

@@ -1,6 +1,6 @@
 """Checkpointing inside a training loop, written once for both backends.
 
-    checkpoints = TrainerCheckpoints(job, run, plan, state, sampler, rank, logger)
+    checkpoints = TrainerCheckpoints(job, run, plan, state, sampler, rank, logger, loss_scale)
     for step in range(checkpoints.resume(), train.steps):
         ...one training step...
         checkpoints.after_step(step + 1, step_time)
@@ -29,6 +29,7 @@ from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem, SaveStats
 from ms_llm.data.sampler import SamplerState
 from ms_llm.errors import CheckpointError
 from ms_llm.run import MetricsLogger, RunFolder, lr_at
+from ms_llm.run.loss_scale import LossScaler
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,10 @@ def master_of(name: str) -> Optional[str]:
 
 
 class TrainerCheckpoints:
-    def __init__(self, job, run: RunFolder, plan, state: TrainerState, sampler, rank: int, logger: MetricsLogger):
+    def __init__(self, job, run: RunFolder, plan, state: TrainerState, sampler, rank: int, logger: MetricsLogger,
+                 loss_scale: Optional[LossScaler] = None):
         self.job, self.run, self.plan, self.state, self.sampler, self.rank = job, run, plan, state, sampler, rank
+        self.loss_scale = loss_scale
         self.cfg, self.logger = job.train.checkpoint, logger
         self.memory = None
         if self.cfg.memory_tier:
@@ -80,6 +83,7 @@ class TrainerCheckpoints:
         self.writer: Optional[CheckpointWriter] = None
         self.interval = self.cfg.interval if isinstance(self.cfg.interval, int) else None
         self.step_times: list[float] = []
+        self.last_step: Optional[int] = None        # newest checkpoint saved or resumed from
 
     # ---- resume --------------------------------------------------------------------------
     def _folders(self) -> list[Path]:
@@ -118,6 +122,8 @@ class TrainerCheckpoints:
             raise CheckpointError(f"{ckpt.folder}: data position does not match step {ckpt.step}; train.seed or "
                                   "global_batch_size changed since it was saved")
         self.state.set_optimizer_step(int(saved.get("optimizer_step", ckpt.step)))
+        if self.loss_scale is not None:
+            self.loss_scale.load_state(saved.get("loss_scale"))
         own = ckpt.rank_state(self.rank)
         if own and ckpt.index.world_size == self.plan.world_size:
             self.state.set_rank_state(own)
@@ -125,6 +131,7 @@ class TrainerCheckpoints:
             print(f"resumed from {ckpt.folder} (step {ckpt.step}, saved by {ckpt.config.get('backend', '?')} on "
                   f"{ckpt.index.world_size} rank(s))", flush=True)
         self.logger.event(resumed_from=str(ckpt.folder), resumed_step=ckpt.step)
+        self.last_step = ckpt.step
         ckpt.close()
         return ckpt.step
 
@@ -191,9 +198,12 @@ class TrainerCheckpoints:
                                            memory=self.memory)
         held = self.state.held(create=False)
         items = self.state.save_items({n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()})
-        record = {"step": step, "optimizer_step": step, "lr": lr_at(step, self.plan.train),
-                  "sampler": self.sampler.state_at(step).to_dict(), "loss_scale": None}
+        scaler = self.loss_scale
+        record = {"step": step, "optimizer_step": step - (scaler.skipped if scaler else 0),
+                  "lr": lr_at(step, self.plan.train), "sampler": self.sampler.state_at(step).to_dict(),
+                  "loss_scale": scaler.state() if scaler else None}
         previous = self.writer.last
+        self.last_step = step
         stats = self.writer.save(step, items, state=record, rank_state=self.state.rank_state(),
                                  config=run_config(self.plan, self.state.backend))   # waits for `previous` first
         self._report_durable(previous)

@@ -1,66 +1,88 @@
-"""AdamW with torch.optim.AdamW's exact arithmetic, and gradient-norm clipping, in one graph.
+"""AdamW with torch.optim.AdamW's exact arithmetic, and global-norm clipping, for one graph.
 
-MindSpore's nn.AdamWeightDecay has no bias correction, so its updates differ from
-torch's; both backends must follow one loss curve, so the update is written out here
-(weight decay on every parameter, the rule of the torch backend and the shared ZeRO engine):
+MindSpore's nn.AdamWeightDecay has no bias correction, so its updates differ from torch's;
+both backends must follow one loss curve, so the update is written out here (weight decay
+on every parameter, the rule of the torch backend and the shared ZeRO engine):
 
     p <- p * (1 - lr * wd)
     m <- m + (g - m) * (1 - beta1);  v <- beta2 * v + (1 - beta2) * g^2
     p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-ZeRO is not here: sharded optimizer states are the shared engine's (ms_llm.mindspore.zero).
+It is an nn.Optimizer whose moments are `parameters.clone(...)`, which is what MindSpore's
+parallel optimizer (ZeRO under semi_auto_parallel on Ascend) shards. The learning rate of the
+step, from the shared schedule, is an input of the graph (a Parameter set from the host is
+read stale inside the skip-on-overflow branch) and is recorded in `learning_rate`;
+t counts applied updates (a step skipped for a loss-scale overflow does not count), as in
+torch.
 """
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from ms_llm.config.train import OptimizerConfig
 
+_adamw = ops.MultitypeFuncGraph("adamw")
 
-class AdamW(nn.Cell):
+
+@_adamw.register("Number", "Number", "Number", "Number", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
+                 "Tensor", "Tensor")
+def _adamw_update(beta1, beta2, eps, wd, lr, step_size, bias2_sqrt, param, m, v, grad):
+    """One parameter's update, in place; returns the new parameter value. The depend chain keeps
+    every assignment in the graph (an assignment nothing depends on can be dropped)."""
+    grad = ops.cast(grad, ms.float32)
+    p = param * (1.0 - lr * wd)
+    m_new = m + (grad - m) * (1.0 - beta1)
+    v_new = v * beta2 + grad * grad * (1.0 - beta2)
+    p = p - step_size * m_new / (ops.sqrt(v_new) / bias2_sqrt + eps)
+    p = ops.depend(p, ops.assign(param, p))
+    p = ops.depend(p, ops.assign(m, m_new))
+    return ops.depend(p, ops.assign(v, v_new))
+
+
+class AdamW(nn.Optimizer):
     def __init__(self, params: list[Parameter], cfg: OptimizerConfig):
-        super().__init__(auto_prefix=False)
-        self.params = ms.ParameterTuple(params)
+        super().__init__(float(cfg.lr), params)
         self.beta1, self.beta2, self.eps, self.wd = cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay
-
-        def state(prefix):
-            return ms.ParameterTuple([Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"{prefix}.{p.name}",
-                                                requires_grad=False) for p in params])
-
-        self.exp_avg = state("exp_avg")
-        self.exp_avg_sq = state("exp_avg_sq")
+        self.exp_avg = self.parameters.clone(prefix="exp_avg", init="zeros")
+        self.exp_avg_sq = self.parameters.clone(prefix="exp_avg_sq", init="zeros")
         self.step = Parameter(Tensor(0.0, ms.float32), name="optimizer.step", requires_grad=False)
-        self.assign = ops.Assign()
-        self.sqrt = ops.Sqrt()
-        self.pow = ops.Pow()
+        self.hyper_map = ops.HyperMap()
 
-    def construct(self, grads, lr):
+    def set_step(self, steps: int) -> None:
+        self.step.set_data(Tensor(float(steps), ms.float32))
+
+    def construct(self, gradients, lr):
+        lr = ops.depend(lr, ops.assign(self.learning_rate, lr))
         step = self.step + 1.0
-        self.assign(self.step, step)
-        bias1 = 1.0 - self.pow(Tensor(self.beta1, ms.float32), step)
-        bias2_sqrt = self.sqrt(1.0 - self.pow(Tensor(self.beta2, ms.float32), step))
-        step_size = lr / bias1
-        for i in range(len(self.params)):
-            param, grad = self.params[i], grads[i]
-            p = param * (1.0 - lr * self.wd)
-            m = self.exp_avg[i] + (grad - self.exp_avg[i]) * (1.0 - self.beta1)
-            v = self.exp_avg_sq[i] * self.beta2 + grad * grad * (1.0 - self.beta2)
-            p = p - step_size * m / (self.sqrt(v) / bias2_sqrt + self.eps)
-            self.assign(self.exp_avg[i], m)
-            self.assign(self.exp_avg_sq[i], v)
-            self.assign(param, p)
-        return step
+        ops.assign(self.step, step)
+        bias1 = 1.0 - ops.pow(Tensor(self.beta1, ms.float32), step)
+        bias2_sqrt = ops.sqrt(1.0 - ops.pow(Tensor(self.beta2, ms.float32), step))
+        return self.hyper_map(ops.partial(_adamw, self.beta1, self.beta2, self.eps, self.wd, lr, lr / bias1,
+                                          bias2_sqrt),
+                              self.parameters, self.exp_avg, self.exp_avg_sq, gradients)
 
 
-def clip_by_global_norm(grads: tuple, max_norm: float) -> tuple:
-    """torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)); returns (grads, norm)."""
-    total = ops.reduce_sum(grads[0] * grads[0])
-    for g in grads[1:]:
-        total = total + ops.reduce_sum(g * g)
-    norm = ops.sqrt(total)
+# The grad_scale attribute makes MindSpore's auto-parallel pass count each shard of a sharded
+# gradient once (and each replica not again) when it reduces the squares over the mesh, as
+# MindFormers' ClipGradNorm relies on; without auto-parallel it is a plain ExpandDims.
+_expand_dims = ops.ExpandDims().add_prim_attr("grad_scale", True)
+_square_sum = ops.MultitypeFuncGraph("square_sum")
+
+
+@_square_sum.register("Tensor")
+def _square_sum_of(grad):
+    return _expand_dims(ops.reduce_sum(ops.square(ops.cast(grad, ms.float32))), 0)
+
+
+def global_norm(grads: tuple) -> Tensor:
+    """sqrt of the sum of every gradient element's square, over the whole model: shape (1,)."""
+    return ops.sqrt(ops.addn(ops.HyperMap()(_square_sum, grads)))
+
+
+def clip_by_norm(grads: tuple, norm: Tensor, max_norm: float) -> tuple:
+    """torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6))."""
     if max_norm <= 0:
-        return grads, norm
+        return grads
     coef = ops.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return tuple(g * coef for g in grads), norm
+    return tuple(g * ops.cast(coef, g.dtype) for g in grads)

@@ -1,124 +1,143 @@
-"""One msrun worker of `ms-llm train --backend mindspore` on CPU: data parallel (+ ZeRO 1-3).
+"""One process of a MindSpore training job, on Ascend or on a CPU machine, running the shared loop.
 
-    msrun --worker_num=N ... python -m ms_llm.mindspore.worker --config RUN/config.yaml --run-dir RUN --tokens F
+    msrun --worker_num=N ... python -m ms_llm.mindspore.worker --run-dir RUN
+    python -m ms_llm.mindspore.worker --run-dir RUN          # one process, stand-alone
 
-Every rank builds the same model from the seed (then takes rank 0's by Broadcast) and reads
-its rows of the shared global batch (GlobalBatchSampler: the batch at step k is the same for
-any dp size). Without ZeRO a step is one GRAPH-mode graph: micro-batch gradients, AllReduce
-mean (DATA_PARALLEL), clipping, AdamW. With ZeRO 1-3 the shared engine (ms_llm.zero through
-ms_llm.mindspore.zero) owns reduction, clipping and the sharded update, in PyNative mode
-around a compiled gradient function, as on torch. Rank 0 writes the progress lines and
-metrics.jsonl the torch backend writes.
+`ms-llm train` resolves the job once and writes RUN/config.yaml. On Ascend the plan is lowered
+to semi_auto_parallel (shard strategies, pipeline stages, parallel optimizer, recompute); on a
+CPU machine the same step cell runs stand-alone or DATA_PARALLEL, or the shared ZeRO engine
+runs ZeRO 1-3 (ms_llm.mindspore.support decides which). Every rank builds the same model from
+the seed and reads its rows of the shared global batch.
 """
 from __future__ import annotations
 
-import time
+import argparse
+import os
+import sys
+from pathlib import Path
 
-import numpy as np
-import mindspore as ms
-from mindspore import nn
-from mindspore.communication import get_group_size, get_rank, init
+from ms_llm.config.job import JobConfig, load_job
+from ms_llm.errors import MsLlmError, TrainingDiverged
+from ms_llm.machine import Machine
+from ms_llm.run import RunFolder
+from ms_llm.run.loop import DIVERGED_EXIT
+from ms_llm.strategy.plan import ModelPlan
 
-from ms_llm.checkpoint.trainer import TrainerCheckpoints
-from ms_llm.data import GlobalBatchSampler, load_tokens
-from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks
-from ms_llm.mindspore.launch import worker_args
-from ms_llm.mindspore.model import LossCell, Transformer
-from ms_llm.mindspore.optim import AdamW
-from ms_llm.mindspore.resume import MsTrainerState
-from ms_llm.mindspore.train_step import TrainStep
-from ms_llm.run import MetricsLogger, StepRate, lr_at, peak_rss_gb
-from ms_llm.strategy.plan import plan
+DTYPES = ("float32", "float16", "bfloat16")
 
 
-class GraphStep:
-    """ZeRO off: the whole step in one GRAPH-mode graph."""
+def logging_rank(p: ModelPlan) -> int:
+    """The first rank of the last pipeline stage: it holds the loss."""
+    return p.mesh.rank(pp=p.strategy.pp - 1)
 
-    def __init__(self, job, p, world: int):
+
+def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, world: int, ascend: bool):
+    """The compiled step: lowered to semi_auto_parallel on Ascend, stand-alone / DATA_PARALLEL elsewhere."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks
+    from ms_llm.mindspore.model import LossCell, RMSNorm, Transformer
+    from ms_llm.mindspore.optim import AdamW
+    from ms_llm.mindspore.step import GraphStep, TrainCell
+    from ms_llm.run.loss_scale import LossScaler
+
+    net = Transformer(job.model)
+    net.init_weights(job.train.seed)
+    loss_cell = LossCell(net)
+    if ascend:
+        from ms_llm.mindspore.apply import apply_lowering, set_context
+        from ms_llm.mindspore.lower import lower
+
+        low = lower(p, strategy_file=str(run.root / "strategy" / f"ckpt_strategy_rank_{rank}.ckpt"))
+        set_context(low)
+        apply_lowering(loss_cell, low)
+    elif world > 1:
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                     device_num=world)
+    compute = getattr(ms, p.strategy.precision.compute_dtype)
+    if compute != ms.float32:
+        net.to_float(compute)
+        for _, cell in net.cells_and_names():          # norms in fp32, as MindFormers computes them (an fp16
+            if isinstance(cell, RMSNorm):              # rsqrt backward gives NaN gradients on CPU)
+                cell.to_float(ms.float32)
+        loss_cell.loss.to_float(ms.float32)            # softmax cross-entropy in fp32
+    params = loss_cell.trainable_params()
+    reducer = mean = None
+    if world > 1 and not ascend:                       # semi_auto_parallel reduces inside the graph
+        BroadcastParams(params)().asnumpy()
+        reducer = nn.DistributedGradReducer(params, mean=True, degree=world)
+        mean = MeanOverRanks(world)
+    pipeline = p.strategy.pp > 1
+    body = nn.PipelineCell(loss_cell, micro_size=p.micro_batches) if pipeline else loss_cell
+    cell = TrainCell(body, AdamW(params, job.train.optimizer), p.micro_batches, job.train.optimizer.grad_clip,
+                     reducer, mean, pipeline)
+    return GraphStep(cell, job, p, LossScaler.from_precision(p.strategy.precision))
+
+
+def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
+    import mindspore as ms
+
+    from ms_llm.mindspore.state import MsTrainerState
+    from ms_llm.mindspore.support import zero_engine
+    from ms_llm.run import peak_rss_gb
+    from ms_llm.run.loop import Trainer, plan_for
+
+    ascend = machine.accelerator == "ascend"
+    ms.set_context(device_target="Ascend" if ascend else "CPU")
+    rank, world = 0, 1
+    if "MS_WORKER_NUM" in os.environ:                  # started by msrun
+        from mindspore.communication import get_group_size, get_rank, init
+        init()
+        rank, world = get_rank(), get_group_size()
+    p = plan_for(job, world)
+    shared_zero = zero_engine(p, machine) == "shared"
+    ms.set_context(mode=ms.PYNATIVE_MODE if shared_zero else ms.GRAPH_MODE)
+    if shared_zero:
+        from ms_llm.mindspore.model import LossCell, Transformer
+        from ms_llm.mindspore.step import ZeroStep
+
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                     device_num=world)
         net = Transformer(job.model)
         net.init_weights(job.train.seed)
-        loss_cell = LossCell(net)
-        params = loss_cell.trainable_params()
-        if world > 1:
-            BroadcastParams(params)().asnumpy()
-        reducer = nn.DistributedGradReducer(params, mean=True, degree=world) if world > 1 else None
-        mean = MeanOverRanks(world) if world > 1 else None
-        self.cell = TrainStep(loss_cell, AdamW(params, job.train.optimizer), p.micro_batches,
-                              job.train.optimizer.grad_clip, reducer, mean)
+        step_fn = ZeroStep(net, LossCell(net), job, p, rank, world)
+        mode, loss_scale = "DATA_PARALLEL, PyNative + shared ZeRO engine", None
+    else:
+        step_fn = build_graph_step(job, p, run, rank, world, ascend)
+        mode = "semi_auto_parallel" if ascend else "DATA_PARALLEL, GRAPH" if world > 1 else "stand-alone, GRAPH"
+        loss_scale = step_fn.loss_scale
 
-    def __call__(self, rows: np.ndarray, lr: float) -> tuple[float, float]:
-        loss, norm = self.cell(ms.Tensor(rows[:, :, :-1], ms.int32), ms.Tensor(rows[:, :, 1:], ms.int32),
-                               ms.Tensor(lr, ms.float32))
-        return float(loss.asnumpy()), float(norm.asnumpy())
+    def memory_gb() -> float:
+        return ms.runtime.max_memory_allocated() / 2**30 if ascend else peak_rss_gb()
 
-
-class ZeroStep:
-    """ZeRO 1-3: the shared engine (buckets, AllReduce-as-ReduceScatter, sharded AdamW, AllGather;
-    under ZeRO-3 each layer gathered before use through Cell hooks)."""
-
-    def __init__(self, job, p, rank: int, world: int):
-        from ms_llm.mindspore.zero import MsZeroDataParallel
-        from ms_llm.zero import zero_plan
-        from ms_llm.zero.engine import EngineConfig
-
-        net = Transformer(job.model)
-        net.init_weights(job.train.seed)
-        self.runner = MsZeroDataParallel(LossCell(net), zero_plan(p), rank,
-                                         EngineConfig.from_job(p.strategy, job.train), net=net)
-        self.mean = MeanOverRanks(world)
-
-    def __call__(self, rows: np.ndarray, lr: float) -> tuple[float, float]:
-        n, total = len(rows), 0.0
-        for i, micro in enumerate(rows):
-            x, y = ms.Tensor(micro[:, :-1], ms.int32), ms.Tensor(micro[:, 1:], ms.int32)
-            if i < n - 1:
-                with self.runner.no_sync():          # reduce once, after the last micro-batch
-                    loss = self.runner.backward(x, y, scale=1.0 / n)
-            else:
-                loss = self.runner.backward(x, y, scale=1.0 / n)
-            total += float(loss.asnumpy())
-        norm = self.runner.step(lr)
-        loss = float(self.mean(ms.Tensor([total], ms.float32)).asnumpy()[0])
-        return loss, float("nan") if norm is None else norm
+    logs = rank == logging_rank(p)
+    if logs:
+        print(f"MindSpore {mode}: {p.mesh.describe()} | ZeRO {p.zero.stage} | {p.micro_batches} micro-batch(es) | "
+              f"precision {p.strategy.precision.compute_dtype}", flush=True)
+    return Trainer(job, run, p, rank, step_fn, MsTrainerState(step_fn, p, rank, world), memory_gb, logs, loss_scale)
 
 
 def main(argv: list[str] | None = None) -> int:
-    job, run, tokens = worker_args(argv, __doc__.splitlines()[0])
-    zero = job.strategy.zero.stage > 0
-    ms.set_context(mode=ms.PYNATIVE_MODE if zero else ms.GRAPH_MODE, device_target="CPU")
-    init()
-    rank, world = get_rank(), get_group_size()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True, device_num=world)
-    p = plan(job.model, job.strategy, job.train, world)
-    train, dp = job.train, p.strategy.dp
-    dp_rank = p.mesh.index_in("dp", rank)
+    ap = argparse.ArgumentParser(prog="python -m ms_llm.mindspore.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True, help="run folder written by `ms-llm train` (holds config.yaml)")
+    run = RunFolder(Path(ap.parse_args(argv).run_dir).resolve())
+    try:
+        job = load_job(run.config)
+        from ms_llm.run.loop import train
 
-    step_fn = ZeroStep(job, p, rank, world) if zero else GraphStep(job, p, world)
-    sampler = GlobalBatchSampler(load_tokens(tokens, train.data.token_dtype), train.seq_len,
-                                 train.global_batch_size, train.seed)
-    logger = MetricsLogger(run.metrics if rank == 0 else None, train.steps, train.log_every)
-    rate = StepRate.of(job, world)
-    mode = "DATA_PARALLEL, PyNative + shared ZeRO engine" if zero else "DATA_PARALLEL, GRAPH"
-    logger.event(event="start", backend="mindspore", mode=mode, world_size=world, dp=dp, zero_stage=p.zero.stage,
-                 micro_batches=p.micro_batches)
-
-    checkpoints = TrainerCheckpoints(job, run, p, MsTrainerState(step_fn, p, rank, world), sampler, rank, logger)
-    for step in range(checkpoints.resume(), train.steps):
-        rows = sampler.local_batch(step, dp_rank, dp)                      # (G/dp, T+1)
-        rows = rows.reshape(p.micro_batches, train.micro_batch_size, train.seq_len + 1)
-        lr = lr_at(step, train)
-        start = time.perf_counter()
-        loss, gnorm = step_fn(rows, lr)                                   # host floats: the step is done
-        elapsed = time.perf_counter() - start
-        logger.log(rate.metrics(step + 1, loss, lr, elapsed, peak_rss_gb(), gnorm))
-        if not np.isfinite(loss):
-            logger.event(event="diverged", step=step + 1)
-            logger.close()
-            return 3
-        checkpoints.after_step(step + 1, elapsed)
-    checkpoints.close()
-    logger.event(event="done", steps=train.steps)
-    logger.close()
+        trainer = build_trainer(run, job, Machine.detect())
+        history = train(trainer)
+    except TrainingDiverged as exc:
+        print(f"ms_llm.mindspore.worker: {exc}", file=sys.stderr, flush=True)
+        return DIVERGED_EXIT
+    except MsLlmError as exc:
+        print(f"ms_llm.mindspore.worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if trainer.logs and history:
+        first, last = history[0], history[-1]
+        print(f"done: {len(history)} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
+              f"{sum(m.step_time_s for m in history):.1f} s", flush=True)
     return 0
 
 

@@ -6,6 +6,7 @@
         logs/              one log per worker
         metrics.jsonl      one JSON object per logged step (rank 0)
         checkpoints/       step-N folders and the `latest` pointer
+        heartbeat/         one liveness file per rank (ms_llm.run.heartbeat)
         data/              the tokenized default corpus cache
 """
 from __future__ import annotations
@@ -46,6 +47,10 @@ class RunFolder:
     @property
     def config(self) -> Path:
         return self.root / "config.yaml"
+
+    @property
+    def heartbeat(self) -> Path:
+        return self.root / "heartbeat"
 
     @property
     def launcher_log(self) -> Path:

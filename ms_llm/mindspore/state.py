@@ -1,9 +1,10 @@
 """The MindSpore trainer's training state for ms_llm.checkpoint.trainer (save cadence, resume).
 
-Two step kinds run on CPU (ms_llm/mindspore/worker.py): without ZeRO one GRAPH-mode cell
-whose AdamW holds full moments next to full weights (the plan's layouts); with ZeRO the
-shared engine, whose flat segments ms_llm.checkpoint.zero_state cuts into pieces. Engine
-segments are replaced by each (functional) update, so a slice is looked up when it is used.
+Two step kinds (ms_llm/mindspore/step.py): GraphStep, whose AdamW holds moments next to the
+weights, each rank the piece its layout gives it (whole on a CPU machine; the shard the
+lowering gives it under semi_auto_parallel on Ascend); and ZeroStep, the shared engine, whose
+flat segments ms_llm.checkpoint.zero_state cuts into pieces. Engine segments are replaced by
+each (functional) update, so a slice is looked up when it is used.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class SegmentSlice:
 
 
 class MsTrainerState:
-    """ms_llm.checkpoint.trainer.TrainerState over the worker's GraphStep or ZeroStep."""
+    """ms_llm.checkpoint.trainer.TrainerState over a GraphStep or a ZeroStep."""
     backend = "mindspore"
     save_items = staticmethod(save_items)
     load_into = staticmethod(load_into)
@@ -79,8 +80,8 @@ class MsTrainerState:
             out = {n: (s.piece, SegmentSlice(engine, s)) for n, s in engine_slices(engine, self.plan, self.rank).items()}
             weights = {p.name: p for p in self.step_fn.runner.weights}
         else:
-            opt = self.step_fn.cell.optimizer
-            weights = {p.name: p for p in opt.params}
+            opt = self.step_fn.optimizer
+            weights = {p.name: p for p in opt.parameters}
             out = self._optimizer(opt)
         for name, piece in param_pieces(self.plan, self.rank).items():
             if name not in out:                 # ZeRO-3 shards are already in, from the engine
@@ -89,7 +90,7 @@ class MsTrainerState:
 
     def _optimizer(self, opt) -> Held:
         states, out = optim_pieces(self.plan, self.rank, STATES), {}
-        for i, p in enumerate(opt.params):
+        for i, p in enumerate(opt.parameters):
             for state, tensors in zip(STATES, (opt.exp_avg, opt.exp_avg_sq)):
                 name = optim_name(state, p.name)
                 piece, t = states[name], tensors[i]
@@ -114,7 +115,7 @@ class MsTrainerState:
         if engine is not None:
             engine.step_count = steps
         else:
-            self.step_fn.cell.optimizer.step.set_data(ms.Tensor(float(steps), ms.float32))
+            self.step_fn.optimizer.set_step(steps)
 
     def rank_state(self) -> dict:
         return {}                       # the model draws no random numbers while training

@@ -1,0 +1,123 @@
+"""One optimizer step of the MindSpore worker, as the shared loop calls it: (step, rows) -> (loss, norm).
+
+Two kinds, chosen by ms_llm.mindspore.support's ZeRO engine:
+  - GraphStep: the whole step in one compiled graph (TrainCell). On Ascend the graph runs
+    under semi_auto_parallel with the lowering's shard strategies (ZeRO = MindSpore's parallel
+    optimizer over the AdamW moments, pp > 1 = nn.PipelineCell); on a CPU machine the same
+    cell runs stand-alone (one process) or DATA_PARALLEL (gradients averaged by
+    DistributedGradReducer), so every line but the sharded compile runs in CI.
+  - ZeroStep: the shared ZeRO engine (ms_llm.zero through ms_llm.mindspore.zero), PyNative
+    around a compiled gradient function, as on torch: ZeRO 1-3 on a CPU machine.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from ms_llm.config.job import JobConfig
+from ms_llm.mindspore.collectives import MeanOverRanks
+from ms_llm.mindspore.optim import AdamW, clip_by_norm, global_norm
+from ms_llm.run import lr_at
+from ms_llm.strategy.plan import ModelPlan
+
+
+class ScaledLoss(nn.Cell):
+    """loss * scale, so an fp16 backward keeps small gradients (scale 1 in fp32: exact)."""
+
+    def __init__(self, body: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.body = body
+
+    def construct(self, inputs, labels, scale):
+        return self.body(inputs, labels) * scale
+
+
+class TrainCell(nn.Cell):
+    """Micro-batch gradients, data-parallel mean, unscale, global norm, clip, AdamW.
+
+    Inputs are stacked micro-batches (M, B, T) so the step compiles once, or the whole local
+    batch (M * B, T) for nn.PipelineCell, which splits it itself. An update whose gradient
+    norm is not finite is skipped (a loss-scale overflow); the norm says so to the caller.
+    """
+
+    def __init__(self, body: nn.Cell, optimizer: AdamW, micro_batches: int, grad_clip: float,
+                 reducer: Optional[nn.Cell] = None, loss_mean: Optional[nn.Cell] = None, pipeline: bool = False):
+        super().__init__(auto_prefix=False)
+        self.optimizer, self.reducer, self.loss_mean = optimizer, reducer, loss_mean
+        self.weights = optimizer.parameters
+        self.micro_batches, self.grad_clip, self.pipeline = micro_batches, grad_clip, pipeline
+        self.grad_fn = ms.value_and_grad(ScaledLoss(body), None, self.weights)
+
+    def construct(self, inputs, labels, scale, lr):
+        if self.pipeline:
+            loss, grads = self.grad_fn(inputs, labels, scale)
+            divisor = scale
+        else:
+            loss, grads = self.grad_fn(inputs[0], labels[0], scale)
+            for i in range(1, self.micro_batches):
+                mb_loss, mb_grads = self.grad_fn(inputs[i], labels[i], scale)
+                loss = loss + mb_loss
+                grads = tuple(g + h for g, h in zip(grads, mb_grads))
+            divisor = scale * self.micro_batches
+        loss = loss / divisor
+        grads = tuple(g / ops.cast(divisor, g.dtype) for g in grads)
+        if self.reducer is not None:          # CPU data parallel: average over dp ranks
+            grads = self.reducer(grads)
+            loss = self.loss_mean(loss)
+        norm = global_norm(grads)
+        if ops.isfinite(norm).all():       # the outputs depend on the update, so it runs before they return
+            loss = ops.depend(loss, self.optimizer(clip_by_norm(grads, norm, self.grad_clip), lr))
+        return loss, norm
+
+
+class GraphStep:
+    """TrainCell for the shared loop: learning rate from the schedule, loss scale from the policy."""
+
+    def __init__(self, cell: TrainCell, job: JobConfig, plan: ModelPlan, loss_scale=None):
+        self.cell, self.train, self.loss_scale = cell, job.train, loss_scale
+        self.optimizer = cell.optimizer
+        self.shape = ((-1, job.train.seq_len + 1) if cell.pipeline else
+                      (plan.micro_batches, job.train.micro_batch_size, job.train.seq_len + 1))
+
+    def __call__(self, step: int, rows: np.ndarray) -> tuple[float, float]:
+        rows = rows.reshape(self.shape)
+        scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
+        loss, norm = self.cell(Tensor(rows[..., :-1], ms.int32), Tensor(rows[..., 1:], ms.int32),
+                               Tensor(scale, ms.float32), Tensor(lr_at(step, self.train), ms.float32))
+        loss, norm = float(loss.asnumpy()), float(norm.asnumpy().reshape(-1)[0])
+        if self.loss_scale is not None:
+            self.loss_scale.update(bool(np.isfinite(norm)), step + 1)
+        return loss, norm
+
+
+class ZeroStep:
+    """ZeRO 1-3 on the shared engine (buckets, AllReduce-as-ReduceScatter, sharded AdamW, AllGather;
+    under ZeRO-3 each layer gathered before use through Cell hooks)."""
+
+    def __init__(self, net: nn.Cell, loss_cell: nn.Cell, job: JobConfig, plan: ModelPlan, rank: int, world: int):
+        from ms_llm.mindspore.zero import MsZeroDataParallel
+        from ms_llm.zero import zero_plan
+        from ms_llm.zero.engine import EngineConfig
+
+        self.runner = MsZeroDataParallel(loss_cell, zero_plan(plan), rank, EngineConfig.from_job(plan.strategy, job.train),
+                                         net=net)
+        self.mean = MeanOverRanks(world)
+        self.train, self.shape = job.train, (plan.micro_batches, job.train.micro_batch_size, job.train.seq_len + 1)
+
+    def __call__(self, step: int, rows: np.ndarray) -> tuple[float, float]:
+        rows = rows.reshape(self.shape)
+        n, total = len(rows), 0.0
+        for i, micro in enumerate(rows):
+            x, y = Tensor(micro[:, :-1], ms.int32), Tensor(micro[:, 1:], ms.int32)
+            if i < n - 1:
+                with self.runner.no_sync():          # reduce once, after the last micro-batch
+                    loss = self.runner.backward(x, y, scale=1.0 / n)
+            else:
+                loss = self.runner.backward(x, y, scale=1.0 / n)
+            total += float(loss.asnumpy())
+        norm = self.runner.step(lr_at(step, self.train))
+        loss = float(self.mean(Tensor([total], ms.float32)).asnumpy()[0])
+        return loss, float("nan") if norm is None else norm
