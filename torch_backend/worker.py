@@ -30,7 +30,8 @@ def build_trainer(run: RunFolder, device):
     import torch.distributed as dist
 
     from ms_llm.run import peak_rss_gb
-    from ms_llm.run.loop import Trainer, plan_for
+    from ms_llm.run.loop import Trainer
+    from ms_llm.strategy.plan import plan as make_plan
     from torch_backend.lower import lower
     from torch_backend.mesh import build_meshes
     from torch_backend.state import TorchTrainerState
@@ -38,7 +39,7 @@ def build_trainer(run: RunFolder, device):
 
     job = load_job(run.config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = plan_for(job, world)
+    plan = make_plan(job.model, job.strategy, job.train, world)     # checks the world size too
     # Lower the plan: mesh, pipeline chunks, TP/SP, AC, compile, DP/ZeRO (torch_backend/parallelize).
     lowered = lower(plan, build_meshes(plan.mesh, device.type), device, rank, compile=job.train.compile)
     step_fn = TrainStep(lowered)

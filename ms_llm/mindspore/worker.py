@@ -81,7 +81,8 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
     from ms_llm.mindspore.state import MsTrainerState
     from ms_llm.mindspore.support import zero_engine
     from ms_llm.run import peak_rss_gb
-    from ms_llm.run.loop import Trainer, plan_for
+    from ms_llm.run.loop import Trainer
+    from ms_llm.strategy.plan import plan as make_plan
 
     ascend = machine.accelerator == "ascend"
     ms.set_context(device_target="Ascend" if ascend else "CPU")
@@ -90,7 +91,7 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
         from mindspore.communication import get_group_size, get_rank, init
         init()
         rank, world = get_rank(), get_group_size()
-    p = plan_for(job, world)
+    p = make_plan(job.model, job.strategy, job.train, world)         # checks the world size too
     shared_zero = zero_engine(p, machine) == "shared"
     ms.set_context(mode=ms.PYNATIVE_MODE if shared_zero else ms.GRAPH_MODE)
     if shared_zero:

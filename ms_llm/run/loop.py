@@ -19,13 +19,13 @@ import numpy as np
 from ms_llm.checkpoint.trainer import TrainerCheckpoints, TrainerState
 from ms_llm.config.job import JobConfig
 from ms_llm.data import GlobalBatchSampler, load_tokens
-from ms_llm.errors import ConfigError, StrategyError, TrainingDiverged
+from ms_llm.errors import ConfigError, TrainingDiverged
 from ms_llm.run.folder import RunFolder
 from ms_llm.run.heartbeat import Heartbeat
 from ms_llm.run.loss_scale import LossScaler
 from ms_llm.run.lr import lr_at
 from ms_llm.run.metrics import MetricsLogger, StepMetrics, StepRate
-from ms_llm.strategy.plan import ModelPlan, plan
+from ms_llm.strategy.plan import ModelPlan
 
 DIVERGED_EXIT = 3        # a worker's exit status after a divergence stop: restarting would repeat it
 
@@ -57,15 +57,6 @@ def token_sampler(job: JobConfig, run: RunFolder) -> GlobalBatchSampler:
         raise ConfigError(f"{run.config}: train.data.source is 'stdlib'; workers read the token file the launcher "
                           "resolves it to: start them with `ms-llm train`")
     return GlobalBatchSampler(load_tokens(t.data.source, t.data.token_dtype), t.seq_len, t.global_batch_size, t.seed)
-
-
-def plan_for(job: JobConfig, world: int) -> ModelPlan:
-    """The worker's one plan, for the world it was started in (the launcher planned for the same)."""
-    p = plan(job.model, job.strategy, job.train, world)
-    if p.world_size != world:
-        raise StrategyError(f"this worker was started in a world of {world} processes, but the strategy needs "
-                            f"{p.world_size}; start it through `ms-llm train`, which launches the right number")
-    return p
 
 
 def check_finite(step: int, loss: float, grad_norm: float, norm_measured: bool, skipped: bool,
