@@ -81,12 +81,21 @@ class GraphStep:
         self.optimizer = cell.optimizer
         self.shape = ((-1, job.train.seq_len + 1) if cell.pipeline else
                       (plan.micro_batches, job.train.micro_batch_size, job.train.seq_len + 1))
+        self.local_rows = job.train.global_batch_size // plan.strategy.dp
+
+    def compile(self) -> None:
+        """Compile before the first step: under semi_auto_parallel that slices every Parameter to
+        this rank's shard, which is what a resume must fill (a checkpoint piece, not the whole)."""
+        self.cell.compile(*self._inputs(np.zeros((self.local_rows, self.train.seq_len + 1), np.int32), 1.0, 0.0))
+
+    def _inputs(self, rows: np.ndarray, scale: float, lr: float) -> tuple[Tensor, ...]:
+        rows = rows.reshape(self.shape)
+        return (Tensor(rows[..., :-1], ms.int32), Tensor(rows[..., 1:], ms.int32), Tensor(scale, ms.float32),
+                Tensor(lr, ms.float32))
 
     def __call__(self, step: int, rows: np.ndarray) -> tuple[float, float]:
-        rows = rows.reshape(self.shape)
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
-        loss, norm = self.cell(Tensor(rows[..., :-1], ms.int32), Tensor(rows[..., 1:], ms.int32),
-                               Tensor(scale, ms.float32), Tensor(lr_at(step, self.train), ms.float32))
+        loss, norm = self.cell(*self._inputs(rows, scale, lr_at(step, self.train)))
         loss, norm = float(loss.asnumpy()), float(norm.asnumpy().reshape(-1)[0])
         if self.loss_scale is not None:
             self.loss_scale.update(bool(np.isfinite(norm)), step + 1)

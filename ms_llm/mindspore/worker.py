@@ -72,7 +72,9 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     body = nn.PipelineCell(loss_cell, micro_size=p.micro_batches) if pipeline else loss_cell
     cell = TrainCell(body, AdamW(params, job.train.optimizer), p.micro_batches, job.train.optimizer.grad_clip,
                      reducer, mean, pipeline)
-    return GraphStep(cell, job, p, LossScaler.from_precision(p.strategy.precision))
+    step = GraphStep(cell, job, p, LossScaler.from_precision(p.strategy.precision))
+    step.compile()
+    return step
 
 
 def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
