@@ -6,7 +6,7 @@ export TMPDIR := $(CURDIR)/.tmp
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.tmp/inductor
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install oracles demo test test-fast bench clean
 
 install: $(STAMP)
 
@@ -19,13 +19,32 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e ".[torch,mindspore,dev]"
 	touch $(STAMP)
 
+# Peer packages used as test oracles (shared/reference/oracles.md), installed beside .venv:
+# their pins fight ours, so --no-deps and a separate target directory put on PYTHONPATH
+# only by the tests that need it. numpy<2 for MindSpore hence pandas<2.3, pyarrow<19; the peers
+# pinned to the versions the oracle tests were written against.
+ORACLES      := .oracles
+ORACLE_STAMP := $(ORACLES)/.installed
+ORACLE_PKGS  := megatron-core==0.16.1 torchtitan==0.3.0 mindformers==2.1.0 deepspeed==0.19.8 torchft==0.2.0 \
+	tyro spmd-types docstring_parser einops hjson deprecated wrapt msgpack requests urllib3 \
+	certifi jieba rouge_chinese "datasets==2.21.0" multiprocess "pandas<2.3" python-dateutil \
+	pytz tzdata "pyarrow<19" aiohttp multidict attrs yarl propcache aiosignal frozenlist \
+	aiohappyeyeballs xxhash sentencepiece tiktoken mindpet tensorboardX
+
+oracles: $(ORACLE_STAMP)
+
+$(ORACLE_STAMP): | $(STAMP)
+	rm -rf $(ORACLES)
+	$(VENV)/bin/pip install --quiet --no-deps --target $(ORACLES) $(ORACLE_PKGS)
+	touch $(ORACLE_STAMP)
+
 demo: install
 	$(PY) -m ms_llm demo
 
-test: install
+test: install oracles
 	$(PY) -m pytest -q tests
 
-test-fast: install
+test-fast: install oracles
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: install

@@ -1,5 +1,8 @@
 """Every strategy the lowering produces is accepted by MindSpore's own APIs: Primitive.shard
 (tuples and Layouts), set_auto_parallel_context and the AutoParallel wrapper's methods."""
+import dataclasses
+
+import numpy as np
 import pytest
 
 ms = pytest.importorskip("mindspore")
@@ -19,6 +22,7 @@ from ms_llm.strategy.plan import plan
 
 MODEL = ModelConfig(vocab_size=96, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                     ffn_hidden_size=128, max_seq_len=32, dtype="float32")
+FLASH = dataclasses.replace(MODEL, flash_attention=True)
 STRATEGIES = {
     "dp4": ({"dp": 4}, 4),
     "dp4_zero2": ({"dp": 4, "zero": {"stage": 2}}, 4),
@@ -29,12 +33,17 @@ STRATEGIES = {
                                        "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
                                        "recompute": {"policy": "selective", "num_layers": 1}}, 4),
     "hsdp_zero3": ({"dp": 4, "zero": {"stage": 3, "shard_size": 2}}, 4),
+    "flash_cp2_tp2_sp": ({"dp": 1, "cp": 2, "tp": 2, "sequence_parallel": True}, 1),
 }
+
+
+def _model(name) -> ModelConfig:
+    return FLASH if name.startswith("flash") else MODEL
 
 
 def _plan(name):
     strategy, batch = STRATEGIES[name]
-    return plan(MODEL, from_dict(ParallelStrategy, strategy, "strategy"),
+    return plan(_model(name), from_dict(ParallelStrategy, strategy, "strategy"),
                 TrainConfig(global_batch_size=batch, micro_batch_size=1, seq_len=32))
 
 
@@ -56,7 +65,7 @@ def _primitives(cell, prefix=""):
 def test_mindspore_accepts_every_strategy(name, tmp_path):
     p = _plan(name)
     low = lower(p, strategy_file=str(tmp_path / "strategy.ckpt"))
-    net = LossCell(Transformer(MODEL))
+    net = LossCell(Transformer(_model(name)))
     apply_lowering(net, low)
     set_context(low)
     for key, value in low.context.items():
@@ -64,14 +73,14 @@ def test_mindspore_accepts_every_strategy(name, tmp_path):
             assert ms.get_auto_parallel_context(key) == (list(map(list, value)) if key == "dataset_strategy"
                                                          else value), key
     ms.reset_auto_parallel_context()
-    auto_parallel(LossCell(Transformer(MODEL)), low, tmp_path / "param_strategy.ckpt")
+    auto_parallel(LossCell(Transformer(_model(name))), low, tmp_path / "param_strategy.ckpt")
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_compute_primitive_gets_a_strategy(name):
     low = lower(_plan(name))
     shards = {o.op for o in low.ops}
-    net = LossCell(Transformer(MODEL))
+    net = LossCell(Transformer(_model(name)))
     prims = {n.removeprefix("net."): prim for n, prim in _primitives(net)}
     unsharded = {n for n, prim in prims.items() if n not in shards and not isinstance(prim, P.Reshape)}
     assert not unsharded
@@ -80,6 +89,36 @@ def test_every_compute_primitive_gets_a_strategy(name):
     for op in low.ops:
         attrs = prims[op.op].attrs
         assert attrs.get("in_strategy") is not None or attrs.get("in_layout") is not None, op.op
+
+
+def test_flash_attention_falls_back_to_batch_matmul_on_cpu():
+    """FlashAttentionScore has no CPU kernel: a flash config builds the primitive (its strategy is
+    set and checked) but computes with BatchMatMul + softmax, the same numbers as without it."""
+    assert ms.get_context("device_target") == "CPU"
+    plain, flash = Transformer(MODEL), Transformer(FLASH)
+    plain.init_weights(seed=3)
+    flash.init_weights(seed=3)
+    attn = flash.model.layers[0].self_attn
+    assert attn.flash_attention.name == "FlashAttentionScore" and not attn.use_flash and not flash.use_flash
+    tokens = ms.Tensor(np.random.default_rng(0).integers(0, MODEL.vocab_size, (2, 16)), ms.int32)
+    np.testing.assert_array_equal(flash(tokens).asnumpy(), plain(tokens).asnumpy())
+
+
+def test_flash_attention_path_passes_mindspore_graph_inference(monkeypatch):
+    """The Ascend path, forced on CPU: the graph (FlashAttentionScore's q/k/v/mask dtypes and shapes,
+    GQA k/v, the tiled uint8 mask) passes MindSpore's inference and stops only at kernel selection."""
+    import ms_llm.mindspore.model as model_module
+
+    monkeypatch.setattr(model_module, "FLASH_TARGETS", ("CPU",))
+    net = Transformer(dataclasses.replace(FLASH, num_layers=1))
+    assert net.use_flash and net.model.layers[0].self_attn.use_flash
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(RuntimeError, match=r"Unsupported op \[FlashAttentionScore\] on CPU"):
+            net(ms.Tensor(np.zeros((2, 16)), ms.int32))
+    finally:
+        ms.set_context(mode=mode)
 
 
 def test_pipeline_stages_and_recompute_follow_the_plan():

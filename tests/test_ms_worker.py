@@ -80,3 +80,32 @@ def test_fp16_with_dynamic_loss_scaling_is_finite_and_close_to_fp32(fp32_run, to
     assert len(losses) == 5 and np.isfinite(losses).all()
     assert all(r["loss_scale"] == 65536.0 for r in half)          # no overflow: the scale held
     assert np.abs(losses - np.array([r["loss"] for r in records])).max() <= 1e-3      # measured: 1.4e-4
+
+
+@pytest.mark.parametrize("strategy,pipeline", [
+    ({"dp": 2, "tp": 2, "pp": 2, "sequence_parallel": True}, True),
+    ({"dp": 2, "tp": 2, "recompute": {"policy": "full"}}, False),
+    ({"dp": 4, "zero": {"stage": 1}}, False),
+])
+def test_the_ascend_step_builds_under_the_lowering(strategy, pipeline, tmp_path):
+    """Everything but the compile (Ascend only): lowering applied, PipelineCell for pp, AdamW as an
+    nn.Optimizer under the parallel optimizer's context."""
+    ms = pytest.importorskip("mindspore")
+    from mindspore import nn
+
+    from ms_llm.mindspore.worker import build_graph_step, logging_rank
+    from ms_llm.run import RunFolder
+    from ms_llm.strategy.plan import plan
+
+    job = job_from_dict({"model": JOB["model"], "strategy": strategy | {"precision": FP32},
+                         "train": {"global_batch_size": 4, "micro_batch_size": 1, "seq_len": 32, "steps": 3}})
+    p = plan(job.model, job.strategy, job.train)
+    try:
+        step = build_graph_step(job, p, RunFolder(tmp_path), rank=0, world=p.world_size, ascend=True)
+        assert ms.get_auto_parallel_context("parallel_mode") == "semi_auto_parallel"
+        assert ms.get_auto_parallel_context("enable_parallel_optimizer") == (p.zero.stage > 0)
+    finally:
+        ms.reset_auto_parallel_context()
+    assert isinstance(step.optimizer, nn.Optimizer) and step.cell.pipeline == pipeline
+    assert step.shape == ((-1, 33) if pipeline else (p.micro_batches, 1, 33))
+    assert logging_rank(p) == p.world_size - p.world_size // p.strategy.pp

@@ -27,6 +27,8 @@ class ModelConfig:
     dtype: DType = spec("bfloat16", "Parameter dtype on the device.")
     num_experts: int = spec(0, "Routed experts per MoE layer; 0 means a dense SwiGLU MLP.", ge=0)
     moe_top_k: int = spec(2, "Experts each token is routed to (MoE only).", ge=1)
+    flash_attention: bool = spec(False, "Fused attention kernel where the backend has one (MindSpore: "
+                                        "FlashAttentionScore on Ascend); the same math as plain attention.")
 
     def __post_init__(self) -> None:
         if self.num_kv_heads == 0:

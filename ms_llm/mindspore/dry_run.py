@@ -63,7 +63,9 @@ def dry_run_text(low: Lowering) -> str:
     for (stage, seg), cells in by_stage.items():
         label = f"stage {stage}" + (f" segment {seg}" if p.strategy.pipeline.virtual_stages > 1 else "")
         out.append(f"  {label}: {_cells(cells)}")
-    out += ["", "recompute: " + (", ".join(low.recompute_cells + low.recompute_ops) or "none")]
+    out += ["", "attention: " + ("FlashAttentionScore (BNSD) on Ascend, BatchMatMul + softmax where it has no kernel"
+                                 if p.model.flash_attention else "BatchMatMul + softmax")]
+    out += ["recompute: " + (", ".join(low.recompute_cells + low.recompute_ops) or "none")]
     if p.strategy.pp > 1:
         out.append(f"training cell: nn.PipelineCell(net, micro_size={p.micro_batches})")
     elif p.micro_batches > 1:

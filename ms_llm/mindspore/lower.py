@@ -5,7 +5,8 @@ a Linear's input is its activation layout flattened to (tokens, in), its weight 
 parameter's layout, a row-parallel output lands in the residual stream's layout (so
 sequence parallel turns the all-reduce into a reduce-scatter), attention ops take the
 q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence. For the
-cases MindFormers covers the results equal its LLaMA strategies (tests/test_ms_golden.py).
+cases MindFormers covers the results equal the strategies of MindFormers' own LLaMA, built and
+read by tests/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
 
 A strategy is a tuple of split counts when MindSpore's default device matrix for it (split
 dims in tensor order, replicas innermost) puts the ranks where the mesh does; otherwise
@@ -82,6 +83,13 @@ def _select(layout: TensorLayout, dims: tuple[int, ...]) -> TensorLayout:
     placements = tuple(Shard(dims.index(p.dim)) if isinstance(p, Shard) and p.dim in dims else Replicate()
                        for p in layout.placements)
     return TensorLayout(tuple(layout.shape[d] for d in dims), layout.mesh, placements, layout.order)
+
+
+def _one_head(score: TensorLayout) -> TensorLayout:
+    """The (B, 1, T, T) flash-attention mask beside a (B, heads, T, T) score: split like its rows."""
+    b, _, t, s = score.shape
+    placements = tuple(Replicate() if p == Shard(1) else p for p in score.placements)
+    return TensorLayout((b, 1, t, s), score.mesh, placements, score.order)
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,10 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
             _op(p + "self_attn.o_proj.matmul", [_flat(a["attn_output"]), w[p + "self_attn.o_proj.weight"]],
                 _flat(hidden)),
             _op(p + "add", [hidden, hidden])]
+    if plan.model.flash_attention:
+        # FlashAttentionScore (BNSD): q, k, v as the BatchMatMul path reads them (keys whole along the
+        # sequence), k/v with their own kv heads (the kernel serves GQA), the mask split like score rows.
+        ops.append(_op(p + "self_attn.flash_attention", [qt, k_all, v_all, _one_head(score)]))
     ops += _norm_ops(p + "post_attention_layernorm.", hidden, w[p + "post_attention_layernorm.weight"])
     mh = a["mlp_hidden"]
     ops += [_op(f"{p}mlp.{proj}.matmul", [_flat(a["mlp_input"]), w[f"{p}mlp.{proj}.weight"]])
@@ -221,6 +233,9 @@ def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strate
         raise StrategyError("model.num_experts: the MindSpore lowering covers dense LLaMA layers; MoE is not lowered")
     embed = plan.params["model.embed_tokens.weight"].layout
     ops = [_op("model.embed_tokens.gather", [embed, plan.activations["tokens"]])]
+    if plan.model.flash_attention:      # the (1, 1, T, T) causal mask tiled to the batch, whole on every rank
+        t = plan.train.seq_len
+        ops.append(_op("mask_tile", [TensorLayout.replicated((1, 1, t, t), plan.stage_mesh)]))
     for i in range(plan.model.num_layers):
         ops += _layer_ops(plan, i)
     ops += _head_ops(plan)

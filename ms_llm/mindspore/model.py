@@ -4,19 +4,28 @@ Every computation is a Primitive held as an attribute (self.matmul, self.softmax
 the lowering (lower.py) can give each one a shard strategy from the ModelPlan: the model
 itself carries no sharding. Linear layers flatten their input to 2-D (B*T, in) and keep
 the weight [out, in] with transpose_b, as MindFormers does, so the op-level strategies
-are MindFormers' own. Attention is BatchMatMul + softmax (runs on CPU); the Ascend path
-can swap in flash_attention_score without changing parameters.
+are MindFormers' own. Attention is BatchMatMul + softmax, which runs everywhere; with
+`model.flash_attention` on an Ascend target it is FlashAttentionScore (BNSD, MindFormers'
+causal uint8 mask), which has no CPU kernel. Both paths hold the same parameters.
 """
 from __future__ import annotations
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.init import init_param
 
-MASK_VALUE = -1e9     # additive causal mask; exp() underflows to exactly 0 in fp32
+MASK_VALUE = -1e4     # additive causal mask (MindFormers' value): exp() is exactly 0 in fp32, and fp16 holds it
+FLASH_TARGETS = ("Ascend",)    # device targets with a FlashAttentionScore kernel
+
+
+def uses_flash_attention(cfg: ModelConfig) -> bool:
+    """Flash attention when the config asks for it and the device target has the kernel; elsewhere
+    (CPU) the BatchMatMul path computes the same attention, so a config runs on both."""
+    return cfg.flash_attention and ms.get_context("device_target") in FLASH_TARGETS
 
 
 class Linear(nn.Cell):
@@ -112,6 +121,13 @@ class Attention(nn.Cell):
         self.add = ops.Add()
         self.softmax = ops.Softmax(axis=-1)
         self.scale = Tensor(1.0 / float(np.sqrt(cfg.head_dim)), ms.float32)
+        self.use_flash = uses_flash_attention(cfg)
+        if cfg.flash_attention:
+            # Built whenever asked for, so its shard strategy is set (and checked) on every target.
+            # next_tokens=0 with the causal mask: MindFormers' settings. GQA needs no tiled k/v.
+            self.flash_attention = FlashAttentionScore(head_num=cfg.num_heads, scale_value=float(self.scale),
+                                                       pre_tokens=2147483647, next_tokens=0, input_layout="BNSD")
+            self.flash_dtype = ms.float16 if cfg.dtype == "float16" else ms.bfloat16   # the kernel's dtypes
 
     def _heads(self, x, n):
         b, t, _ = x.shape
@@ -125,14 +141,24 @@ class Attention(nn.Cell):
         x = self.tile_kv(self.reshape(x, (b, n, 1, t * d)), (1, 1, self.rep, 1))
         return self.reshape(x, (b, n * self.rep, t, d))
 
+    def _flash(self, q, k, v, mask):
+        """FlashAttentionScore on (B, nh, T, hs) q and (B, nkv, T, hs) k/v; mask (B, 1, T, T) uint8, 1 = hidden."""
+        dtype = q.dtype
+        cast = (ops.cast(q, self.flash_dtype), ops.cast(k, self.flash_dtype), ops.cast(v, self.flash_dtype))
+        _, _, _, y = self.flash_attention(*cast, None, None, None, mask)
+        return ops.cast(y, dtype)
+
     def construct(self, x, cos, sin, mask):
         b, t, _ = x.shape
         q = self.rotary(self._heads(self.q_proj(x), self.num_heads), cos, sin)       # (B, nh, T, hs)
         k = self.rotary(self._heads(self.k_proj(x), self.num_kv_heads), cos, sin)    # (B, nkv, T, hs)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
-        k, v = self._repeat_kv(k), self._repeat_kv(v)
-        score = self.add(mask, self.mul(self.batch_matmul_q_k(q, k), self.scale))    # (B, nh, T, T)
-        y = self.batch_matmul(self.softmax(score), v)                                 # (B, nh, T, hs)
+        if self.use_flash:
+            y = self._flash(q, k, v, mask)                                            # (B, nh, T, hs)
+        else:
+            k, v = self._repeat_kv(k), self._repeat_kv(v)
+            score = self.add(mask, self.mul(self.batch_matmul_q_k(q, k), self.scale))    # (B, nh, T, T)
+            y = self.batch_matmul(self.softmax(score), v)                                 # (B, nh, T, hs)
         y = self.reshape(self.merge_heads(y, (0, 2, 1, 3)), (b, t, self.num_heads * self.head_dim))
         return self.o_proj(y)
 
@@ -191,10 +217,21 @@ class Transformer(nn.Cell):
         cos, sin = rotary_tables(cfg)
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
         self.mask = Tensor(np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), MASK_VALUE, np.float32), 1))
+        self.use_flash = uses_flash_attention(cfg)
+        if cfg.flash_attention:
+            # MindFormers' flash mask: (B, 1, T, T) uint8, 1 above the diagonal; tiled over the batch
+            # so its batch dim splits like the queries'.
+            causal = np.triu(np.ones((cfg.max_seq_len, cfg.max_seq_len), np.uint8), 1)
+            self.flash_mask = Tensor(causal[None, None])
+            self.mask_tile = ops.Tile()
 
     def construct(self, tokens):
-        t = tokens.shape[1]
-        cos, sin, mask = self.rope_cos[:t], self.rope_sin[:t], self.mask[:t, :t]
+        b, t = tokens.shape
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        if self.use_flash:
+            mask = self.mask_tile(self.flash_mask[:, :, :t, :t], (b, 1, 1, 1))
+        else:
+            mask = self.mask[:t, :t]
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)

@@ -72,9 +72,7 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     body = nn.PipelineCell(loss_cell, micro_size=p.micro_batches) if pipeline else loss_cell
     cell = TrainCell(body, AdamW(params, job.train.optimizer), p.micro_batches, job.train.optimizer.grad_clip,
                      reducer, mean, pipeline)
-    step = GraphStep(cell, job, p, LossScaler.from_precision(p.strategy.precision))
-    step.compile()
-    return step
+    return GraphStep(cell, job, p, LossScaler.from_precision(p.strategy.precision))
 
 
 def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
@@ -108,6 +106,7 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
         mode, loss_scale = "DATA_PARALLEL, PyNative + shared ZeRO engine", None
     else:
         step_fn = build_graph_step(job, p, run, rank, world, ascend)
+        step_fn.compile()
         mode = "semi_auto_parallel" if ascend else "DATA_PARALLEL, GRAPH" if world > 1 else "stand-alone, GRAPH"
         loss_scale = step_fn.loss_scale
 
