@@ -39,3 +39,22 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert "model.num_heads = 32 is not divisible by 3" in out.stderr
     out = ms_llm("plan", "configs/train/llama2_7b_dp8_zero1.yaml", "--world-size", "12")
     assert out.returncode == 2 and "but the world size is 12" in out.stderr
+
+
+def test_checkpoint_commands_live_in_the_cli_layer():
+    out = ms_llm("ckpt-interval", "--stall", "2", "--total", "30", "--iter", "1.2")
+    assert out.returncode == 0 and "tau* = sqrt(2*t_stall*MTBF) = 587.9 s" in out.stdout
+    out = ms_llm("ckpt-interval", "--stall", "2")
+    assert out.returncode == 2 and "ckpt-interval: give --stall, --total" in out.stderr
+    out = ms_llm("convert-checkpoint", "--help")
+    assert out.returncode == 0 and "--ms-strategy" in out.stdout and "--names {hf,torchtitan}" in out.stdout
+    out = ms_llm("convert-checkpoint", "missing", "out", "--from", "dcp")
+    assert out.returncode == 2 and "convert-checkpoint: --model is required" in out.stderr
+
+
+def test_plan_reports_the_backend_and_its_engine():
+    out = ms_llm("plan", "configs/train/llama2_7b_dp8_zero1.yaml", "--backend", "torch", "--device", "h100")
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("backend    torch on cuda: ZeRO engine shared")
+    out = ms_llm("plan", "configs/train/llama2_70b_dp2_tp4_pp8.yaml", "--backend", "mindspore", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["backend"] == {
+        "backend": "mindspore", "accelerator": "ascend", "engine": "grad_reducer", "runs": True, "refusals": []}

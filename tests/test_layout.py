@@ -1,11 +1,12 @@
-"""TensorLayout <-> MindSpore device matrix / tensor map <-> DTensor placements, and shard boxes."""
-import itertools
+"""TensorLayout <-> MindSpore device matrix / tensor map (ms_llm.mindspore.layout) <-> DTensor placements,
+and shard boxes."""
 
 import numpy as np
 import pytest
 
 from ms_llm.errors import StrategyError
-from ms_llm.strategy.layout import MsLayout, Partial, Replicate, Shard, TensorLayout, parse_placement
+from ms_llm.mindspore.layout import MsLayout, from_ms, to_ms, to_ms_aliases, to_ms_merged
+from ms_llm.strategy.layout import Partial, Replicate, Shard, TensorLayout, parse_placement
 from ms_llm.strategy.mesh import MeshSpec
 
 MESH = MeshSpec(("dp", "cp", "tp"), (2, 2, 2))
@@ -51,8 +52,8 @@ def test_shard_boxes_tile_the_tensor_like_dtensor(layout):
 
 @pytest.mark.parametrize("layout", list(layouts()), ids=lambda l: l.describe())
 def test_mindspore_form_round_trips(layout):
-    ms = layout.to_ms()
-    assert TensorLayout.from_ms(layout.shape, ms, MESH.names) == layout
+    ms = to_ms(layout)
+    assert from_ms(layout.shape, ms, MESH.names) == layout
 
 
 def test_dtensor_form_round_trips():
@@ -77,27 +78,27 @@ def test_against_real_torch_placements():
 
 def test_known_mindspore_tensor_maps():
     # tensor_map value k names dev_matrix[len-1-k]; tuples list the major axis first.
-    assert TensorLayout.build((8, 4), MESH, dp=0, tp=1).to_ms() == MsLayout((2, 2, 2), (2, 0))
-    assert TensorLayout.build((8, 4), MESH, dp=0, cp=0).to_ms() == MsLayout((2, 2, 2), ((2, 1), -1))
+    assert to_ms(TensorLayout.build((8, 4), MESH, dp=0, tp=1)) == MsLayout((2, 2, 2), (2, 0))
+    assert to_ms(TensorLayout.build((8, 4), MESH, dp=0, cp=0)) == MsLayout((2, 2, 2), ((2, 1), -1))
     zero = TensorLayout.build((8, 4), MESH, tp=0, dp=0).with_order(("tp", "cp", "dp"))
-    assert zero.to_ms() == MsLayout((2, 2, 2), ((0, 2), -1))
+    assert to_ms(zero) == MsLayout((2, 2, 2), ((0, 2), -1))
 
 
 def test_merged_form_for_strategy_files():
     mesh = MeshSpec(("dp", "cp", "tp"), (4, 1, 2))
     col = TensorLayout.build((8, 4), mesh, tp=0)
-    assert col.to_ms_merged() == MsLayout((4, 2), (0, -1))
+    assert to_ms_merged(col) == MsLayout((4, 2), (0, -1))
     vocab = TensorLayout.build((8, 4), MeshSpec(("dp", "cp", "tp"), (2, 2, 2)), cp=0, tp=0)
-    assert vocab.to_ms_merged() == MsLayout((2, 4), (0, -1))
-    assert TensorLayout.replicated((3,), mesh).to_ms_merged() == MsLayout((4, 2), (-1,))
+    assert to_ms_merged(vocab) == MsLayout((2, 4), (0, -1))
+    assert to_ms_merged(TensorLayout.replicated((3,), mesh)) == MsLayout((4, 2), (-1,))
     with pytest.raises(StrategyError, match="non-adjacent"):
-        TensorLayout.build((8, 4), MESH, dp=0, tp=0).to_ms_merged()
+        to_ms_merged(TensorLayout.build((8, 4), MESH, dp=0, tp=0))
 
 
 def test_ms_strategy_and_aliases():
     layout = TensorLayout.build((8, 8, 4), MESH, dp=0, cp=1, tp=1)
     assert layout.ms_strategy() == (2, 4, 1)
-    assert layout.to_ms_aliases() == ("dp", ("cp", "tp"), "None")
+    assert to_ms_aliases(layout) == ("dp", ("cp", "tp"), "None")
 
 
 def test_bad_layouts_are_refused():
@@ -108,19 +109,19 @@ def test_bad_layouts_are_refused():
     with pytest.raises(StrategyError, match="no axis 'pp'"):
         TensorLayout.build((6, 4), MESH, pp=0)
     with pytest.raises(StrategyError, match="partial"):
-        TensorLayout((8, 4), MESH, (Partial(), Replicate(), Replicate())).to_ms()
+        to_ms(TensorLayout((8, 4), MESH, (Partial(), Replicate(), Replicate())))
 
 
 @pytest.mark.mindspore
 def test_against_real_mindspore_layout():
     ms_parallel = pytest.importorskip("mindspore.parallel")
     for layout in layouts():
-        aliases = layout.to_ms_aliases()
+        aliases = to_ms_aliases(layout)
         if not aliases:
             continue
         real = ms_parallel.Layout(MESH.shape, MESH.names)(*aliases).to_dict()
-        ours = layout.to_ms()
+        ours = to_ms(layout)
         assert tuple(real["device_matrix"]) == ours.dev_matrix
         assert tuple(real["tensor_map"]) == ours.tensor_map
-        assert TensorLayout.from_ms(layout.shape, MsLayout(tuple(real["device_matrix"]), tuple(real["tensor_map"])),
-                                    MESH.names) == layout
+        assert from_ms(layout.shape, MsLayout(tuple(real["device_matrix"]), tuple(real["tensor_map"])),
+                       MESH.names) == layout

@@ -113,17 +113,6 @@ def test_dry_run_prints_the_lowering_of_the_70b_job():
     assert "imported mindspore: False" in out           # printed without MindSpore, on any machine
 
 
-def test_bfloat16_on_cpu_is_refused_with_the_fix():
-    from ms_llm.config.job import job_from_dict
-    from ms_llm.mindspore.launch import cpu_runtime_problems
-    from ms_llm.strategy.plan import plan
-
-    job = job_from_dict(JOB | {"strategy": {"dp": 2, "zero": {"stage": 3}}})
-    problems = cpu_runtime_problems(plan(job.model, job.strategy, job.train))
-    assert any("set both to float32" in p for p in problems)
-    assert not any("zero.stage" in p for p in problems)          # the shared engine runs ZeRO-3 on CPU
-
-
 @pytest.mark.mindspore
 def test_dry_run_with_a_run_dir_writes_mindspore_strategy_files(tmp_path):
     ms = pytest.importorskip("mindspore")

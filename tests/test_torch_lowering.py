@@ -1,5 +1,5 @@
 """The torch lowering reads the plan: TP styles follow the layouts, pipeline chunks follow the
-stage map, unsupported strategies fail with the field to change. No processes needed."""
+stage map (what it refuses and which engine it picks: tests/test_support.py). No processes needed."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel)
 
 from ms_llm.config.job import job_from_dict
-from ms_llm.errors import StrategyError
 from ms_llm.strategy.plan import plan as make_plan
-from torch_backend.lower import check_supported
-from torch_backend.parallelize.dp import engine_for
 from torch_backend.model import Transformer
 from torch_backend.parallelize.tp import tp_styles
 from torch_backend.pipeline import cut_chunk
@@ -81,42 +78,3 @@ def test_chunks_run_in_sequence_equal_the_whole_model(schedule, virtual):
                                                             if (q.stage, q.chunk) == (chunk.stage, chunk.virtual)}
         x = part(x)
     assert torch.allclose(x, whole(tokens), atol=1e-6)
-
-
-def test_unsupported_strategies_name_the_field():
-    with pytest.raises(StrategyError, match="strategy.cp"):
-        check_supported(plan_for({"cp": 2}, 2))
-    with pytest.raises(StrategyError, match="model.tie_embeddings"):
-        check_supported(plan_for({"tp": 2}, 2, model={**MODEL, "tie_embeddings": True}))
-    with pytest.raises(StrategyError, match="float16"):
-        check_supported(plan_for({"precision": {"param_dtype": "float16", "compute_dtype": "float16",
-                                                "loss_scale": "dynamic"}}, 1))
-    with pytest.raises(StrategyError, match="strategy.offload.params"):
-        check_supported(plan_for({"dp": 2, "zero": {"stage": 3}, "offload": {"params": True}}, 2))
-    with pytest.raises(StrategyError, match="strategy.offload.optimizer.*engine: shared"):
-        check_supported(plan_for({"dp": 2, "zero": {"stage": 2, "engine": "native"},
-                                  "offload": {"optimizer": True}}, 2))
-    check_supported(plan_for({"dp": 2, "zero": {"stage": 2}, "offload": {"optimizer": True}}, 2))
-
-
-@pytest.mark.parametrize("strategy,world,engine", [
-    ({}, 1, "none"),
-    ({"dp": 2}, 2, "shared"),                                            # auto: the shared engine
-    ({"dp": 2, "zero": {"stage": 3}}, 2, "shared"),
-    ({"dp": 2, "zero": {"engine": "native"}}, 2, "ddp"),
-    ({"dp": 2, "zero": {"stage": 1, "engine": "native"}}, 2, "ddp+zero_redundancy_optimizer"),
-    ({"dp": 2, "zero": {"stage": 2, "engine": "native"}}, 2, "fsdp2"),
-    ({"dp": 2, "tp": 2}, 4, "shared"),                                   # TP: the engine takes local shards
-    ({"dp": 2, "tp": 2, "zero": {"stage": 3, "engine": "native"}}, 4, "fsdp2"),
-    ({"dp": 2, "tp": 2, "zero": {"engine": "native"}}, 4, "replicate"),
-    ({"dp": 2, "pp": 2, "pipeline": {"schedule": "zero_bubble"}}, 4, "replicate"),
-    ({"dp": 2, "pp": 2}, 4, "shared"),
-])
-def test_engine_choice(strategy, world, engine):
-    assert engine_for(plan_for(strategy, world)) == engine
-
-
-def test_shared_engine_refusal_names_the_field():
-    with pytest.raises(StrategyError, match="strategy.pipeline.schedule.*engine: native"):
-        engine_for(plan_for({"dp": 2, "pp": 2, "zero": {"engine": "shared"},
-                             "pipeline": {"schedule": "zero_bubble"}}, 4))

@@ -42,8 +42,6 @@ CATALOGUE = [
     ("global-batch", {"dp": 4, "pipeline": {"micro_batches": 3}}, {}, {"global_batch_size": 16}, 4, r"train\.global_batch_size: 16 != micro_batch_size \* dp \* micro_batches = 1\*4\*3 = 12"),
     ("zero-shard-divides", {"dp": 6, "zero": {"stage": 3, "shard_size": 4}}, {}, {"global_batch_size": 12}, 6, r"zero\.shard_size: 4 does not divide dp = 6"),
     ("zero-shard-too-big", {"dp": 2, "zero": {"stage": 3, "shard_size": 4}}, {}, {}, 2, r"zero\.shard_size: 4 exceeds dp = 2"),
-    ("hsdp-native-low-stage", {"dp": 4, "zero": {"stage": 1, "shard_size": 2, "engine": "native"}}, {}, {}, 4, r"hybrid sharding below stage 3 needs engine 'shared'"),
-    ("native-zero1-with-pp", {"dp": 2, "pp": 2, "zero": {"stage": 1, "engine": "native"}}, {}, {}, 4, r"native stage-1 optimizer does not compose with pipeline"),
     ("ep-dense", {"ep": 2, "dp": 2}, {}, {}, 2, r"strategy\.ep: 2 but the model is dense"),
     ("ep-experts", {"ep": 4, "dp": 4}, {"num_experts": 6}, {}, 4, r"model\.num_experts = 6 is not divisible by 4"),
     ("ep-dp-cp", {"ep": 4, "dp": 2}, {"num_experts": 8}, {}, 2, r"strategy\.ep: 4 must divide dp\*cp = 2"),

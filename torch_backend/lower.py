@@ -1,7 +1,8 @@
 """ModelPlan -> this rank's runnable model: pipeline chunks, parallelized and wrapped.
 
-Reads the plan and nothing else about the strategy. What the torch backend cannot lower
-yet is refused here with the field to change, before any memory is allocated.
+Reads the plan and nothing else about the strategy. What the torch backend can run, and
+with which data-parallel engine, is torch_backend.support's answer (the launcher asked it
+before torchrun started); lower() asks again, before any memory is allocated.
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ms_llm.errors import StrategyError
+from ms_llm.machine import Machine
 from ms_llm.strategy.plan import ChunkPlan, ModelPlan
+from torch_backend import support
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize import parallelize
-from torch_backend.parallelize.dp import DataParallel, SharedZero, build_data_parallel, engine_for
-from torch_backend.parallelize.precision import autocast, check_precision
+from torch_backend.parallelize.dp import DataParallel, build_data_parallel
+from torch_backend.parallelize.precision import autocast
 from torch_backend.pipeline import build_schedule, cut_chunk
 
 
@@ -59,30 +61,11 @@ class Lowered:
         return autocast(self.plan, self.device.type)
 
 
-def check_supported(plan: ModelPlan) -> None:
-    s = plan.strategy
-    problems = []
-    if s.cp > 1:
-        problems.append("strategy.cp: context parallel is not lowered by the torch backend yet; use cp: 1")
-    if plan.model.num_experts:
-        problems.append("model.num_experts: the torch model is dense; MoE is not lowered yet")
-    if plan.model.tie_embeddings and s.tp > 1:
-        problems.append("model.tie_embeddings: a tied embedding cannot be both the vocab-parallel embedding "
-                        "and head in the torch backend; untie it or use tp: 1")
-    if s.offload.params:
-        problems.append("strategy.offload.params: the torch backend does not offload parameters yet; set it false")
-    if problems:
-        raise StrategyError(problems)
-    if s.offload.optimizer and engine_for(plan) != SharedZero.name:
-        raise StrategyError("strategy.offload.optimizer: on torch only the shared ZeRO engine keeps optimizer "
-                            "states in host memory; set strategy.zero.engine: shared (or auto)")
-    check_precision(plan)
-
-
 def lower(plan: ModelPlan, meshes: Meshes, device: torch.device, rank: int, compile: bool = False) -> Lowered:
-    check_supported(plan)
+    machine = Machine("cuda" if device.type == "cuda" else "cpu")
+    support.check(plan, machine)
     chunks = plan.chunks_of_stage(meshes.coord("pp"))
-    dp = build_data_parallel(plan, meshes, device)
+    dp = build_data_parallel(plan, meshes, device, support.zero_engine(plan, machine))
     with torch.device("meta"):
         parts = [cut_chunk(plan.model, chunk) for chunk in chunks]
     parts = parallelize(parts, plan, meshes, dp, device, rank, plan.train.seed, compile)

@@ -1,6 +1,11 @@
 """One training step on this rank: forward/backward over the micro-batches (or the pipeline
 schedule), gradient reduction, clipping, learning rate, optimizer. The trainer loop and the
-overhead benchmark both call exactly this."""
+overhead benchmark both call exactly this.
+
+fp16 (strategy.precision.loss_scale dynamic / static): each micro-batch's loss is multiplied by
+the scale before backward, the engine divides the gradients back before clipping and skips
+the update of a step whose global gradient norm is not finite (that norm is returned), and
+the scale moves by ms_llm.run.loss_scale's policy."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ms_llm.config.train import OptimizerConfig
-from ms_llm.run import lr_at
+from ms_llm.errors import StrategyError
+from ms_llm.run import LossScaler, lr_at
 from torch_backend.lower import Lowered, cross_entropy, local_value
 
 
@@ -34,6 +40,10 @@ class TrainStep:
         holds = lowered.has_last and meshes.coord("tp") == 0 and meshes.coord("cp") == 0
         self.loss_weight = (1.0 if holds else 0.0) / s.dp
         self.world = self.plan.world_size
+        self.loss_scale = LossScaler.from_precision(s.precision)      # None without fp16 loss scaling
+        if self.loss_scale is not None and lowered.schedule is not None:
+            raise StrategyError("strategy.precision.loss_scale: the torch pipeline schedules compute the loss "
+                                "themselves and do not scale it yet; use pp: 1 or bfloat16")
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of the local batch (B, T); return this rank's mean loss."""
@@ -53,17 +63,21 @@ class TrainStep:
             with m.dp.sync(part, last=i == n - 1), m.loss_context():
                 with m.autocast():
                     loss = cross_entropy(part(x), y) / n          # mean over the local batch
-                loss.backward()
+                (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
             total += local_value(loss.detach())
         return total
 
     def __call__(self, step: int, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """batch: (B_local, T + 1) token ids. Returns (global mean loss, grad norm), unsynced."""
+        """batch: (B_local, T + 1) token ids. Returns (global mean loss, grad norm), unsynced; under
+        loss scaling a skipped step's norm is the non-finite one."""
         batch = batch.to(self.m.device, non_blocking=True)
         loss = self.forward_backward(batch[:, :-1], batch[:, 1:])
         self.m.dp.reduce_grads(self.m.parts)
+        scale = None if self.loss_scale is None else self.loss_scale.scale
         grad_norm = self.m.dp.step(self.optimizer, self.params, lr_at(step, self.plan.train),
-                                   self.plan.train.optimizer.grad_clip, self.pp_group)
+                                   self.plan.train.optimizer.grad_clip, self.pp_group, scale)
+        if self.loss_scale is not None:
+            self.loss_scale.update(bool(torch.isfinite(grad_norm)), step + 1)
         if self.world > 1:
             loss = loss * self.loss_weight
             dist.all_reduce(loss)

@@ -18,15 +18,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 from mindspore.train import node_strategy_pb2 as pb
 
 from ms_llm.errors import CheckpointError
-from ms_llm.strategy.layout import MsLayout, Replicate, Shard, TensorLayout
+from ms_llm.mindspore.layout import MsLayout, TensorMap, from_ms, to_ms_merged
+from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
 from ms_llm.strategy.mesh import MeshSpec
-
-TensorMap = tuple[Union[int, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ def ms_param_layout(layout: TensorLayout, zero_layout: Optional[TensorLayout] = 
                     ) -> tuple[MsParamLayout, TensorLayout]:
     """The strategy-file entry for a parameter, and the TensorLayout whose slices the per-rank
     checkpoint files must hold under it (`zero_layout` when expressible, else `layout`)."""
-    ms = layout.to_ms_merged()
+    ms = to_ms_merged(layout)
     base = MsParamLayout(ms.dev_matrix, ms.tensor_map)
     if zero_layout is None or zero_layout == layout:
         return base, layout
@@ -66,7 +65,7 @@ def to_layout(shape: tuple[int, ...], entry: MsParamLayout) -> TensorLayout:
     Device axis i is named d<i>; a split axis becomes d<i>r (outer) and d<i>o."""
     dev, tmap = entry.dev_matrix, entry.tensor_map
     names = tuple(f"d{i}" for i in range(len(dev)))
-    base = TensorLayout.from_ms(tuple(shape), MsLayout(tuple(dev), tuple(tmap)), names)
+    base = from_ms(tuple(shape), MsLayout(tuple(dev), tuple(tmap)), names)
     if entry.opt_shard_size == 0:
         return base
     used = {n for d in range(len(shape)) for n in base.axes_of(d)}

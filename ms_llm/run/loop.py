@@ -88,14 +88,15 @@ def train(t: Trainer) -> list[StepMetrics]:
                   "to train further", flush=True)
         for step in range(first, tc.steps):
             rows = sampler.local_batch(step, dp_rank, t.plan.strategy.dp)         # (B_local, T + 1)
+            scale = t.loss_scale.scale if t.loss_scale is not None else None      # the scale this step uses
             start = time.perf_counter()
             loss, grad_norm = t.step(step, rows)                                   # host floats: the step is done
             elapsed = time.perf_counter() - start
             heartbeat.beat(step + 1)
             m = rate.metrics(step + 1, loss, lr_at(step, tc), elapsed, t.memory_gb(), grad_norm)
-            skipped = t.loss_scale is not None and not math.isfinite(grad_norm)
-            if t.loss_scale is not None:
-                m.extra["loss_scale"] = t.loss_scale.scale
+            skipped = scale is not None and not math.isfinite(grad_norm)
+            if scale is not None:
+                m.extra["loss_scale"] = scale
             logger.log(m, force=step == first)
             check_finite(step + 1, loss, grad_norm, norm_measured, skipped, checkpoints.last_step)
             history.append(m)

@@ -2,8 +2,8 @@
 
 A TensorLayout says, for each axis of a named mesh, whether a tensor is split along one
 of its dimensions (Shard(dim)), copied (Replicate) or holds a partial sum (Partial). This
-is torch DTensor's vocabulary one to one; a MindSpore device matrix + tensor map (and the
-op.shard strategy tuple) is derived from it. When several mesh axes split the same
+is torch DTensor's vocabulary one to one; a MindSpore device matrix + tensor map is derived
+from it in ms_llm.mindspore.layout. When several mesh axes split the same
 dimension, the outer axis is the major split (DTensor's and MindSpore's convention)
 unless `order` says otherwise: ZeRO splits the tensor-parallel shard further, so its
 layouts nest the data-parallel axes inside tp (what DTensor calls a strided shard and
@@ -53,17 +53,6 @@ def parse_placement(text: str) -> Placement:
     if text.startswith("P(") and text.endswith(")"):
         return Partial(text[2:-1])
     raise StrategyError(f"placement: cannot parse {text!r}; expected 'S(dim)', 'R' or 'P(sum)'")
-
-
-@dataclass(frozen=True)
-class MsLayout:
-    """MindSpore's view: device matrix (outermost first) and a tensor map per tensor dim.
-
-    tensor_map[d] = k means dim d is split along dev_matrix[len(dev_matrix) - 1 - k];
-    -1 means not split; a tuple means split along several device axes (major first).
-    """
-    dev_matrix: tuple[int, ...]
-    tensor_map: tuple[Union[int, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -161,79 +150,6 @@ class TensorLayout:
 
     def with_order(self, major_first: tuple[str, ...]) -> "TensorLayout":
         return TensorLayout(self.shape, self.mesh, self.placements, tuple(major_first))
-
-    def to_ms(self) -> MsLayout:
-        """Device matrix = mesh shape; each dim maps to the device axes that split it."""
-        if self.partial_axes:
-            raise StrategyError(f"layout: a partial sum over {self.partial_axes} has no MindSpore tensor map; "
-                                "reduce it first")
-        n = len(self.mesh.names)
-        tmap = []
-        for d in range(len(self.shape)):
-            ks = tuple(n - 1 - self.mesh.names.index(a) for a in self.axes_of(d))
-            tmap.append(-1 if not ks else ks[0] if len(ks) == 1 else ks)
-        return MsLayout(tuple(self.mesh.shape), tuple(tmap))
-
-    def to_ms_aliases(self) -> tuple[Union[str, tuple[str, ...]], ...]:
-        """Per dim, the argument MindSpore's Layout(dev_matrix, mesh names)(...) takes:
-        an axis name, a tuple of names (major first), or "None"."""
-        out = []
-        for d in range(len(self.shape)):
-            axes = self.axes_of(d)
-            out.append("None" if not axes else axes[0] if len(axes) == 1 else axes)
-        return tuple(out)
-
-    @classmethod
-    def from_ms(cls, shape: tuple[int, ...], ms: MsLayout, names: tuple[str, ...]) -> "TensorLayout":
-        if len(names) != len(ms.dev_matrix):
-            raise StrategyError(f"layout: {len(names)} axis names for device matrix {ms.dev_matrix}")
-        n = len(names)
-        placements: list[Placement] = [Replicate() for _ in names]
-        nesting: list[str] = []
-        for d, k in enumerate(ms.tensor_map):
-            for kk in (k if isinstance(k, tuple) else (k,)):
-                if kk == -1:
-                    continue
-                if not 0 <= kk < n:
-                    raise StrategyError(f"layout: tensor map value {kk} outside device matrix {ms.dev_matrix}")
-                placements[n - 1 - kk] = Shard(d)
-                nesting.append(names[n - 1 - kk])
-        mesh = MeshSpec(tuple(names), tuple(ms.dev_matrix))
-        layout = cls(tuple(shape), mesh, tuple(placements))
-        order = tuple(nesting) + tuple(a for a in names if a not in nesting)
-        if any(list(layout.axes_of(d)) != [a for a in order if a in layout.axes_of(d)] for d in range(len(shape))):
-            layout = layout.with_order(order)
-        return layout
-
-    def to_ms_merged(self) -> MsLayout:
-        """The same layout with adjacent device axes that split one dim merged into one axis and
-        size-1 axes dropped: the single-int-per-dim form strategy checkpoint files hold."""
-        for d in range(len(self.shape)):
-            axes = self.axes_of(d)
-            if list(axes) != sorted(axes, key=self.mesh.names.index):
-                raise StrategyError(f"layout: dim {d} is split inner-to-outer ({'/'.join(axes)}); a strategy file "
-                                    "says that with opt_weight_shard_size/step, not the tensor map")
-        groups: list[list[int]] = []   # runs of mesh axes that become one device axis
-        owner: list[object] = []
-        for i, (size, p) in enumerate(zip(self.mesh.shape, self.placements)):
-            if size == 1:
-                continue
-            key = p.dim if isinstance(p, Shard) else None
-            if groups and key is not None and owner[-1] == key and groups[-1][-1] == i - 1:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-                owner.append(key)
-        for key in set(k for k in owner if k is not None):
-            if owner.count(key) > 1:
-                raise StrategyError(f"layout: dim {key} is split by non-adjacent mesh axes {self.axes_of(key)}; "
-                                    "MindSpore needs them adjacent in the device matrix")
-        if self.partial_axes:
-            raise StrategyError(f"layout: a partial sum over {self.partial_axes} has no MindSpore tensor map")
-        dev = tuple(math.prod(self.mesh.shape[i] for i in g) for g in groups) or (1,)
-        n = len(dev)
-        tmap = tuple(n - 1 - owner.index(d) if d in owner else -1 for d in range(len(self.shape)))
-        return MsLayout(dev, tmap)
 
     def permute(self, perm: tuple[int, ...]) -> "TensorLayout":
         """The layout of the transposed tensor: new dim i is old dim perm[i]."""

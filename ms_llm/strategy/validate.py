@@ -1,7 +1,8 @@
-"""Every rule a strategy must satisfy, checked once before any process starts.
+"""Every rule a strategy must satisfy on every backend, checked once before any process starts.
 
 `validate` collects all problems and raises one StrategyError listing each with the field
-to change and how, the way torchtitan's ParallelDims prints every factor.
+to change and how, the way torchtitan's ParallelDims prints every factor. What one backend
+cannot run (yet) is that backend's support.py (ms_llm.backends dispatches), not a rule here.
 """
 from __future__ import annotations
 
@@ -119,12 +120,6 @@ def validate(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig,
                         "pick a divisor of dp (HSDP replicates dp/shard_size groups)")
     if zero.shard_size > dp:
         problems.append(f"strategy.zero.shard_size: {zero.shard_size} exceeds dp = {dp}")
-    if zero.stage > 0 and zero.shard_size != dp and zero.stage < 3 and zero.engine == "native":
-        problems.append("strategy.zero.shard_size: hybrid sharding below stage 3 needs engine 'shared' "
-                        "(native stage 1/2 shard over all of dp)")
-    if zero.stage == 1 and zero.engine == "native" and pp > 1:
-        problems.append("strategy.zero.engine: torch's native stage-1 optimizer does not compose with "
-                        "pipeline parallel; use engine 'shared'")
 
     # Experts.
     if model.num_experts == 0 and ep > 1:

@@ -270,17 +270,25 @@ class ZeroEngine:
             self.comm.all_reduce(total, self.groups["world"])
         return math.sqrt(self.ops.item(total))
 
-    def step(self, lr: float) -> Optional[float]:
-        """Clip, update the owned segments, bring parameters up to date. Returns the
-        gradient norm before clipping when clipping is on."""
+    def step(self, lr: float, loss_scale: Optional[float] = None) -> Optional[float]:
+        """Clip, update the owned segments, bring parameters up to date. Returns the gradient
+        norm before clipping when clipping or loss scaling is on.
+
+        `loss_scale`: the gradients are that multiple of the true ones (fp16 loss scaling,
+        ms_llm.run.loss_scale). They are divided back (after the cast to the master dtype, where
+        an fp16 gradient would underflow), and a non-finite global norm, the same on every
+        rank, skips the update: parameters, optimizer states and the step count stay as they are."""
         cfg, ops = self.config, self.ops
         grads = {b.index: self._grad(b) for b in self.buckets}
         norm = None
-        if cfg.grad_clip > 0:
-            norm = self.grad_norm(grads)
-            coef = cfg.grad_clip / (norm + 1e-6)
-            if coef < 1.0:
-                grads = {k: ops.scale(g, coef) for k, g in grads.items()}
+        if cfg.grad_clip > 0 or loss_scale is not None:
+            norm = self.grad_norm(grads) / (loss_scale or 1.0)
+        if loss_scale is not None and not math.isfinite(norm):
+            for b in self.buckets:
+                self._drop_grads(b)
+            return norm
+        coef = min(1.0, cfg.grad_clip / (norm + 1e-6)) if cfg.grad_clip > 0 else 1.0
+        coef /= loss_scale or 1.0
         self.step_count += 1
         gathers = []
         for b in self.buckets:
@@ -298,6 +306,8 @@ class ZeroEngine:
             g = grads[b.index]
             if st.master is not None:
                 g = ops.cast(g, cfg.master_dtype, host=cfg.offload)
+            if coef != 1.0:
+                g = ops.scale(g, coef)
             if isinstance(cfg.optimizer, AdamW):
                 p, st.m, st.v = ops.adamw(p, g, st.m, st.v, self.step_count, lr, cfg.optimizer)
             else:

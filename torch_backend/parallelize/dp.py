@@ -7,9 +7,10 @@ The trainer only ever calls, in this order:
     per step:
         with dp.sync(part, last):               around each micro-batch's forward + backward
         dp.reduce_grads(parts)                  after the last backward
-        norm = dp.step(optimizer, params, lr, grad_clip, pp_group)   clip, update, clear grads
+        norm = dp.step(optimizer, params, lr, grad_clip, pp_group, loss_scale)
+                                                clip (fp16: unscale, skip on overflow), update, clear grads
 
-Engines:
+Engines (torch_backend.support.zero_engine picks one per plan, before any process starts):
     shared  ms_llm's ZeRO engine (ms_llm.zero), stages 0-3, the same partition on both
             backends; 'auto' takes it wherever this adapter supports the strategy
     native  stage 0: DistributedDataParallel (FSDP2's `replicate` under tensor or pipeline
@@ -32,8 +33,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from ms_llm.errors import StrategyError
 from ms_llm.strategy.plan import ModelPlan
+from torch_backend import support
 from torch_backend.clip import clip_grad_norm
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize.precision import DTYPES
@@ -41,7 +42,7 @@ from torch_backend.parallelize.precision import DTYPES
 
 class DataParallel:
     """No data parallelism (dp = 1): gradients are complete after backward."""
-    name = "none"
+    name = support.NONE
 
     def wrap(self, parts: list[nn.Module]) -> list[nn.Module]:
         return parts
@@ -60,19 +61,39 @@ class DataParallel:
         """Make every parameter of this rank readable (between steps, for export or checks)."""
 
     def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], lr: float, grad_clip: float,
-             pp_group) -> torch.Tensor:
-        """Clip to the global norm, update, clear gradients; returns the norm before clipping."""
+             pp_group, loss_scale: Optional[float] = None) -> torch.Tensor:
+        """Clip to the global norm, update, clear gradients; returns the norm before clipping.
+        `loss_scale`: the gradients are that multiple of the true ones (fp16); they are divided
+        back, and a non-finite norm (global, so every rank agrees) skips the update."""
         for group in optimizer.param_groups:
             group["lr"] = lr
-        norm = clip_grad_norm(params, grad_clip, pp_group)
-        optimizer.step()
+        if loss_scale is None:
+            norm = clip_grad_norm(params, grad_clip, pp_group)
+            optimizer.step()
+        else:
+            norm = unscale_and_clip(params, grad_clip, loss_scale, pp_group)
+            if torch.isfinite(norm):
+                optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm
 
 
+@torch.no_grad()
+def unscale_and_clip(params: list[nn.Parameter], grad_clip: float, loss_scale: float, pp_group) -> torch.Tensor:
+    """Global norm of the true gradients; when finite, gradients become the true ones, clipped,
+    in one multiply (grad_clip 0 = off)."""
+    norm = clip_grad_norm(params, 0.0, pp_group) / loss_scale
+    if torch.isfinite(norm):
+        coef = min(1.0, grad_clip / (norm.item() + 1e-6)) if grad_clip > 0 else 1.0
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef / loss_scale)
+    return norm
+
+
 class DDP(DataParallel):
     """ZeRO-0: replicas all-reduce bucketed gradients during backward."""
-    name = "ddp"
+    name = support.DDP
 
     def __init__(self, group, bucket_mb: float, grad_reduce_dtype: str):
         self.group, self.bucket_mb, self.grad_reduce_dtype = group, bucket_mb, grad_reduce_dtype
@@ -97,7 +118,7 @@ class DDP(DataParallel):
 class ZeroOptimizer(DDP):
     """ZeRO-1: DDP reduces gradients; each rank updates its share of the parameters and
     broadcasts it (torch's ZeroRedundancyOptimizer)."""
-    name = "ddp+zero_redundancy_optimizer"
+    name = support.ZERO_OPTIMIZER
 
     def make_optimizer(self, params, cls, kwargs):
         return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=self.group, **kwargs)
@@ -107,7 +128,7 @@ class Replicate(DataParallel):
     """ZeRO-0 where DDP does not fit: DTensor (tensor-parallel) parameters, which DDP cannot take,
     and pipeline stages, whose schedules drive FSDP2-style modules' reduction but not DDP's
     bucket rebuild. FSDP2's replicate: an all-reduce per parameter group in backward."""
-    name = "replicate"
+    name = support.REPLICATE
 
     def __init__(self, mesh: DeviceMesh, mp: MixedPrecisionPolicy):
         self.mesh, self.mp = mesh, mp
@@ -118,7 +139,7 @@ class Replicate(DataParallel):
 
 class FSDP(DataParallel):
     """ZeRO-2 / 3 with FSDP2: one shard group per decoder layer plus one for the rest."""
-    name = "fsdp2"
+    name = support.FSDP
 
     def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool, mp: MixedPrecisionPolicy):
         self.mesh, self.reshard, self.mp = mesh, reshard_after_forward, mp
@@ -135,7 +156,7 @@ class FSDP(DataParallel):
 class SharedZero(DataParallel):
     """ms_llm's ZeRO engine: gradients leave autograd into its buckets, it reduces, clips and
     runs the optimizer on the owned shards itself (torch_backend.zero.ZeroDataParallel)."""
-    name = "shared"
+    name = support.SHARED
 
     def __init__(self, plan: ModelPlan, device: torch.device):
         from ms_llm.zero import zero_plan
@@ -173,8 +194,8 @@ class SharedZero(DataParallel):
         if self.engine.engine.gather is not None:
             self.engine.engine.gather.gather_all()
 
-    def step(self, optimizer, params, lr, grad_clip, pp_group):
-        norm = self.engine.step(lr)
+    def step(self, optimizer, params, lr, grad_clip, pp_group, loss_scale=None):
+        norm = self.engine.step(lr, loss_scale)
         return torch.tensor(float("nan") if norm is None else norm)
 
 
@@ -183,52 +204,18 @@ def mixed_precision(plan: ModelPlan) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=DTYPES[prec.param_dtype], reduce_dtype=DTYPES[prec.grad_reduce_dtype])
 
 
-def shared_engine_problem(plan: ModelPlan) -> Optional[str]:
-    """Why the shared engine cannot run this plan on torch yet (None: it can)."""
-    s = plan.strategy
-    if s.pp > 1 and s.pipeline.schedule in ("zero_bubble", "zbv"):
-        # Their split weight-gradient pass sets .grad outside autograd's accumulation hooks.
-        return (f"strategy.pipeline.schedule: {s.pipeline.schedule} computes weight gradients outside the "
-                "hooks the shared ZeRO engine collects them from")
-    return None
-
-
-def engine_for(plan: ModelPlan) -> str:
-    """Which engine runs the plan's data parallelism: the name of a class above. strategy.zero.engine
-    'auto' = shared where its torch adapter supports the plan, native otherwise."""
+def build_data_parallel(plan: ModelPlan, meshes: Meshes, device: torch.device, engine: str) -> DataParallel:
+    """The engine torch_backend.support.zero_engine chose for this plan."""
     s, zero = plan.strategy, plan.zero
-    if s.dp == 1:
-        return DataParallel.name
-    problem = shared_engine_problem(plan)
-    if s.zero.engine == "shared" or (s.zero.engine == "auto" and problem is None):
-        if problem:
-            raise StrategyError(f"{problem}; use strategy.zero.engine: native (or auto)")
-        return SharedZero.name
-    if s.precision.grad_reduce_dtype == "bfloat16" and zero.stage < 2 and not (s.tp > 1 or s.pp > 1):
-        raise StrategyError("strategy.precision.grad_reduce_dtype: DDP's bf16 gradient compression needs "
-                            "CUDA and is not wired here; use float32 (or float16), or engine shared")
-    if zero.stage == 0 or zero.group_size == 1:
-        return Replicate.name if s.tp > 1 or s.pp > 1 else DDP.name
-    if zero.stage == 1:
-        if s.tp > 1:
-            raise StrategyError("strategy.zero.stage: torch's native stage-1 optimizer does not take "
-                                "tensor-parallel parameters; use stage 2/3 (FSDP2)")
-        return ZeroOptimizer.name
-    return FSDP.name
-
-
-def build_data_parallel(plan: ModelPlan, meshes: Meshes, device: torch.device) -> DataParallel:
-    s, zero = plan.strategy, plan.zero
-    name = engine_for(plan)
-    if name == SharedZero.name:
+    if engine == SharedZero.name:
         return SharedZero(plan, device)
-    if name == DDP.name:
+    if engine == DDP.name:
         return DDP(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
-    if name == ZeroOptimizer.name:
+    if engine == ZeroOptimizer.name:
         return ZeroOptimizer(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
-    if name == Replicate.name:
+    if engine == Replicate.name:
         return Replicate(meshes["dp"], mixed_precision(plan))
-    if name == FSDP.name:
+    if engine == FSDP.name:
         # HSDP when shard groups are replicated: a 2-D (replicate, shard) mesh.
         mesh = meshes[("dp_replicate", "dp_shard")] if zero.replicate_size > 1 else meshes["dp_shard"]
         return FSDP(mesh, reshard_after_forward=zero.stage == 3, mp=mixed_precision(plan))

@@ -120,10 +120,11 @@ class ZeroDataParallel:
         with self.engine.no_sync():
             yield
 
-    def step(self, lr: float) -> Optional[float]:
-        """Optimizer step on the owned shards (after clipping); returns the pre-clip
-        gradient norm when clipping is on."""
-        return self.engine.step(lr)
+    def step(self, lr: float, loss_scale: Optional[float] = None) -> Optional[float]:
+        """Optimizer step on the owned shards (after clipping); returns the pre-clip gradient
+        norm when clipping or loss scaling is on. With `loss_scale` (fp16) a non-finite norm
+        skips the step on every rank (ZeroEngine.step)."""
+        return self.engine.step(lr, loss_scale)
 
     def model_state_bytes(self) -> dict[str, int]:
         return self.engine.model_state_bytes()

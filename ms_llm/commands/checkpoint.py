@@ -1,0 +1,93 @@
+"""Convert checkpoints between ms_llm, Hugging Face, MindSpore (per-rank .ckpt + strategy files)
+and torch DCP folders, and reshard ms_llm checkpoints to another strategy or world size.
+
+Any pair not involving ms_llm goes through a temporary ms_llm checkpoint. Framework code is
+imported only by the branch that needs it (torch for DCP, MindSpore for MindSpore).
+
+examples:
+  ms-llm convert-checkpoint SRC DST --to hf
+  ms-llm convert-checkpoint HF_DIR DST --from hf
+  ms-llm convert-checkpoint SRC DST --to mindspore --strategy tp2 --world-size 4
+  ms-llm convert-checkpoint SRC DST --strategy dp2 --world-size 2          # reshard
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from ms_llm.checkpoint.hf import export_hf, import_hf
+from ms_llm.checkpoint.reader import Checkpoint
+from ms_llm.checkpoint.reshard import layout_plan, reshard
+from ms_llm.config.job import load_section
+from ms_llm.errors import ConfigError
+
+FORMATS = ("ms_llm", "hf", "mindspore", "dcp")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="source folder (an ms_llm checkpoint root or step folder, or a foreign folder)")
+    parser.add_argument("dst", help="output folder")
+    parser.add_argument("--from", dest="src_format", choices=FORMATS, default="ms_llm")
+    parser.add_argument("--to", choices=FORMATS, default="ms_llm")
+    parser.add_argument("--strategy", help="strategy YAML or name: the layout to write (MindSpore export, reshard)")
+    parser.add_argument("--world-size", type=int, default=None, help="world size for --strategy")
+    parser.add_argument("--model", help="model YAML or name (imports from DCP / MindSpore carry no model config)")
+    parser.add_argument("--ms-strategy", help="MindSpore strategy file, or folder of rank_<r>.ckpt strategy files")
+    parser.add_argument("--names", choices=("hf", "torchtitan"), default="hf", help="DCP tensor names")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="Hugging Face export dtype")
+    parser.add_argument("--step", type=int, default=0, help="step recorded for imported checkpoints")
+
+
+def run(args: argparse.Namespace) -> int:
+    src, dst = Path(args.src), Path(args.dst)
+    if args.src_format == "ms_llm":
+        out = _export(args, args.to, src, dst)
+    elif args.to == "ms_llm" and args.strategy is None:
+        out = _import(args, args.src_format, src, dst)
+    else:                                        # through a temporary ms_llm checkpoint
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
+            mid = _import(args, args.src_format, src, Path(tmp))
+            out = _export(args, args.to, mid, dst)
+    print(f"wrote {out}")
+    return 0
+
+
+def _section(kind: str, value: str | None, flag: str):
+    if value is None:
+        raise ConfigError(f"convert-checkpoint: {flag} is required for this conversion")
+    return load_section(kind, value)
+
+
+def _target(args: argparse.Namespace, src: Path):
+    """The ModelPlan the output is laid out for (--strategy, --world-size)."""
+    strategy = _section("strategy", args.strategy, "--strategy")
+    model = _section("model", args.model, "--model") if args.model else Checkpoint.open(src).model_config()
+    return layout_plan(model, strategy, args.world_size)
+
+
+def _import(args: argparse.Namespace, fmt: str, src: Path, dst: Path) -> Path:
+    if fmt == "hf":
+        return import_hf(src, dst)
+    model = _section("model", args.model, "--model")
+    if fmt == "dcp":
+        from torch_backend.checkpoint import import_dcp
+        return import_dcp(src, dst, model, names=args.names, step=args.step)
+    from ms_llm.mindspore.checkpoint import import_mindspore
+    if args.ms_strategy is None:
+        raise ConfigError("convert-checkpoint: --ms-strategy (a strategy file or a folder of rank_<r>.ckpt "
+                          "strategy files) is required to import MindSpore checkpoints")
+    return import_mindspore(src, Path(args.ms_strategy), dst, model, step=args.step)
+
+
+def _export(args: argparse.Namespace, fmt: str, src: Path, dst: Path) -> Path:
+    if fmt == "hf":
+        return export_hf(src, dst, dtype=args.dtype)
+    if fmt == "dcp":
+        from torch_backend.checkpoint import export_dcp
+        return export_dcp(src, dst, names=args.names)
+    if fmt == "mindspore":
+        from ms_llm.mindspore.checkpoint import export_mindspore
+        return export_mindspore(src, dst, _target(args, src))
+    return reshard(src, dst, _target(args, src))

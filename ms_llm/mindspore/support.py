@@ -1,0 +1,130 @@
+"""What the MindSpore backend can run, and which engine runs its data parallelism / ZeRO.
+
+Framework-free (imports no MindSpore), so the launcher and `ms-llm plan --backend
+mindspore` answer before msrun starts, and the worker builds the engine `zero_engine` names.
+
+Measured on MindSpore 2.10 (shared/reference/mindspore-cpu.md): only Ascend compiles
+semi_auto_parallel, so without one (a CPU machine, or a GPU one: MindSpore runs on its
+CPU there) MindSpore trains data parallel only; its parallel optimizer is Ascend-only, so
+ZeRO there is ms_llm's shared engine over the CPU collectives, whose AllGather works only
+over the world group; CPU has no bfloat16 MatMul. Every refusal names the field and what
+to use instead.
+"""
+from __future__ import annotations
+
+from ms_llm.errors import StrategyError
+from ms_llm.machine import Machine
+from ms_llm.mindspore.lower import SCHEDULES
+from ms_llm.strategy.plan import ModelPlan
+
+NONE = "none"                              # dp = 1
+GRAD_REDUCER = "grad_reducer"              # ZeRO-0: the compiled step all-reduces gradients itself
+                                           # (DistributedGradReducer; semi_auto_parallel on Ascend)
+SHARED = "shared"                          # ms_llm.zero in PyNative DATA_PARALLEL, stages 0-3
+PARALLEL_OPTIMIZER = "parallel_optimizer"  # native ZeRO 1-3: semi_auto_parallel's optimizer sharding
+ENGINES = (NONE, GRAD_REDUCER, SHARED, PARALLEL_OPTIMIZER)
+
+
+def refusals(plan: ModelPlan, machine: Machine) -> list[str]:
+    """Every reason MindSpore cannot run `plan` on `machine` (empty: it can)."""
+    ascend = machine.accelerator == "ascend"
+    problems = _model(plan)
+    if not ascend:
+        problems += _without_ascend(plan, machine)
+    problems += _engine(plan, ascend)[1]
+    if plan.strategy.offload.optimizer or plan.strategy.offload.params:
+        problems.append("strategy.offload: the MindSpore backend does not offload; set offload.optimizer and "
+                        "offload.params false (or use --backend torch, whose shared engine offloads the optimizer)")
+    return problems
+
+
+def check(plan: ModelPlan, machine: Machine) -> None:
+    """Raise one StrategyError listing every refusal."""
+    problems = refusals(plan, machine)
+    if problems:
+        raise StrategyError(problems)
+
+
+def zero_engine(plan: ModelPlan, machine: Machine) -> str:
+    """The engine (one of ENGINES) for the plan's data parallelism. strategy.zero.engine 'auto'
+    = the shared engine wherever it can run the plan (pure data parallel: it runs outside
+    semi_auto_parallel), the parallel optimizer otherwise; at stage 0 nothing is sharded and
+    the compiled step's own all-reduce is used unless 'shared' is asked for."""
+    engine, problems = _engine(plan, machine.accelerator == "ascend")
+    if problems:
+        raise StrategyError(problems)
+    return engine
+
+
+def _auto_parallel_degrees(plan: ModelPlan) -> list[str]:
+    """What only semi_auto_parallel runs: every split but data parallel's."""
+    s = plan.strategy
+    degrees = [f"{n}={getattr(s, n)}" for n in ("tp", "pp", "cp", "ep") if getattr(s, n) > 1]
+    return degrees + (["sequence_parallel"] if s.sequence_parallel else [])
+
+
+def _model(plan: ModelPlan) -> list[str]:
+    s, problems = plan.strategy, []
+    if plan.model.num_experts:
+        problems.append("model.num_experts: the MindSpore model and lowering are dense LLaMA; MoE is not "
+                        "lowered, use num_experts: 0")
+    if s.pp > 1 and s.pipeline.schedule not in SCHEDULES:
+        problems.append(f"strategy.pipeline.schedule: MindSpore has no {s.pipeline.schedule!r} scheduler; "
+                        f"use one of {', '.join(SCHEDULES)}")
+    return problems
+
+
+def _without_ascend(plan: ModelPlan, machine: Machine) -> list[str]:
+    s, prec, problems = plan.strategy, plan.strategy.precision, []
+    needs_auto = _auto_parallel_degrees(plan)
+    if needs_auto:
+        problems.append(
+            f"strategy: {', '.join(needs_auto)} needs MindSpore's semi_auto_parallel, which ms_llm runs only on "
+            f"Ascend (on this {machine.accelerator} machine MindSpore trains on the CPU, where semi_auto_parallel "
+            "stops with 'Invalid communication backend'). Use data parallel (dp, zero.stage 0-3), run on an Ascend "
+            "machine, use --backend torch, or add --dry-run to print the lowering")
+    if prec.param_dtype != "float32":
+        problems.append(f"strategy.precision.param_dtype: MindSpore on {machine.accelerator} holds float32 "
+                        f"parameters, got {prec.param_dtype}; set float32 (for float16 compute set compute_dtype: "
+                        f"float16 with loss_scale: dynamic; {prec.param_dtype} parameters need Ascend)")
+    if prec.compute_dtype == "bfloat16":
+        problems.append(f"strategy.precision.compute_dtype: MindSpore has no bfloat16 MatMul on "
+                        f"{machine.accelerator}; use float32, or float16 with loss_scale: dynamic (bfloat16 runs "
+                        "on Ascend)")
+    if prec.compute_dtype == "float16" and prec.loss_scale == "static":
+        problems.append("strategy.precision.loss_scale: MindSpore without Ascend scales float16 losses "
+                        "dynamically; set loss_scale: dynamic")
+    if prec.grad_reduce_dtype != "float32":
+        problems.append(f"strategy.precision.grad_reduce_dtype: MindSpore on {machine.accelerator} reduces the "
+                        f"float32 gradients as they are, got {prec.grad_reduce_dtype}; set float32")
+    return problems
+
+
+def _engine(plan: ModelPlan, ascend: bool) -> tuple[str, list[str]]:
+    """(engine, why it cannot run): the choice is made even when refused, so every refusal
+    is reported at once."""
+    s, zero, asked = plan.strategy, plan.zero, plan.strategy.zero.engine
+    if s.dp == 1:
+        return NONE, []
+    if not ascend:                 # data parallel only (_without_ascend refuses the rest)
+        if zero.stage == 0:
+            return (SHARED if asked == "shared" else GRAD_REDUCER), []
+        problems = []
+        if asked == "native":
+            problems.append("strategy.zero.engine: 'native' is MindSpore's parallel optimizer, which runs only on "
+                            "Ascend; use engine 'shared' or 'auto' (ms_llm's ZeRO engine)")
+        if zero.replicate_size > 1 and zero.group_size > 1:
+            problems.append(f"strategy.zero.shard_size: {zero.group_size} < dp = {s.dp} (hybrid sharding) needs "
+                            "AllGather inside each shard group, and MindSpore's CPU AllGather runs only over the "
+                            "world group; use shard_size -1 (shard over all of dp) or run on Ascend")
+        return SHARED, problems
+    auto_parallel = _auto_parallel_degrees(plan)
+    if asked == "shared" and auto_parallel:
+        return SHARED, [f"strategy.zero.engine: the shared engine runs MindSpore in DATA_PARALLEL mode, which "
+                        f"cannot take {', '.join(auto_parallel)}; use engine native (MindSpore's parallel "
+                        "optimizer) or auto"]
+    if zero.stage == 0:
+        return (SHARED if asked == "shared" else GRAD_REDUCER), []
+    # Ascend's own ZeRO (the parallel optimizer, sharded inside the compiled graph) unless the
+    # shared engine is asked for by name.
+    return (SHARED if asked == "shared" else PARALLEL_OPTIMIZER), []

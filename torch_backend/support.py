@@ -1,0 +1,124 @@
+"""What the torch backend can run, and with which data-parallel / ZeRO engine.
+
+Framework-free (numpy, stdlib, ms_llm core), so the launcher and `ms-llm plan --backend
+torch` ask here before torchrun starts; lower() asks again in every worker and builds the
+engine `zero_engine` names. Rules true for every backend live in ms_llm.strategy.validate.
+Every refusal names the field and what to use instead.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ms_llm.errors import StrategyError
+from ms_llm.machine import Machine
+from ms_llm.strategy.plan import ModelPlan
+
+# Engines, one class each in torch_backend.parallelize.dp.
+NONE = "none"                              # dp = 1: gradients are complete after backward
+SHARED = "shared"                          # ms_llm.zero, stages 0-3, the partition both backends share
+DDP = "ddp"                                # native stage 0
+ZERO_OPTIMIZER = "ddp+zero_redundancy_optimizer"   # native stage 1
+REPLICATE = "replicate"                    # native stage 0 under tp or pp (FSDP2's replicate)
+FSDP = "fsdp2"                             # native stages 2 and 3
+ENGINES = (NONE, SHARED, DDP, ZERO_OPTIMIZER, REPLICATE, FSDP)
+
+
+def refusals(plan: ModelPlan, machine: Machine) -> list[str]:
+    """Every reason the torch backend cannot run `plan` on `machine` (empty: it can). The answer
+    is the same on every machine today: torch runs on CUDA (NCCL) or on CPU (gloo) alike."""
+    engine, problems = _engine(plan)
+    problems = _lowering(plan) + _precision(plan) + problems
+    s = plan.strategy
+    if s.offload.optimizer and engine != SHARED:
+        more = " with dp > 1" if s.dp == 1 else ""
+        problems.append(f"strategy.offload.optimizer: on torch only the shared ZeRO engine keeps optimizer states "
+                        f"in host memory, this plan runs {engine!r}; set strategy.zero.engine: shared (or auto){more}")
+    return problems
+
+
+def check(plan: ModelPlan, machine: Machine) -> None:
+    """Raise one StrategyError listing every refusal."""
+    problems = refusals(plan, machine)
+    if problems:
+        raise StrategyError(problems)
+
+
+def zero_engine(plan: ModelPlan, machine: Machine) -> str:
+    """The engine (one of ENGINES) that runs the plan's data parallelism. strategy.zero.engine
+    'auto' = shared wherever its torch adapter supports the plan, native otherwise."""
+    engine, problems = _engine(plan)
+    if problems:
+        raise StrategyError(problems)
+    return engine
+
+
+def _lowering(plan: ModelPlan) -> list[str]:
+    s, problems = plan.strategy, []
+    if s.cp > 1:
+        problems.append("strategy.cp: context parallel is not lowered by the torch backend yet; use cp: 1 "
+                        "(or --backend mindspore on Ascend)")
+    if plan.model.num_experts:
+        problems.append("model.num_experts: the torch model is dense; MoE is not lowered yet, use num_experts: 0")
+    if plan.model.tie_embeddings and s.tp > 1:
+        problems.append("model.tie_embeddings: a tied embedding cannot be both the vocab-parallel embedding "
+                        "and head in the torch backend; untie it or use tp: 1")
+    if s.offload.params:
+        problems.append("strategy.offload.params: the torch backend does not offload parameters yet; set it false")
+    return problems
+
+
+def _precision(plan: ModelPlan) -> list[str]:
+    prec, problems = plan.strategy.precision, []
+    if prec.master_dtype != "float32":
+        problems.append(f"strategy.precision.master_dtype: the torch backend keeps float32 master weights, "
+                        f"got {prec.master_dtype}; set float32")
+    if prec.loss_scale == "static":
+        problems.append("strategy.precision.loss_scale: the torch backend scales float16 losses dynamically; "
+                        "set loss_scale: dynamic")
+    return problems
+
+
+def _engine(plan: ModelPlan) -> tuple[str, list[str]]:
+    """(engine, why it cannot run): the choice is made even when refused, so every refusal
+    that follows from it is reported at once."""
+    s = plan.strategy
+    if s.dp == 1:
+        return NONE, []
+    problem = _shared_problem(plan)
+    if s.zero.engine == "shared" or (s.zero.engine == "auto" and problem is None):
+        return SHARED, [f"{problem}; use strategy.zero.engine: native (or auto)"] if problem else []
+    return _native(plan)
+
+
+def _shared_problem(plan: ModelPlan) -> Optional[str]:
+    """Why the shared engine's torch adapter cannot run this plan (None: it can)."""
+    s = plan.strategy
+    if s.pp > 1 and s.pipeline.schedule in ("zero_bubble", "zbv"):
+        # Their split weight-gradient pass sets .grad outside autograd's accumulation hooks.
+        return (f"strategy.pipeline.schedule: {s.pipeline.schedule} computes weight gradients outside the "
+                "hooks the shared ZeRO engine collects them from")
+    return None
+
+
+def _native(plan: ModelPlan) -> tuple[str, list[str]]:
+    """torch's own engines: DDP / ZeroRedundancyOptimizer / FSDP2 replicate / fully_shard."""
+    s, zero, problems = plan.strategy, plan.zero, []
+    model_parallel = s.tp > 1 or s.pp > 1
+    if s.precision.grad_reduce_dtype == "bfloat16" and zero.stage < 2 and not model_parallel:
+        problems.append("strategy.precision.grad_reduce_dtype: DDP's bf16 gradient compression needs CUDA and "
+                        "is not wired here; use float32 (or float16), or engine shared")
+    if zero.stage in (1, 2) and zero.replicate_size > 1 and zero.group_size > 1:
+        problems.append(f"strategy.zero.shard_size: hybrid sharding below stage 3 needs engine 'shared' (torch's "
+                        f"native stage 1/2 shard over all of dp = {s.dp}); use engine shared, zero.stage 3 or "
+                        "shard_size -1")
+    if zero.stage == 0 or zero.group_size == 1:
+        return (REPLICATE if model_parallel else DDP), problems
+    if zero.stage == 1:
+        if s.tp > 1:
+            problems.append("strategy.zero.stage: torch's native stage-1 optimizer does not take "
+                            "tensor-parallel parameters; use stage 2/3 (FSDP2) or engine 'shared'")
+        if s.pp > 1:
+            problems.append("strategy.zero.engine: torch's native stage-1 optimizer does not compose with "
+                            "pipeline parallel; use engine 'shared' or zero.stage 2/3")
+        return ZERO_OPTIMIZER, problems
+    return FSDP, problems
