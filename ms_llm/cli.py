@@ -6,7 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-from ms_llm.checkpoint.cli import register as register_checkpoint_commands
 from ms_llm.errors import MsLlmError
 
 
@@ -19,37 +18,51 @@ def _load_plan(args):
     job = load_job(args.config)
     device = get_device(args.device or job.device)
     p = plan(job.model, job.strategy, job.train, args.world_size)
-    return p, estimate(p, device), device
+    return job, p, estimate(p, device), device
 
 
 def cmd_plan(args) -> int:
+    """The plan report, then the backend's ZeRO engine and refusals on the plan's device's
+    accelerator; exit status 2 when the backend refuses the plan."""
+    from ms_llm.backends import verdict
+    from ms_llm.machine import Machine
     from ms_llm.strategy.report import plan_json, plan_report
 
-    p, est, device = _load_plan(args)
+    job, p, est, device = _load_plan(args)
+    answer = verdict(args.backend or job.backend, p, Machine.running(device))
     if args.json:
-        print(json.dumps(plan_json(p, est, device), indent=2))
+        print(json.dumps({**plan_json(p, est, device), "backend": answer.to_json()}, indent=2))
     else:
         print(plan_report(p, est, device))
-    return 0
+        print()
+        print("\n".join(answer.lines()))
+    if answer.runs:
+        return 0
+    print(f"ms-llm plan: {answer.backend} cannot run this plan on {answer.machine.accelerator} "
+          f"({len(answer.refusals)} refusal(s), listed above)", file=sys.stderr)
+    return 2
 
 
 def cmd_train(args) -> int:
-    from ms_llm.launch import TrainRequest, train
+    from ms_llm.launch import Nodes, TrainRequest, train
 
+    nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps, args.dry_run,
-                              args.max_restarts))
+                              args.max_restarts, nodes))
 
 
 def cmd_demo(args) -> int:
     """The embedded default job: plan the shipped configurations, then train the tiny one."""
+    from ms_llm.launch import TrainRequest, train
+
     root = Path(__file__).resolve().parents[1] / "configs" / "train"
     for name in ("tiny_torch_dp2", "llama2_7b_dp8_zero1", "llama2_70b_dp2_tp4_pp8"):
         print(f"$ ms-llm plan configs/train/{name}.yaml")
-        cmd_plan(argparse.Namespace(config=root / f"{name}.yaml", world_size=None, device=None, json=False))
+        cmd_plan(argparse.Namespace(config=root / f"{name}.yaml", world_size=None, device=None, json=False,
+                                    backend=None))
         print()
     print("$ ms-llm train configs/train/tiny_torch_dp2.yaml --backend torch", flush=True)
-    return cmd_train(argparse.Namespace(config=root / "tiny_torch_dp2.yaml", backend="torch", nproc=None,
-                                        run_dir=None, steps=None, dry_run=False, max_restarts=0))
+    return train(TrainRequest(root / "tiny_torch_dp2.yaml", backend="torch"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,35 +75,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None, help="devices; default: from the strategy")
     p.add_argument("--device", default=None, help="h100, h200, a100, 910b or cpu; default: the job's device")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--backend", choices=("torch", "mindspore"), default=None,
+                   help="report this backend's ZeRO engine and every refusal on the device's accelerator (exit "
+                        "status 2 when refused); default: the job's backend")
     p.set_defaults(func=cmd_plan)
 
-    t = sub.add_parser("train", help="train a job: start its workers on this machine, logs in the run folder")
+    t = sub.add_parser("train", help="train a job: resolve it into the run folder, start its workers on this "
+                                     "machine (several machines: the same command on each, with --nnodes)")
     t.add_argument("config", help="job YAML (model + strategy + train)")
     t.add_argument("--backend", choices=("torch", "mindspore"), default=None, help="default: the job's backend")
-    t.add_argument("--nproc", type=int, default=None, help="processes; default: the strategy's world size")
-    t.add_argument("--run-dir", default=None, help="run folder; default: runs/<name>-<time>")
+    t.add_argument("--nproc", type=int, default=None,
+                   help="processes over all nodes (the world size); default: the strategy's")
+    t.add_argument("--run-dir", default=None,
+                   help="run folder; default: runs/<name>-<time> (required with --nnodes 2 or more)")
     t.add_argument("--steps", type=int, default=None, help="override train.steps")
     t.add_argument("--dry-run", action="store_true",
                    help="print the lowering (MindSpore: parallel context and every op's strategy) without compiling")
     t.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="start the workers again after a failure, up to N times; each restart resumes from the "
                         "run folder's newest checkpoint (needs train.checkpoint.interval)")
+    t.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="machines in the job; each runs world size / N processes")
+    t.add_argument("--node-rank", type=int, default=0, metavar="R",
+                   help="this machine's place, 0 to N-1; node 0 hosts the rendezvous at --master-addr")
+    t.add_argument("--master-addr", default=None, metavar="HOST", help="node 0's address (with --nnodes 2 or more)")
+    t.add_argument("--master-port", type=int, default=None, metavar="P",
+                   help="a free port on node 0, the same on every node (with --nnodes 2 or more)")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="run the embedded default job")
     d.set_defaults(func=cmd_demo)
 
-    from ms_llm.commands import convert, estimate, search
+    from ms_llm.commands import checkpoint, convert, estimate, interval, search
     for name, module, summary in (
             ("convert-strategy", convert, "convert strategy configs between Megatron-LM, DeepSpeed, MindFormers, "
                                           "torchtitan and ms_llm"),
             ("estimate", estimate, "per-device memory breakdown and step time of one or more strategies"),
-            ("search", search, "search parallel strategies with the cost model and rank them")):
+            ("search", search, "search parallel strategies with the cost model and rank them"),
+            ("convert-checkpoint", checkpoint, "export / import Hugging Face, MindSpore, DCP; reshard"),
+            ("ckpt-interval", interval, "checkpoint interval minimising expected lost time per hour")):
         c = sub.add_parser(name, help=summary, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(c)
         c.set_defaults(func=module.run)
-    register_checkpoint_commands(sub)
     return parser
 
 

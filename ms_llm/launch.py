@@ -1,13 +1,20 @@
-"""`ms-llm train`: validate a job, create its run folder and start its workers on this machine.
+"""`ms-llm train`: resolve a job once, write it to the run folder, start this node's workers.
 
-The launcher imports no framework: it plans (so a bad strategy fails here, before any
-process starts), then runs the backend's own launcher as a subprocess and copies its
-output to the console and to <run>/launcher.log. Worker logs go to <run>/logs/.
+The launcher imports no framework. Before any process starts it resolves the job for both
+backends alike: overrides, checked absolute paths, the stdlib corpus built, dp and
+micro-batches planned for the world size, the backend asked whether it can run the plan.
+The result is <run>/config.yaml, and the workers start from the run folder alone:
 
-    torch:  torchrun --standalone --nproc-per-node W --log-dir <run>/logs --redirects 3 --tee 3
-                     --local-ranks-filter 0 -m torch_backend.worker CONFIG --run-dir <run>
+    torch:      torchrun --standalone --nproc-per-node W ... -m torch_backend.worker --run-dir RUN
+    mindspore:  msrun --worker_num=W --local_worker_num=W ... python -m ms_llm.mindspore.worker --run-dir RUN
+                (msrun as python -m ms_llm.mindspore.launch: the scheduler on node rank 0)
 
-With --max-restarts N a failed launch is started again (ms_llm.elastic) up to N times.
+Several machines: the same command on each, `--nnodes N --node-rank R --master-addr HOST
+--master-port P --run-dir RUN`; node R runs global ranks R*W/N .. (R+1)*W/N - 1 and node 0
+hosts the rendezvous. Every node resolves the same YAML the same way, so each writes the
+same config.yaml (atomically: nodes may share the folder). The backend's launcher's output
+goes to the console and <run>/launcher.log, worker logs to <run>/logs/. With
+--max-restarts N a failed launch is started again (ms_llm.elastic) up to N times.
 """
 from __future__ import annotations
 
@@ -19,9 +26,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from ms_llm.config.job import JobConfig, load_job
+from ms_llm.backends import BACKENDS, check
+from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict, load_job
+from ms_llm.data import build_stdlib_corpus
 from ms_llm.elastic import check_restarts, with_restarts
 from ms_llm.errors import ConfigError, StrategyError
 from ms_llm.run import RunFolder
@@ -31,14 +40,54 @@ ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm a
 
 
 @dataclass(frozen=True)
+class Nodes:
+    """This launcher's place among the machines of one job. One node (the default) rendezvouses
+    on a port it picks itself; several need node 0's address and a port agreed on beforehand."""
+    count: int = 1                        # --nnodes
+    rank: int = 0                         # --node-rank: 0 runs on the machine at master_addr
+    master_addr: Optional[str] = None     # --master-addr
+    master_port: Optional[int] = None     # --master-port
+
+    def check(self) -> None:
+        """The flags on their own, one line naming the flag for each problem."""
+        if self.count < 1:
+            raise ConfigError(f"--nnodes: got {self.count}; give the number of machines (1 or more)")
+        if not 0 <= self.rank < self.count:
+            raise ConfigError(f"--node-rank: got {self.rank} with --nnodes {self.count}; use 0 to {self.count - 1} "
+                              "(0 on the machine at --master-addr)")
+        if self.count == 1:
+            for flag, value in (("--master-addr", self.master_addr), ("--master-port", self.master_port)):
+                if value is not None:
+                    raise ConfigError(f"{flag}: only used with --nnodes 2 or more; one machine rendezvouses on a "
+                                      "free port of its own")
+            return
+        if not self.master_addr:
+            raise ConfigError(f"--master-addr: required with --nnodes {self.count}: the address of node 0, the same "
+                              "on every node")
+        if self.master_port is None:
+            raise ConfigError(f"--master-port: required with --nnodes {self.count}: a free port on node 0, the same "
+                              "on every node")
+        if not 1024 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port: got {self.master_port}; use a free port from 1024 to 65535")
+
+    def local(self, world: int) -> int:
+        """Processes on this node."""
+        if world % self.count:
+            raise ConfigError(f"--nnodes: {self.count} nodes do not divide the world size {world}; every node runs "
+                              "the same number of processes")
+        return world // self.count
+
+
+@dataclass(frozen=True)
 class TrainRequest:
     config: Path
     backend: Optional[str] = None      # None: the job's own `backend`
-    nproc: Optional[int] = None        # processes on this machine; None: the strategy's world size
+    nproc: Optional[int] = None        # processes over all nodes; None: the strategy's world size
     run_dir: Optional[Path] = None     # None: runs/<name>-<time>
     steps: Optional[int] = None        # override train.steps
     dry_run: bool = False              # print the lowering, start nothing
     max_restarts: int = 0              # start failed workers again, resuming from the newest checkpoint
+    nodes: Nodes = Nodes()             # this machine's place among several
 
 
 def free_port() -> int:
@@ -47,11 +96,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(world: int) -> list[str]:
-    """torchrun for `world` processes on this machine. --standalone rendezvouses on a port the
-    agent's store binds itself (port 0), so no other process can take it in between, as can
-    happen with a free port picked beforehand."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+def torchrun(world: int, nodes: Nodes = Nodes()) -> list[str]:
+    """torchrun for this node's share of `world` processes.
+
+    One node: --standalone rendezvouses on a port the agent's store binds itself (port 0), so no
+    other process can take it in between, as can happen with a free port picked beforehand.
+    Several: the static rendezvous. Global ranks follow --node-rank, as under msrun, and node 0's
+    agent alone hosts the store. c10d numbers nodes in the order they join, and on a machine
+    that owns the endpoint (two nodes on one host) every agent tries to host it."""
+    head = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes.count == 1:
+        return [*head, "--standalone", f"--nproc-per-node={world}"]
+    return [*head, f"--nnodes={nodes.count}", f"--node-rank={nodes.rank}", f"--nproc-per-node={nodes.local(world)}",
+            f"--master-addr={nodes.master_addr}", f"--master-port={nodes.master_port}"]
+
+
+def torch_command(run: RunFolder, world: int, nodes: Nodes) -> list[str]:
+    return [*torchrun(world, nodes), f"--log-dir={run.logs}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
+            "--role=rank", "-m", "torch_backend.worker", "--run-dir", str(run.root)]
 
 
 def world_size(job: JobConfig, nproc: Optional[int]) -> int:
@@ -63,27 +125,33 @@ def world_size(job: JobConfig, nproc: Optional[int]) -> int:
     world = s.world_size()
     if nproc is not None and nproc != world:
         raise StrategyError(f"--nproc: {nproc} processes, but dp*tp*pp*cp = {s.dp}*{s.tp}*{s.pp}*{s.cp} = {world}; "
-                            "drop --nproc or change the strategy (several machines: start torchrun on each, "
-                            "see README)")
+                            "drop --nproc or change the strategy")
     return world
 
 
-def torch_command(req: TrainRequest, run: RunFolder, world: int) -> list[str]:
-    cmd = [*torchrun(world), f"--log-dir={run.logs}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
-           "--role=rank", "-m", "torch_backend.worker", str(Path(req.config).resolve()), "--run-dir", str(run.root)]
-    if req.steps is not None:
-        cmd += ["--steps", str(req.steps)]
-    return cmd
+def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
+    """One per node: nodes sharing a run folder end at different times."""
+    return run.root / "tmp" / f"node{nodes.rank}"
 
 
-def worker_env(run: RunFolder) -> dict[str, str]:
-    """Temporary files (torchrun, inductor) inside the run folder; this checkout importable."""
-    tmp = run.root / "tmp"
-    tmp.mkdir(exist_ok=True)
+def worker_env(run: RunFolder, nodes: Nodes) -> dict[str, str]:
+    """Temporary files (torchrun, inductor) inside the run folder; this interpreter first on PATH
+    (msrun starts `python`); this checkout importable."""
+    tmp = tmp_dir(run, nodes)
+    tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, TMPDIR=str(tmp))
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor"))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
+
+
+def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
+    shutil.rmtree(tmp_dir(run, nodes), ignore_errors=True)
+    try:
+        tmp_dir(run, nodes).parent.rmdir()            # the last node out removes tmp/
+    except OSError:
+        pass
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
@@ -99,8 +167,16 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
         return proc.wait()
 
 
-# Backend -> the command that starts its workers for (request, run folder, world size).
-COMMANDS = {"torch": torch_command}
+def start_torch(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
+    """One torchrun launch of this node's workers; returns its exit status."""
+    return run_logged(torch_command(run, world, nodes), worker_env(run, nodes), run.launcher_log)
+
+
+def starter(backend: str) -> Callable[[JobConfig, RunFolder, int, Nodes], int]:
+    if backend == "mindspore":
+        from ms_llm.mindspore.launch import start        # msrun and its progress follower
+        return start
+    return start_torch
 
 
 def absolute_paths(job: JobConfig) -> JobConfig:
@@ -117,41 +193,88 @@ def absolute_paths(job: JobConfig) -> JobConfig:
             raise ConfigError(f"train.data.source: token file {source} does not exist (relative to {Path.cwd()}); "
                               "give a token file or 'stdlib'")
         source = str(Path(source).resolve())
-    train = dataclasses.replace(t, checkpoint=dataclasses.replace(t.checkpoint, load=load),
-                                data=dataclasses.replace(t.data, source=source))
-    return dataclasses.replace(job, train=train)
+    return with_train(job, checkpoint=dataclasses.replace(t.checkpoint, load=load),
+                      data=dataclasses.replace(t.data, source=source))
 
 
-def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, str]:
-    job = absolute_paths(load_job(req.config))
+def with_train(job: JobConfig, **changes) -> JobConfig:
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, **changes))
+
+
+def resolve(req: TrainRequest) -> tuple[JobConfig, ModelPlan]:
+    """The job as the workers will read it back from config.yaml (but for the stdlib corpus,
+    built once the run folder exists), and its plan. Flag and field errors come first, one line
+    each; nothing is written."""
+    req.nodes.check()
+    if req.nodes.count > 1 and req.run_dir is None:
+        raise ConfigError(f"--run-dir: required with --nnodes {req.nodes.count}: give every node the same run "
+                          "folder (shared storage, or the same path on each machine)")
+    job = load_job(req.config)
     if req.steps is not None:
-        job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=req.steps))
+        if req.steps < 0:
+            raise ConfigError(f"--steps: got {req.steps}; give the number of optimizer steps, 0 or more")
+        job = with_train(job, steps=req.steps)
     backend = req.backend or job.backend
-    if backend not in COMMANDS and backend != "mindspore":
-        raise ConfigError(f"--backend: {backend!r} cannot train from this launcher; available: {', '.join(COMMANDS)}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend: {backend!r} cannot train from this launcher; use one of {', '.join(BACKENDS)}")
     check_restarts(job, req.max_restarts)
-    return job, plan(job.model, job.strategy, job.train, world_size(job, req.nproc)), backend
+    job = absolute_paths(job)
+    world = world_size(job, req.nproc)
+    req.nodes.local(world)
+    p = plan(job.model, job.strategy, job.train, world)
+    return dataclasses.replace(job, backend=backend, strategy=p.strategy), p
+
+
+def with_corpus(job: JobConfig, run: RunFolder) -> JobConfig:
+    """'stdlib' becomes the token file built in the run folder. Every node builds its own (its
+    workers read it locally); on a shared folder concurrent builds write the same bytes under
+    temporary names and rename them, so any of them may win."""
+    if job.train.data.source != "stdlib":
+        return job
+    return with_train(job, data=dataclasses.replace(job.train.data, source=str(build_stdlib_corpus(run.data))))
+
+
+def write_config(job: JobConfig, run: RunFolder) -> None:
+    """<run>/config.yaml, atomically: a worker, or another node sharing the folder, reads the whole
+    old file or the whole new one, never a part."""
+    tmp = run.config.with_name(f".config.yaml.{socket.gethostname()}.{os.getpid()}")
+    tmp.write_text(dump_yaml(job_to_dict(job)))
+    os.replace(tmp, run.config)
+
+
+def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, RunFolder]:
+    """Resolve, ask the backend, then (only then) create the run folder and write config.yaml."""
+    job, p = resolve(req)
+    check(job.backend, p)
+    run = RunFolder.create(job.name, req.run_dir)
+    job = with_corpus(job, run)
+    write_config(job, run)
+    return job, p, run
+
+
+def dry_run(job: JobConfig, p: ModelPlan, run_dir: Optional[Path]) -> int:
+    if job.backend == "mindspore":
+        from ms_llm.mindspore.launch import dry_run as ms_dry_run
+        return ms_dry_run(p, run_dir)
+    from ms_llm.strategy.cost import estimate
+    from ms_llm.strategy.devices import get_device
+    from ms_llm.strategy.report import plan_report
+    print(plan_report(p, estimate(p, get_device(job.device)), get_device(job.device)))
+    return 0
 
 
 def train(req: TrainRequest) -> int:
-    job, p, backend = prepare(req)
-    if backend == "mindspore":
-        # msrun, the CPU data-parallel runtime and the Ascend checks live with the backend.
-        from ms_llm.mindspore.launch import cli_train
-        return cli_train(job, req.run_dir, p.world_size, req.dry_run, req.max_restarts)
     if req.dry_run:
-        from ms_llm.strategy.cost import estimate
-        from ms_llm.strategy.devices import get_device
-        from ms_llm.strategy.report import plan_report
-        print(plan_report(p, estimate(p, get_device(job.device)), get_device(job.device)))
-        return 0
-    run = RunFolder.create(job.name, req.run_dir)
-    print(f"ms-llm train: {job.name} on {backend}, {p.world_size} process(es), mesh {p.mesh.describe()}, "
+        job, p = resolve(req)
+        return dry_run(job, p, req.run_dir)
+    job, p, run = prepare(req)
+    nodes = req.nodes
+    where = f", node {nodes.rank} of {nodes.count} ({nodes.local(p.world_size)} here)" if nodes.count > 1 else ""
+    print(f"ms-llm train: {job.name} on {job.backend}, {p.world_size} process(es){where}, mesh {p.mesh.describe()}, "
           f"run folder {run.root}", flush=True)
-    env = worker_env(run)
-    rc = with_restarts(lambda: run_logged(COMMANDS[backend](req, run, p.world_size), env, run.launcher_log),
-                       req.max_restarts, run)
-    shutil.rmtree(run.root / "tmp", ignore_errors=True)
+    start = starter(job.backend)
+    rc = with_restarts(lambda: start(job, run, p.world_size, nodes), req.max_restarts, run)
+    remove_tmp(run, nodes)
     if rc != 0:
         print(f"ms-llm train: workers failed (exit {rc}); logs in {run.logs} and {run.launcher_log}",
               file=sys.stderr)

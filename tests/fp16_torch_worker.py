@@ -64,6 +64,7 @@ CASES: dict[str, tuple[int, dict]] = {
     "shared_zero3": (2, {"dp": 2, "zero": {"stage": 3, **SHARED}}),
     "engine16_s2": (2, {"dp": 2, "zero": {"stage": 2, **SHARED}}),
     "replicate_tp2": (4, {"dp": 2, "tp": 2, "zero": NATIVE}),
+    "pipeline_pp2": (2, {"dp": 1, "pp": 2}),
 }
 
 

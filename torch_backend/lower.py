@@ -26,9 +26,10 @@ from torch_backend.parallelize.precision import autocast
 from torch_backend.pipeline import build_schedule, cut_chunk
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; logits (B, T, V), possibly vocab-sharded under loss_parallel."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Mean next-token loss times `scale` (fp16 loss scaling inside a pipeline schedule, which
+    computes the loss itself); logits (B, T, V), possibly vocab-sharded under loss_parallel."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1)) * scale
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:

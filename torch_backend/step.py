@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ms_llm.config.train import OptimizerConfig
-from ms_llm.errors import StrategyError
 from ms_llm.run import LossScaler, lr_at
 from torch_backend.lower import Lowered, cross_entropy, local_value
 
@@ -41,9 +40,6 @@ class TrainStep:
         self.loss_weight = (1.0 if holds else 0.0) / s.dp
         self.world = self.plan.world_size
         self.loss_scale = LossScaler.from_precision(s.precision)      # None without fp16 loss scaling
-        if self.loss_scale is not None and lowered.schedule is not None:
-            raise StrategyError("strategy.precision.loss_scale: the torch pipeline schedules compute the loss "
-                                "themselves and do not scale it yet; use pp: 1 or bfloat16")
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of the local batch (B, T); return this rank's mean loss."""
@@ -53,11 +49,13 @@ class TrainStep:
             args = (tokens,) if m.has_first else ()
             # The schedule's last backward need not end the step (reduce_grads does), so
             # engines that reduce from backward hooks accumulate through all of it.
+            scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
             with m.dp.sync(m.parts[0], last=False), m.loss_context(), m.autocast():
-                m.schedule.step(*args, target=targets if m.has_last else None, losses=losses)
+                m.schedule.step(*args, target=targets if m.has_last else None, losses=losses,
+                                loss_kwargs={"scale": scale})
             if not losses:
                 return torch.zeros((), device=m.device)
-            return torch.stack([local_value(l).detach().float() for l in losses]).mean()
+            return torch.stack([local_value(l).detach().float() for l in losses]).mean() / scale
         part, total = m.parts[0], torch.zeros((), device=m.device)
         for i, (x, y) in enumerate(zip(tokens.chunk(n), targets.chunk(n))):
             with m.dp.sync(part, last=i == n - 1), m.loss_context():

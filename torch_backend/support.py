@@ -72,9 +72,6 @@ def _precision(plan: ModelPlan) -> list[str]:
     if prec.master_dtype != "float32":
         problems.append(f"strategy.precision.master_dtype: the torch backend keeps float32 master weights, "
                         f"got {prec.master_dtype}; set float32")
-    if prec.loss_scale == "static":
-        problems.append("strategy.precision.loss_scale: the torch backend scales float16 losses dynamically; "
-                        "set loss_scale: dynamic")
     return problems
 
 

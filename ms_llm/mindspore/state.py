@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
@@ -107,8 +108,13 @@ class MsTrainerState:
         return [float(x) for x in every.max(axis=0)]
 
     def session_token(self) -> str:
-        """msrun gives every worker of one launch the same scheduler address and port."""
-        return f"ms-{os.environ.get('MS_SCHED_HOST', '')}-{os.environ.get('MS_SCHED_PORT', '')}"
+        """Rank 0's random draw, the same on every rank and new for every launch (a relaunch on
+        several nodes reuses msrun's scheduler address and port)."""
+        mine = np.frombuffer(os.urandom(8), np.int32)
+        if self._gather is None:
+            return mine.tobytes().hex()
+        every = self._gather(ms.Tensor(mine[None], ms.int32)).asnumpy()        # (world, 2)
+        return every[0].tobytes().hex()
 
     def set_optimizer_step(self, steps: int) -> None:
         engine = getattr(getattr(self.step_fn, "runner", None), "engine", None)

@@ -91,9 +91,6 @@ def _without_ascend(plan: ModelPlan, machine: Machine) -> list[str]:
         problems.append(f"strategy.precision.compute_dtype: MindSpore has no bfloat16 MatMul on "
                         f"{machine.accelerator}; use float32, or float16 with loss_scale: dynamic (bfloat16 runs "
                         "on Ascend)")
-    if prec.compute_dtype == "float16" and prec.loss_scale == "static":
-        problems.append("strategy.precision.loss_scale: MindSpore without Ascend scales float16 losses "
-                        "dynamically; set loss_scale: dynamic")
     if prec.grad_reduce_dtype != "float32":
         problems.append(f"strategy.precision.grad_reduce_dtype: MindSpore on {machine.accelerator} reduces the "
                         f"float32 gradients as they are, got {prec.grad_reduce_dtype}; set float32")
