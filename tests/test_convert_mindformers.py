@@ -1,14 +1,20 @@
 """MindFormers YAML -> IR: degrees, parallel optimizer, MindFormers' global-batch and FFN rules."""
+import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
-from ms_llm.convert import ConversionError, ReadOptions, load, read
+from ms_llm.convert import ConversionError, ReadOptions, dump, from_job, load, read
 from ms_llm.convert.mindformers import mindformers_ffn
 from ms_llm.errors import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SEVEN_B = (FIXTURES / "mindformers_llama2_7b.yaml").read_text()
+# the 7B recipe on dp2 * mp2 * cp2 with use_seq_parallel (flash attention on, as the recipe has it)
+CP2_SP = SEVEN_B.replace("  data_parallel: 8", "  data_parallel: 2") \
+    .replace("  model_parallel: 1", "  model_parallel: 2\n  context_parallel: 2") \
+    .replace("  use_seq_parallel: False", "  use_seq_parallel: True")
 
 
 def test_llama2_7b_pretrain():
@@ -102,3 +108,59 @@ def test_data_parallel_mode_refuses_model_parallel():
 def test_not_yaml():
     with pytest.raises(ConfigError, match="bad.yaml: line 3 not valid YAML"):
         read("parallel_config:\n  data_parallel: [1,\n", "bad.yaml", "mindformers")
+
+
+def test_use_seq_parallel_with_context_parallel_is_sequence_parallel():
+    """MindFormers' LLaMA applies use_seq_parallel with cp > 1 too: its residual add is (dp, cp*mp, 1)."""
+    conv = read(CP2_SP, "7b_cp2_sp.yaml")
+    s = conv.job.strategy
+    assert (s.dp, s.tp, s.cp, s.sequence_parallel) == (2, 2, 2, True)
+    assert not any("use_seq_parallel" in w for w in conv.warnings)
+    assert conv.sources["strategy.sequence_parallel"] == "parallel_config.use_seq_parallel"
+
+
+def test_use_seq_parallel_without_model_parallel_is_off():
+    conv = read(SEVEN_B.replace("  use_seq_parallel: False", "  use_seq_parallel: True"), "7b_sp.yaml")
+    assert conv.job.strategy.sequence_parallel is False
+    assert any("use_seq_parallel is a no-op in MindFormers when model_parallel = 1" in w for w in conv.warnings)
+
+
+@pytest.mark.parametrize("line,flash", [("use_flash_attention: True", True), ("use_flash_attention: False", False),
+                                        ("", False)])       # MindFormers' LlamaConfig default is False
+def test_use_flash_attention_is_model_flash_attention(line, flash):
+    text = SEVEN_B.replace("use_flash_attention: True # FA can accelerate training or finetune", line)
+    conv = read(text, "7b.yaml")
+    assert conv.job.model.flash_attention is flash
+    assert not any("use_flash_attention" in w for w in conv.warnings)      # read, not dropped
+
+
+def _written(job, world: int) -> tuple[dict, list[str]]:
+    out = dump(from_job(job, world), "mindformers")
+    return yaml.safe_load(out.text), out.warnings
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_flash_attention_is_written_as_use_flash_attention(flash):
+    job = read(SEVEN_B, "7b.yaml").job
+    job = dataclasses.replace(job, model=dataclasses.replace(job.model, flash_attention=flash))
+    mf, warnings = _written(job, 8)
+    assert mf["model"]["model_config"]["use_flash_attention"] is flash
+    assert not any("flash_attention" in w for w in warnings)
+
+
+def test_context_parallel_writes_flash_attention_and_says_so():
+    job = read(CP2_SP, "7b_cp2_sp.yaml").job
+    plain = dataclasses.replace(job, model=dataclasses.replace(job.model, flash_attention=False))
+    mf, warnings = _written(plain, 8)
+    assert mf["model"]["model_config"]["use_flash_attention"] is True
+    assert mf["parallel_config"]["use_seq_parallel"] is True and mf["parallel_config"]["context_parallel"] == 2
+    assert any(w.startswith("model.flash_attention = False: MindFormers runs context parallel") for w in warnings)
+    _, warnings = _written(job, 8)                                # flash already on: nothing to say
+    assert not any("flash_attention" in w for w in warnings)
+
+
+def test_cp2_sequence_parallel_flash_survives_the_round_trip():
+    conv = read(CP2_SP, "7b_cp2_sp.yaml")
+    back = read(dump(conv, "mindformers").text, "back.yaml", "mindformers")
+    s, m = back.job.strategy, back.job.model
+    assert (s.cp, s.tp, s.sequence_parallel, m.flash_attention) == (2, 2, True, True)

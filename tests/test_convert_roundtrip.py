@@ -161,3 +161,35 @@ def test_detection():
     assert detect_format("--tensor-model-parallel-size 2\n", "args") == "megatron"
     with pytest.raises(ConversionError, match="x.yaml: cannot tell which format.*--from"):
         detect_format("foo: 1\n", "x.yaml")
+
+
+def test_cp_sequence_parallel_and_flash_attention_cross_mindformers_and_megatron():
+    """MindFormers dp2*mp2*cp2 with use_seq_parallel and use_flash_attention -> Megatron
+    (--context-parallel-size, --sequence-parallel, --attention-backend flash) -> MindFormers keeps all."""
+    text = (FIXTURES / "mindformers_llama2_7b.yaml").read_text().replace("  data_parallel: 8", "  data_parallel: 2") \
+        .replace("  model_parallel: 1", "  model_parallel: 2\n  context_parallel: 2") \
+        .replace("  use_seq_parallel: False", "  use_seq_parallel: True")
+    conv = read(text, "7b_cp2_sp.yaml")
+    script, as_megatron = reread(conv, "megatron")
+    args = parse_args(launch_command(script.text, "out.sh").args, "out.sh")
+    assert (args["--context-parallel-size"], args["--sequence-parallel"], args["--attention-backend"]) == \
+        ("2", True, "flash")
+    _, back = reread(as_megatron, "mindformers")
+    for job in (as_megatron.job, back.job):
+        assert (job.strategy.cp, job.strategy.tp, job.strategy.sequence_parallel, job.model.flash_attention) == \
+            (2, 2, True, True)
+
+
+@pytest.mark.parametrize("flags,flash,warned", [
+    ("--attention-backend flash", True, False), ("--use-flash-attn", True, False),
+    ("--attention-backend unfused", False, False), ("--attention-backend fused", False, True),
+    ("--attention-backend auto", False, True), ("", False, False)])
+def test_megatron_flash_attention_flags(flags, flash, warned):
+    """--attention-backend flash and the legacy --use-flash-attn read as model.flash_attention; auto and
+    fused (kernels Megatron or cuDNN pick) read as plain attention, with a warning."""
+    base = (FIXTURES / "megatron_llama3_8b.sh").read_text()
+    conv = read(base.replace("    --attention-backend fused", f"    {flags}"), "llama3_8b.sh", "megatron")
+    assert conv.job.model.flash_attention is flash
+    assert not any("dropped" in w and ("--attention-backend" in w or "--use-flash-attn" in w)
+                   for w in conv.warnings)                                         # every spelling is read
+    assert any(w.startswith("--attention-backend") for w in conv.warnings) is warned

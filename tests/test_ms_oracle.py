@@ -369,14 +369,7 @@ def ours_for(parallel: dict, model: dict) -> dict[str, OpShard]:
               "runner_config": {"batch_size": 1}}
     conv = read(yaml.safe_dump(source), "oracle.yaml", ReadOptions())
     job = conv.job
-    # the converter keeps MindFormers' use_flash_attention out of the IR; our switch is model.flash_attention
-    mdl = dataclasses.replace(job.model, flash_attention=bool(model.get("use_flash_attention", False)))
-    strategy = job.strategy
-    if parallel.get("use_seq_parallel") and _degrees(parallel)[2] > 1:
-        # the converter drops use_seq_parallel when cp > 1 as if MindFormers ignored it; MindFormers 2.1
-        # applies it (dp2_mp2_cp2_sp_flash shows its (dp, cp*mp, 1) residual stream), so keep it here
-        strategy = dataclasses.replace(strategy, sequence_parallel=True)
-    p = plan(mdl, strategy, job.train, conv.world_size)
+    p = plan(job.model, job.strategy, job.train, conv.world_size)
     return {o.op: o for o in lower(p).ops}
 
 

@@ -153,10 +153,22 @@ def _model(f: Fields, tp: int, pp: int, warnings: list[str]) -> tuple[dict, str]
              "max_seq_len": f.get("--max-position-embeddings", int, seq, ir="model.max_seq_len"),
              "rope_theta": f.get("--rotary-base", float, 10000.0, ir="model.rope_theta"),
              "norm_eps": f.get("--norm-epsilon", float, 1e-5, ir="model.norm_eps"), "tie_embeddings": tie,
-             "num_experts": experts}
+             "flash_attention": _flash_attention(f, warnings), "num_experts": experts}
     if experts:
         model["moe_top_k"] = f.get("--moe-router-topk", int, 2, ir="model.moe_top_k")
     return model, note
+
+
+def _flash_attention(f: Fields, warnings: list[str]) -> bool:
+    """--attention-backend flash (or the legacy --use-flash-attn) is model.flash_attention."""
+    backend = f.get("--attention-backend", ("flash", "fused", "unfused", "local", "auto"), "auto",
+                    ir="model.flash_attention")
+    if backend in ("fused", "auto") and f.has("--attention-backend"):
+        what = "Megatron's pick among Transformer Engine's kernels" if backend == "auto" else "cuDNN fused attention"
+        warnings.append(f"--attention-backend {backend} ({what}): read as plain attention "
+                        "(model.flash_attention false)")
+    legacy = f.get("--use-flash-attn", bool, False, ir="model.flash_attention")
+    return backend == "flash" or legacy
 
 
 def _vocab(f: Fields, tp: int, warnings: list[str]) -> int:

@@ -51,6 +51,8 @@ def write(job: JobConfig, world_size: int) -> Written:
         model.append("--untie-embeddings-and-output-weights")
     if m.num_experts:
         model += [f"--num-experts {m.num_experts}", f"--moe-router-topk {m.moe_top_k}"]
+    if m.flash_attention:
+        model.append("--attention-backend flash")
 
     o, sch, ck, p = t.optimizer, t.schedule, t.checkpoint, s.precision
     training = [f"--micro-batch-size {t.micro_batch_size}", f"--global-batch-size {t.global_batch_size}",

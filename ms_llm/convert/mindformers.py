@@ -3,9 +3,11 @@
 Degrees come from `parallel_config` (dp * mp * cp * pp is the device count, as MindFormers
 requires in semi_auto_parallel), ZeRO from `parallel.enable_parallel_optimizer` (stage 1; stage 2
 with `gradient_accumulation_shard`), recompute from `recompute_config`, the model from
-`model.model_config`. The global batch follows MindFormers' base_trainer rule: batch_size * dp *
-micro_batch_num * micro_batch_interleave_num with pipeline stages, batch_size * dp *
-interleave * gradient_accumulation_steps without.
+`model.model_config` (its use_flash_attention is model.flash_attention). The global batch
+follows MindFormers' base_trainer rule: batch_size * dp * micro_batch_num *
+micro_batch_interleave_num with pipeline stages, batch_size * dp * interleave *
+gradient_accumulation_steps without. use_seq_parallel is sequence_parallel with context parallel
+as well (MindFormers' LLaMA then splits the residual stream over cp*mp).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ NEUTRAL = {"use_parallel": (True,), "run_mode": ("train",), "parallel.gradients_
            "context.mode": (0,), "runner_config.sink_mode": (True,), "runner_config.sink_size": (1,),
            "micro_batch_interleave_num": (1,), "parallel_config.vocab_emb_dp": (False,),
            "trainer.type": ("CausalLanguageModelingTrainer",), "model.arch.type": ("LlamaForCausalLM",),
-           "model.model_config.type": ("LlamaConfig",), "model.model_config.use_flash_attention": (True,),
+           "model.model_config.type": ("LlamaConfig",),
            "runner_wrapper.type": ("MFTrainOneStepCell",), "do_eval": (False,),
            "parallel_config.context_parallel_algo": ("colossalai_cp",)}
 
@@ -66,9 +68,8 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
                               "change the degrees or drop --world-size")
     _check_mode(f, tp, pp, warnings)
     sp = f.get(f"{pc}.use_seq_parallel", bool, False, ir="strategy.sequence_parallel")
-    if sp and (cp > 1 or tp == 1):
-        warnings.append(f"{pc}.use_seq_parallel is ignored by MindFormers when "
-                        f"{'context_parallel > 1' if cp > 1 else 'model_parallel = 1'}; off")
+    if sp and tp == 1:
+        warnings.append(f"{pc}.use_seq_parallel is a no-op in MindFormers when model_parallel = 1; off")
         sp = False
     if f.raw(f"{pc}.vocab_emb_dp", False) is True and tp > 1 and pp == 1:
         warnings.append(f"{pc}.vocab_emb_dp: a replicated embedding is not modelled; ms_llm splits the vocabulary "
@@ -76,10 +77,10 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if cp > 1 and f.raw(f"{pc}.context_parallel_algo", "colossalai_cp") != "colossalai_cp":
         warnings.append(f"{pc}.context_parallel_algo = {f.raw(pc + '.context_parallel_algo')}: read as ring "
                         "context parallel")
-    if cp > 1 and f.raw("model.model_config.use_flash_attention", False) is not True:
-        raise f.error(f"{pc}.context_parallel", "needs model.model_config.use_flash_attention: True (MindFormers "
-                                                 "refuses context parallel without it)")
     model, mc = _model(f)
+    if cp > 1 and not model["flash_attention"]:
+        raise f.error(f"{pc}.context_parallel", f"needs {mc}.use_flash_attention: True (MindFormers refuses "
+                                                 "context parallel without it)")
     precision = _precision(f, mc, warnings)
     model["dtype"] = precision["param_dtype"]
     strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": sp,
@@ -133,6 +134,7 @@ def _model(f: Fields) -> tuple[dict, str]:
              "rope_theta": f.get(f"{mc}.theta", float, 10000.0, ir="model.rope_theta"),
              "norm_eps": f.get(f"{mc}.rms_norm_eps", float, 1e-5, ir="model.norm_eps"),
              "tie_embeddings": f.get(f"{mc}.tie_word_embeddings", bool, False, ir="model.tie_embeddings"),
+             "flash_attention": f.get(f"{mc}.use_flash_attention", bool, False, ir="model.flash_attention"),
              "num_experts": experts}
     if experts:
         key = f"{mc}.moe_config.num_experts_chosen" if f.has(f"{mc}.moe_config") else "moe_config.num_experts_chosen"

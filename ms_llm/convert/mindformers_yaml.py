@@ -89,7 +89,10 @@ def _model_config(m, s, t, warnings: list[str]) -> dict:
                 "vocab_size": m.vocab_size, "intermediate_size": m.ffn_hidden_size, "rms_norm_eps": m.norm_eps,
                 "theta": m.rope_theta, "max_position_embedding": m.max_seq_len,
                 "tie_word_embeddings": m.tie_embeddings, "compute_dtype": p.compute_dtype,
-                "param_init_type": stored, "use_flash_attention": True}
+                "param_init_type": stored, "use_flash_attention": m.flash_attention or s.cp > 1}
+    if s.cp > 1 and not m.flash_attention:
+        warnings.append(f"model.flash_attention = False: MindFormers runs context parallel (strategy.cp = {s.cp}) "
+                        "only with flash attention; use_flash_attention: True written")
     if m.num_experts:
         mc["moe_config"] = {"expert_num": m.num_experts, "num_experts_chosen": m.moe_top_k}
     pipe = s.pipeline
