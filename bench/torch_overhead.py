@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from ms_llm.config.job import job_from_dict  # noqa: E402
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
-from ms_llm.launch import torchrun  # noqa: E402
+from torch_backend.launch import torchrun  # noqa: E402
 from ms_llm.run import lr_at  # noqa: E402
 from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
 from torch_backend.dist import init_distributed, shutdown  # noqa: E402

@@ -199,7 +199,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from ms_llm.launch import torchrun
+    from torch_backend.launch import torchrun
     tmp = ROOT / ".tmp"
     tmp.mkdir(exist_ok=True)
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))

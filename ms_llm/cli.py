@@ -44,7 +44,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from ms_llm.launch import Nodes, TrainRequest, train
+    from ms_llm.launch import TrainRequest, train
+    from ms_llm.nodes import Nodes
 
     nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps, args.dry_run,

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,49 +31,9 @@ from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict, load_job
 from ms_llm.data import build_stdlib_corpus
 from ms_llm.elastic import check_restarts, with_restarts
 from ms_llm.errors import ConfigError, StrategyError
+from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
 from ms_llm.strategy.plan import ModelPlan, plan
-
-ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm and the backends
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """This launcher's place among the machines of one job. One node (the default) rendezvouses
-    on a port it picks itself; several need node 0's address and a port agreed on beforehand."""
-    count: int = 1                        # --nnodes
-    rank: int = 0                         # --node-rank: 0 runs on the machine at master_addr
-    master_addr: Optional[str] = None     # --master-addr
-    master_port: Optional[int] = None     # --master-port
-
-    def check(self) -> None:
-        """The flags on their own, one line naming the flag for each problem."""
-        if self.count < 1:
-            raise ConfigError(f"--nnodes: got {self.count}; give the number of machines (1 or more)")
-        if not 0 <= self.rank < self.count:
-            raise ConfigError(f"--node-rank: got {self.rank} with --nnodes {self.count}; use 0 to {self.count - 1} "
-                              "(0 on the machine at --master-addr)")
-        if self.count == 1:
-            for flag, value in (("--master-addr", self.master_addr), ("--master-port", self.master_port)):
-                if value is not None:
-                    raise ConfigError(f"{flag}: only used with --nnodes 2 or more; one machine rendezvouses on a "
-                                      "free port of its own")
-            return
-        if not self.master_addr:
-            raise ConfigError(f"--master-addr: required with --nnodes {self.count}: the address of node 0, the same "
-                              "on every node")
-        if self.master_port is None:
-            raise ConfigError(f"--master-port: required with --nnodes {self.count}: a free port on node 0, the same "
-                              "on every node")
-        if not 1024 <= self.master_port <= 65535:
-            raise ConfigError(f"--master-port: got {self.master_port}; use a free port from 1024 to 65535")
-
-    def local(self, world: int) -> int:
-        """Processes on this node."""
-        if world % self.count:
-            raise ConfigError(f"--nnodes: {self.count} nodes do not divide the world size {world}; every node runs "
-                              "the same number of processes")
-        return world // self.count
 
 
 @dataclass(frozen=True)
@@ -88,32 +46,6 @@ class TrainRequest:
     dry_run: bool = False              # print the lowering, start nothing
     max_restarts: int = 0              # start failed workers again, resuming from the newest checkpoint
     nodes: Nodes = Nodes()             # this machine's place among several
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(world: int, nodes: Nodes = Nodes()) -> list[str]:
-    """torchrun for this node's share of `world` processes.
-
-    One node: --standalone rendezvouses on a port the agent's store binds itself (port 0), so no
-    other process can take it in between, as can happen with a free port picked beforehand.
-    Several: the static rendezvous. Global ranks follow --node-rank, as under msrun, and node 0's
-    agent alone hosts the store. c10d numbers nodes in the order they join, and on a machine
-    that owns the endpoint (two nodes on one host) every agent tries to host it."""
-    head = [sys.executable, "-m", "torch.distributed.run"]
-    if nodes.count == 1:
-        return [*head, "--standalone", f"--nproc-per-node={world}"]
-    return [*head, f"--nnodes={nodes.count}", f"--node-rank={nodes.rank}", f"--nproc-per-node={nodes.local(world)}",
-            f"--master-addr={nodes.master_addr}", f"--master-port={nodes.master_port}"]
-
-
-def torch_command(run: RunFolder, world: int, nodes: Nodes) -> list[str]:
-    return [*torchrun(world, nodes), f"--log-dir={run.logs}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
-            "--role=rank", "-m", "torch_backend.worker", "--run-dir", str(run.root)]
 
 
 def world_size(job: JobConfig, nproc: Optional[int]) -> int:
@@ -129,54 +61,13 @@ def world_size(job: JobConfig, nproc: Optional[int]) -> int:
     return world
 
 
-def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
-    """One per node: nodes sharing a run folder end at different times."""
-    return run.root / "tmp" / f"node{nodes.rank}"
-
-
-def worker_env(run: RunFolder, nodes: Nodes) -> dict[str, str]:
-    """Temporary files (torchrun, inductor) inside the run folder; this interpreter first on PATH
-    (msrun starts `python`); this checkout importable."""
-    tmp = tmp_dir(run, nodes)
-    tmp.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmp))
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor"))
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
-
-
-def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
-    shutil.rmtree(tmp_dir(run, nodes), ignore_errors=True)
-    try:
-        tmp_dir(run, nodes).parent.rmdir()            # the last node out removes tmp/
-    except OSError:
-        pass
-
-
-def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
-    """Run `cmd`, echoing its merged output to the console and to `log`."""
-    with open(log, "a") as out:
-        out.write("$ " + " ".join(cmd) + "\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            out.write(line)
-        return proc.wait()
-
-
-def start_torch(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
-    """One torchrun launch of this node's workers; returns its exit status."""
-    return run_logged(torch_command(run, world, nodes), worker_env(run, nodes), run.launcher_log)
-
-
 def starter(backend: str) -> Callable[[JobConfig, RunFolder, int, Nodes], int]:
+    """The backend's launch module: both import no framework."""
     if backend == "mindspore":
         from ms_llm.mindspore.launch import start        # msrun and its progress follower
         return start
-    return start_torch
+    from torch_backend.launch import start
+    return start
 
 
 def absolute_paths(job: JobConfig) -> JobConfig:

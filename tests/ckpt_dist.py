@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from ckpt_helpers import STATES, cut, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Piece, Region, flat_pieces, layout_piece, optim_name
 from ms_llm.checkpoint import param_pieces, run_config
-from ms_llm.launch import free_port
+from ms_llm.nodes import free_port
 from ms_llm.strategy.layout import Shard
 from torch_backend.checkpoint import load_into, save_items
 

@@ -1,7 +1,8 @@
 """Import boundaries, each module checked in a fresh interpreter:
 - ms_llm minus ms_llm/mindspore imports neither torch nor mindspore;
 - the core (that, minus the CLI layer) imports no backend either, not even inside a function;
-- each backend's support.py imports no framework, so the launcher can ask it before any starts."""
+- each backend's support.py and launch.py import no framework: the launcher asks the one and
+  runs the other before any worker starts."""
 import ast
 import importlib.util
 import pkgutil
@@ -16,7 +17,7 @@ FRAMEWORKS = ("torch", "mindspore")
 BACKENDS = ("torch_backend", "ms_llm.mindspore")
 # The CLI layer: it dispatches to the backends (lazily, or through their framework-free support.py).
 CLI_LAYER = ("ms_llm.__main__", "ms_llm.cli", "ms_llm.commands", "ms_llm.backends", "ms_llm.launch")
-SUPPORT = ("torch_backend.support", "ms_llm.mindspore.support")
+SUPPORT = ("torch_backend.support", "ms_llm.mindspore.support", "torch_backend.launch", "ms_llm.mindspore.launch")
 CHECK = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
          "print(','.join(m for m in sys.argv[2:] if m in sys.modules))")
 

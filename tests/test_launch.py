@@ -10,7 +10,9 @@ import yaml
 
 from ms_llm.cli import main
 from ms_llm.config.job import load_job
-from ms_llm.launch import Nodes, TrainRequest, prepare, torch_command, torchrun
+from ms_llm.launch import TrainRequest, prepare
+from ms_llm.nodes import Nodes
+from torch_backend.launch import torch_command, torchrun
 from ms_llm.run import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]

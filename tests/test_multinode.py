@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_llm.launch import free_port
+from ms_llm.nodes import free_port
 from ms_llm.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

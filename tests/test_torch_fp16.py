@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ms_llm.data import build_stdlib_corpus
-from ms_llm.launch import torchrun
+from torch_backend.launch import torchrun
 from fp16_torch_worker import CASES, HUGE, OVERFLOW_STEPS, STEPS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from ms_llm.data import build_stdlib_corpus
-from ms_llm.launch import torchrun
+from torch_backend.launch import torchrun
 from torch_matrix_worker import CASES
 
 ROOT = Path(__file__).resolve().parents[1]

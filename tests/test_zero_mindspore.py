@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from ms_llm.launch import free_port
+from ms_llm.nodes import free_port
 from ms_llm.strategy import cost
 from ms_llm.strategy.plan import plan
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ms_llm.launch import torchrun
+from torch_backend.launch import torchrun
 from ms_llm.checkpoint.shards import optim_pieces, param_pieces
 from ms_llm.strategy import cost
 from ms_llm.strategy.plan import plan

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ms_llm.launch import free_port
+from ms_llm.nodes import free_port
 
 
 def init_distributed() -> torch.device:

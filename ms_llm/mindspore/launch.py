@@ -24,7 +24,7 @@ from typing import Optional
 
 from ms_llm.config.job import JobConfig
 from ms_llm.errors import ConfigError
-from ms_llm.launch import Nodes, free_port, worker_env
+from ms_llm.nodes import Nodes, free_port, worker_env
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 

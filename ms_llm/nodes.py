@@ -1,0 +1,101 @@
+"""Where a job's worker processes start: this machine's place among the nodes, ports, the
+environment and log of a backend launcher (torchrun, msrun). Shared by ms_llm.launch and the
+backends' launch modules; imports no framework."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ms_llm.errors import ConfigError
+from ms_llm.run import RunFolder
+
+ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm and the backends
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """This launcher's place among the machines of one job. One node (the default) rendezvouses
+    on a port it picks itself; several need node 0's address and a port agreed on beforehand."""
+    count: int = 1                        # --nnodes
+    rank: int = 0                         # --node-rank: 0 runs on the machine at master_addr
+    master_addr: Optional[str] = None     # --master-addr
+    master_port: Optional[int] = None     # --master-port
+
+    def check(self) -> None:
+        """The flags on their own, one line naming the flag for each problem."""
+        if self.count < 1:
+            raise ConfigError(f"--nnodes: got {self.count}; give the number of machines (1 or more)")
+        if not 0 <= self.rank < self.count:
+            raise ConfigError(f"--node-rank: got {self.rank} with --nnodes {self.count}; use 0 to {self.count - 1} "
+                              "(0 on the machine at --master-addr)")
+        if self.count == 1:
+            for flag, value in (("--master-addr", self.master_addr), ("--master-port", self.master_port)):
+                if value is not None:
+                    raise ConfigError(f"{flag}: only used with --nnodes 2 or more; one machine rendezvouses on a "
+                                      "free port of its own")
+            return
+        if not self.master_addr:
+            raise ConfigError(f"--master-addr: required with --nnodes {self.count}: the address of node 0, the same "
+                              "on every node")
+        if self.master_port is None:
+            raise ConfigError(f"--master-port: required with --nnodes {self.count}: a free port on node 0, the same "
+                              "on every node")
+        if not 1024 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port: got {self.master_port}; use a free port from 1024 to 65535")
+
+    def local(self, world: int) -> int:
+        """Processes on this node."""
+        if world % self.count:
+            raise ConfigError(f"--nnodes: {self.count} nodes do not divide the world size {world}; every node runs "
+                              "the same number of processes")
+        return world // self.count
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
+    """One per node: nodes sharing a run folder end at different times."""
+    return run.root / "tmp" / f"node{nodes.rank}"
+
+
+def worker_env(run: RunFolder, nodes: Nodes) -> dict[str, str]:
+    """Temporary files (torchrun, inductor) inside the run folder; this interpreter first on PATH
+    (msrun starts `python`); this checkout importable."""
+    tmp = tmp_dir(run, nodes)
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor"))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
+    shutil.rmtree(tmp_dir(run, nodes), ignore_errors=True)
+    try:
+        tmp_dir(run, nodes).parent.rmdir()            # the last node out removes tmp/
+    except OSError:
+        pass
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
+    """Run `cmd`, echoing its merged output to the console and to `log`."""
+    with open(log, "a") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            out.write(line)
+        return proc.wait()
