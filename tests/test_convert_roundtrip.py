@@ -193,3 +193,10 @@ def test_megatron_flash_attention_flags(flags, flash, warned):
     assert not any("dropped" in w and ("--attention-backend" in w or "--use-flash-attn" in w)
                    for w in conv.warnings)                                         # every spelling is read
     assert any(w.startswith("--attention-backend") for w in conv.warnings) is warned
+
+
+def test_flash_attention_to_torchtitan_is_reported_not_dropped():
+    text, warnings = convert(FIXTURES / "mindformers_llama2_7b.yaml", "torchtitan", options=ReadOptions(world_size=8))
+    assert "flash" not in text
+    assert "write: model.flash_attention = True: torchtitan's attention is SDPA, which picks the flash kernel itself; " \
+        "no field written" in warnings

@@ -54,6 +54,9 @@ def write(job: JobConfig, world_size: int) -> Written:
                  "strategy.zero.stage", "strategy.zero.shard_size", "strategy.pipeline", "strategy.recompute",
                  "strategy.precision", "strategy.offload", "strategy.sequence_parallel", "train"}
     name, flavor = _flavor(m, warnings)
+    if m.flash_attention:
+        warnings.append("model.flash_attention = True: torchtitan's attention is SDPA, which picks the flash kernel "
+                        "itself; no field written")
     o, sch, ck, p = t.optimizer, t.schedule, t.checkpoint, s.precision
     if o.name != "adamw":
         warnings.append(f"train.optimizer.name = {o.name}: torchtitan configs name AdamW; AdamW written")
