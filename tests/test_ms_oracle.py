@@ -348,15 +348,16 @@ def compare(pair: Pair, ours: dict[str, OpShard], theirs: dict, devices: int) ->
 # ---- the oracle run and our side --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def oracle() -> dict:
-    """MindFormers' strategies for every case, from one subprocess."""
+def oracle(tmp_path_factory) -> dict:
+    """MindFormers' strategies for every case, from one subprocess (in a folder of its own:
+    MindFormers' logger writes output/log/ into the working directory)."""
     if not (ORACLES / "mindformers").is_dir():
         pytest.fail(".oracles/ is missing: run `make oracles` (installs MindFormers beside .venv)")
     cases = [{"name": name, "devices": _devices(par), "parallel": par, "model": {**MODEL, **mod}}
              for name, (par, mod) in CASES.items()]
     env = {**os.environ, "PYTHONPATH": str(ORACLES), "GLOG_v": "3"}
     proc = subprocess.run([sys.executable, str(PROBE), json.dumps(cases)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=ROOT)
+                          env=env, timeout=300, cwd=tmp_path_factory.mktemp("oracle"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mindformers"].startswith("2.1."), f"the oracle is MindFormers 2.1, .oracles has {result['mindformers']}"
