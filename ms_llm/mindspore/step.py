@@ -73,11 +73,32 @@ class TrainCell(nn.Cell):
         return loss, norm
 
 
+class EvalCell(nn.Cell):
+    """Mean loss of a validation batch, forward only, in the same layout as TrainCell's inputs."""
+
+    def __init__(self, body: nn.Cell, micro_batches: int, loss_mean: Optional[nn.Cell] = None,
+                 pipeline: bool = False):
+        super().__init__(auto_prefix=False)
+        self.body, self.micro_batches, self.loss_mean, self.pipeline = body, micro_batches, loss_mean, pipeline
+
+    def construct(self, inputs, labels):
+        if self.pipeline:
+            loss = self.body(inputs, labels)
+        else:
+            loss = self.body(inputs[0], labels[0])
+            for i in range(1, self.micro_batches):
+                loss = loss + self.body(inputs[i], labels[i])
+            loss = loss / self.micro_batches
+        if self.loss_mean is not None:
+            loss = self.loss_mean(loss)
+        return loss
+
+
 class GraphStep:
     """TrainCell for the shared loop: learning rate from the schedule, loss scale from the policy."""
 
-    def __init__(self, cell: TrainCell, job: JobConfig, plan: ModelPlan, loss_scale=None):
-        self.cell, self.train, self.loss_scale = cell, job.train, loss_scale
+    def __init__(self, cell: TrainCell, evaluator: EvalCell, job: JobConfig, plan: ModelPlan, loss_scale=None):
+        self.cell, self.evaluator, self.train, self.loss_scale = cell, evaluator, job.train, loss_scale
         self.optimizer = cell.optimizer
         self.shape = ((-1, job.train.seq_len + 1) if cell.pipeline else
                       (plan.micro_batches, job.train.micro_batch_size, job.train.seq_len + 1))
@@ -92,6 +113,11 @@ class GraphStep:
         rows = rows.reshape(self.shape)
         return (Tensor(rows[..., :-1], ms.int32), Tensor(rows[..., 1:], ms.int32), Tensor(scale, ms.float32),
                 Tensor(lr, ms.float32))
+
+    def evaluate(self, rows: np.ndarray) -> float:
+        """Global mean loss of this rank's rows of a validation batch."""
+        x, y = self._inputs(rows, 1.0, 0.0)[:2]
+        return float(self.evaluator(x, y).asnumpy())
 
     def __call__(self, step: int, rows: np.ndarray) -> tuple[float, float]:
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
@@ -130,3 +156,11 @@ class ZeroStep:
         norm = self.runner.step(lr_at(step, self.train))
         loss = float(self.mean(Tensor([total], ms.float32)).asnumpy()[0])
         return loss, float("nan") if norm is None else norm
+
+    def evaluate(self, rows: np.ndarray) -> float:
+        """Global mean loss of this rank's rows of a validation batch (ZeRO-3 gathers each unit
+        through the same forward hooks as in training)."""
+        rows = rows.reshape(self.shape)
+        total = sum(float(self.runner.loss_cell(Tensor(m[:, :-1], ms.int32), Tensor(m[:, 1:], ms.int32)).asnumpy())
+                    for m in rows)
+        return float(self.mean(Tensor([total / len(rows)], ms.float32)).asnumpy()[0])

@@ -39,7 +39,7 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks
     from ms_llm.mindspore.model import LossCell, RMSNorm, Transformer
     from ms_llm.mindspore.optim import AdamW
-    from ms_llm.mindspore.step import GraphStep, TrainCell
+    from ms_llm.mindspore.step import EvalCell, GraphStep, TrainCell
     from ms_llm.run.loss_scale import LossScaler
 
     net = Transformer(job.model)
@@ -72,7 +72,8 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     body = nn.PipelineCell(loss_cell, micro_size=p.micro_batches) if pipeline else loss_cell
     cell = TrainCell(body, AdamW(params, job.train.optimizer), p.micro_batches, job.train.optimizer.grad_clip,
                      reducer, mean, pipeline)
-    return GraphStep(cell, job, p, LossScaler.from_precision(p.strategy.precision))
+    evaluator = EvalCell(body, p.micro_batches, mean, pipeline)
+    return GraphStep(cell, evaluator, job, p, LossScaler.from_precision(p.strategy.precision))
 
 
 def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
