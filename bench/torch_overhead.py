@@ -29,11 +29,13 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from ms_llm.config.job import job_from_dict  # noqa: E402
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
+from ms_llm.machine import Machine  # noqa: E402
 from torch_backend.launch import torchrun  # noqa: E402
 from ms_llm.run import lr_at  # noqa: E402
 from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
 from torch_backend.dist import init_distributed, shutdown  # noqa: E402
-from torch_backend.lower import cross_entropy, lower  # noqa: E402
+from torch_backend.apply import apply, cross_entropy  # noqa: E402
+from torch_backend.lower import lower  # noqa: E402
 from torch_backend.mesh import build_meshes  # noqa: E402
 from torch_backend.model import Transformer  # noqa: E402
 from torch_backend.step import TrainStep, optimizer_args  # noqa: E402
@@ -77,7 +79,8 @@ def measure(repeats: int, steps: int, tokens_path: str, engine: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     job = job_for(world, engine)
     plan = make_plan(job.model, job.strategy, job.train, world)
-    ours = TrainStep(lower(plan, build_meshes(plan.mesh, "cpu"), torch.device("cpu"), rank))
+    meshes = build_meshes(plan.mesh, "cpu")
+    ours = TrainStep(apply(lower(plan, Machine("cpu")), plan, meshes, torch.device("cpu"), rank))
     plain = plain_step_fn(job, world)
     sampler = GlobalBatchSampler(load_tokens(Path(tokens_path)), SEQ, GLOBAL_BATCH, job.train.seed)
     batches = [torch.from_numpy(sampler.local_batch(k, rank, world)) for k in range(steps)]

@@ -29,3 +29,8 @@ class CheckpointError(MsLlmError):
 class TrainingDiverged(MsLlmError):
     """The loss or gradient norm stopped being finite. The message names the step and the last
     checkpoint saved before it, which is kept."""
+
+
+class RunFolderError(MsLlmError):
+    """A run folder that cannot be created or written: missing parent, read-only, or full.
+    The message names the folder and the operating system's reason."""

@@ -28,7 +28,8 @@ from typing import Callable, Optional
 
 from ms_llm.backends import BACKENDS, check
 from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict, load_job
-from ms_llm.data import build_stdlib_corpus
+from ms_llm.config.train import DataConfig
+from ms_llm.data import IndexedDataset, build_stdlib_corpus, samples
 from ms_llm.elastic import check_restarts, with_restarts
 from ms_llm.errors import ConfigError, StrategyError
 from ms_llm.nodes import Nodes, remove_tmp
@@ -79,6 +80,8 @@ def absolute_paths(job: JobConfig) -> JobConfig:
         if not Path(load).exists():
             raise ConfigError(f"train.checkpoint.load: {load} does not exist (relative to {Path.cwd()})")
         load = str(Path(load).resolve())
+    if t.data.paths:
+        return with_train(job, checkpoint=dataclasses.replace(t.checkpoint, load=load), data=indexed_data(t.data))
     if source != "stdlib":
         if not Path(source).is_file():
             raise ConfigError(f"train.data.source: token file {source} does not exist (relative to {Path.cwd()}); "
@@ -86,6 +89,26 @@ def absolute_paths(job: JobConfig) -> JobConfig:
         source = str(Path(source).resolve())
     return with_train(job, checkpoint=dataclasses.replace(t.checkpoint, load=load),
                       data=dataclasses.replace(t.data, source=source))
+
+
+def indexed_data(data: DataConfig) -> DataConfig:
+    """Dataset prefixes and the tokenizer as absolute paths; each dataset opened once, so a missing
+    file or an .idx that does not match its .bin stops the launch here."""
+    paths = []
+    for i, prefix in enumerate(data.paths):
+        prefix = str(Path(prefix).resolve())
+        try:
+            IndexedDataset(prefix)
+        except ConfigError as exc:
+            raise ConfigError(f"train.data.paths[{i}]: {exc}") from None
+        paths.append(prefix)
+    tokenizer = data.tokenizer
+    if tokenizer:
+        if not Path(tokenizer).exists():
+            raise ConfigError(f"train.data.tokenizer: {tokenizer} does not exist (relative to {Path.cwd()}); give "
+                              "the tokenizer the data was prepared with, or leave it empty")
+        tokenizer = str(Path(tokenizer).resolve())
+    return dataclasses.replace(data, paths=tuple(paths), tokenizer=tokenizer)
 
 
 def with_train(job: JobConfig, **changes) -> JobConfig:
@@ -117,9 +140,17 @@ def resolve(req: TrainRequest) -> tuple[JobConfig, ModelPlan]:
 
 
 def with_corpus(job: JobConfig, run: RunFolder) -> JobConfig:
-    """'stdlib' becomes the token file built in the run folder. Every node builds its own (its
-    workers read it locally); on a shared folder concurrent builds write the same bytes under
-    temporary names and rename them, so any of them may win."""
+    """Indexed datasets get their sample order built in the run folder (workers map it) and their
+    token ids checked against the vocabulary; 'stdlib' becomes the token file built there. Every
+    node builds its own (its workers read it locally); on a shared folder concurrent builds write
+    the same bytes under temporary names and rename them, so any of them may win."""
+    if job.train.data.paths:
+        folder = samples.build(samples.DataSpec.of(job.train), run.data)
+        top, prefix = samples.max_token(folder)
+        if top >= job.model.vocab_size:
+            raise ConfigError(f"model.vocab_size: {job.model.vocab_size}, but {prefix} holds token id {top}; use "
+                              f"vocab_size >= {top + 1} (the tokenizer's) or data made with this model's tokenizer")
+        return job
     if job.train.data.source != "stdlib":
         return job
     return with_train(job, data=dataclasses.replace(job.train.data, source=str(build_stdlib_corpus(run.data))))
@@ -144,13 +175,14 @@ def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, RunFolder]:
 
 
 def dry_run(job: JobConfig, p: ModelPlan, run_dir: Optional[Path]) -> int:
+    """Print the backend's lowering of the plan; neither framework is imported."""
     if job.backend == "mindspore":
         from ms_llm.mindspore.launch import dry_run as ms_dry_run
         return ms_dry_run(p, run_dir)
-    from ms_llm.strategy.cost import estimate
-    from ms_llm.strategy.devices import get_device
-    from ms_llm.strategy.report import plan_report
-    print(plan_report(p, estimate(p, get_device(job.device)), get_device(job.device)))
+    from ms_llm.machine import Machine
+    from torch_backend.dry_run import dry_run_text
+    from torch_backend.lower import lower
+    print(dry_run_text(p, lower(p, Machine.detect())))
     return 0
 
 

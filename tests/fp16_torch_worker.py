@@ -4,7 +4,7 @@
 
 Each case (a strategy, so a data-parallel engine) trains the same tiny model on the same
 global batches three times: in fp32; in fp16 with dynamic loss scaling; in fp16 from a scale
-of 2**40, which overflows until it has halved far enough. "engine16_s<N>" cases drive the
+of 2**32 (the largest the schema accepts), which overflows until it has halved far enough. "engine16_s<N>" cases drive the
 shared ZeRO engine directly over a model held in fp16 with an fp32 master copy (as the
 MindSpore step drives it) instead of lowering a plan. Every rank writes
 OUT/<case>-<run>-rank<r>.json: per step the loss, gradient norm, loss scale used, the
@@ -27,11 +27,13 @@ from torch.distributed.tensor import DTensor
 
 from ms_llm.config.job import job_from_dict
 from ms_llm.data import GlobalBatchSampler, load_tokens
+from ms_llm.machine import Machine
 from ms_llm.run import LossScaler, lr_at
 from ms_llm.strategy.plan import plan as make_plan
 from ms_llm.zero import zero_plan
 from ms_llm.zero.engine import EngineConfig
-from torch_backend.lower import cross_entropy, lower
+from torch_backend.apply import apply, cross_entropy
+from torch_backend.lower import lower
 from torch_backend.mesh import build_meshes
 from torch_backend.model import Transformer
 from torch_backend.state import training_state
@@ -40,8 +42,8 @@ from torch_backend.zero import ZeroDataParallel
 from torch_matrix_worker import MODEL
 
 STEPS = 6                  # fp32 and fp16 runs
-OVERFLOW_STEPS = 30        # 2**40 halves into fp16's range in ~24 skipped steps, then trains
-HUGE = 2.0 ** 40
+OVERFLOW_STEPS = 24        # 2**32 halves into fp16's range in ~16 skipped steps, then trains
+HUGE = 2.0 ** 32
 NATIVE, SHARED = {"engine": "native"}, {"engine": "shared"}
 PRECISIONS = {
     "fp32": {"param_dtype": "float32", "compute_dtype": "float32"},
@@ -97,7 +99,8 @@ class Run:
         self.job = job_for(case, run)
         self.plan = make_plan(self.job.model, self.job.strategy, self.job.train, dist.get_world_size())
         meshes = build_meshes(self.plan.mesh, "cpu")
-        self.step_fn = TrainStep(lower(self.plan, meshes, torch.device("cpu"), self.rank))
+        self.step_fn = TrainStep(apply(lower(self.plan, Machine("cpu")), self.plan, meshes, torch.device("cpu"),
+                                       self.rank))
         self.dp_rank, self.dp_size = meshes.coord("dp"), meshes.size("dp")
 
     def scale(self) -> float | None:

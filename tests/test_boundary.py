@@ -17,7 +17,8 @@ FRAMEWORKS = ("torch", "mindspore")
 BACKENDS = ("torch_backend", "ms_llm.mindspore")
 # The CLI layer: it dispatches to the backends (lazily, or through their framework-free support.py).
 CLI_LAYER = ("ms_llm.__main__", "ms_llm.cli", "ms_llm.commands", "ms_llm.backends", "ms_llm.launch")
-SUPPORT = ("torch_backend.support", "ms_llm.mindspore.support", "torch_backend.launch", "ms_llm.mindspore.launch")
+SUPPORT = ("torch_backend.support", "ms_llm.mindspore.support", "torch_backend.launch", "ms_llm.mindspore.launch",
+           "torch_backend.lower", "torch_backend.dry_run", "ms_llm.mindspore.lower", "ms_llm.mindspore.dry_run")
 CHECK = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
          "print(','.join(m for m in sys.argv[2:] if m in sys.modules))")
 

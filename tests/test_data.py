@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from ms_llm.data import ByteTokenizer, GlobalBatchSampler, build_stdlib_corpus, load_tokens
+from ms_llm.data import ByteTokenizer, GlobalBatchSampler, SamplerState, build_stdlib_corpus, load_tokens
 from ms_llm.errors import ConfigError
 
 
@@ -47,3 +47,14 @@ def test_errors_name_the_field(tokens, tmp_path):
         load_tokens(tmp_path / "missing.bin")
     with pytest.raises(ConfigError, match="train.seed"):
         GlobalBatchSampler(tokens, 32, 8, seed=1).step_of(GlobalBatchSampler(tokens, 32, 8, seed=2).state_at(1))
+    with pytest.raises(ConfigError, match="train.global_batch_size: 8 is not divisible by dp=3"):
+        GlobalBatchSampler(tokens, 32, 8, seed=1).local_batch(0, 0, 3)
+
+
+def test_a_token_file_run_refuses_an_indexed_datasets_checkpoint(tokens):
+    """A checkpoint's sampler state from indexed data (it carries its order's key) cannot resume
+    a token-file run, and an old state without the key still loads."""
+    s = GlobalBatchSampler(tokens, 32, 8, seed=1)
+    with pytest.raises(ConfigError, match="train.data: the checkpoint read indexed datasets"):
+        s.step_of(SamplerState(1, 0, 16, index="0123abcd"))
+    assert s.step_of(SamplerState.from_dict({"seed": 1, "epoch": 0, "position": 16})) == 2

@@ -22,9 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from ms_llm.config.job import job_from_dict
 from ms_llm.data import GlobalBatchSampler, load_tokens
+from ms_llm.machine import Machine
 from ms_llm.run import lr_at
 from ms_llm.strategy.plan import plan as make_plan
-from torch_backend.lower import cross_entropy, lower
+from torch_backend.apply import apply, cross_entropy
+from torch_backend.lower import lower
 from torch_backend.mesh import build_meshes
 from torch_backend.model import Transformer
 from torch_backend.step import TrainStep
@@ -149,7 +151,7 @@ def run_case(case: str, tokens: np.ndarray, out: Path) -> None:
     tc = job.train
     plan = make_plan(job.model, job.strategy, tc, world)
     meshes = build_meshes(plan.mesh, "cpu")
-    lowered = lower(plan, meshes, torch.device("cpu"), rank, compile=tc.compile)
+    lowered = apply(lower(plan, Machine("cpu")), plan, meshes, torch.device("cpu"), rank)
     step_fn = TrainStep(lowered)
     sampler = GlobalBatchSampler(tokens, tc.seq_len, tc.global_batch_size, tc.seed)
     dp_rank, dp_size = meshes.coord("dp"), meshes.size("dp")

@@ -13,6 +13,7 @@ DCP export/import (torch.distributed.checkpoint) lets torchtitan users move over
 """
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -28,6 +29,7 @@ from ms_llm.checkpoint.format import split_optim_name
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import write_full
 from ms_llm.checkpoint.shards import Piece
+from ms_llm.checkpoint.untrusted import confined, integer, integers
 from ms_llm.checkpoint.writer import SaveItem
 from ms_llm.config.model import ModelConfig
 from ms_llm.errors import CheckpointError
@@ -137,16 +139,42 @@ class SafeDcpReader(FileSystemReader):
     DCP itself with torch.load(weights_only=True)."""
 
     def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
+        path = confined(self.path, ".metadata", "the DCP metadata file")
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: no .metadata; not a DCP checkpoint folder") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: not readable DCP metadata ({type(exc).__name__}: {exc})") from None
+        _check_storage(Path(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_storage(folder: Path, metadata) -> None:
+    """Before DCP opens anything: every storage file it names lies inside `folder` and holds the
+    byte range claimed, and every tensor's size is non-negative and no larger than the bytes
+    stored for it (so no allocation is sized by the metadata alone)."""
+    stored: dict[str, int] = {}
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        fqn = getattr(index, "fqn", str(index))
+        where = f"{folder}/.metadata: storage of {fqn!r}"
+        path = confined(folder, info.relative_path, f"the storage file of {fqn!r}")
+        size = path.stat().st_size if path.is_file() else 0
+        offset, length = integer(info.offset, where, "offset"), integer(info.length, where, "length")
+        if offset + length > size:
+            raise CheckpointError(f"{where}: bytes [{offset}, {offset + length}) but {path.name} has {size}")
+        stored[fqn] = stored.get(fqn, 0) + length
+    for key, m in metadata.state_dict_metadata.items():
+        if isinstance(m, dcp_metadata.TensorStorageMetadata):
+            shape = integers(list(m.size), f"{folder}/.metadata: tensor {key!r}", "size")
+            nbytes = math.prod(shape) * m.properties.dtype.itemsize
+            if nbytes > stored.get(key, 0):
+                raise CheckpointError(f"{folder}/.metadata: tensor {key!r} of size {list(shape)} needs {nbytes} "
+                                      f"bytes but {stored.get(key, 0)} are stored for it")
 
 
 def export_dcp(src: str | Path, out: str | Path, names: str = "hf") -> Path:

@@ -1,76 +1,158 @@
-"""ModelPlan -> this rank's runnable model: pipeline chunks, parallelized and wrapped.
+"""Lower a ModelPlan to the torch backend's terms: mesh, pipeline chunks, TP/SP styles, AC,
+data-parallel engine, precision, schedule. Pure data, no torch import: `ms-llm train --backend
+torch --dry-run` prints it (dry_run.py) and apply.py turns it into modules on each rank.
 
-Reads the plan and nothing else about the strategy. What the torch backend can run, and
-with which data-parallel engine, is torch_backend.support's answer (the launcher asked it
-before torchrun started); lower() asks again, before any memory is allocated.
+Nothing here names a LLaMA layer. Each weight's placement on the tp axis, and the tp
+placement of the activations around it, pick the tensor-parallel style:
+
+    weight Shard(0), kind embedding   -> rowwise   (vocab-parallel embedding)
+    weight Shard(0), kind head        -> colwise   (vocab-parallel logits for loss_parallel)
+    weight Shard(0), kind column      -> colwise
+    weight Shard(1), kind row         -> rowwise   (output in the residual-stream layout)
+    replicated norm, residual stream sharded on the sequence -> sequence
+
+and where a block's input layout ("attn_input", "mlp_input") differs from the residual
+stream ("hidden"), a prepare_input on the block redistributes it (the all-gather of
+sequence parallelism; its reduce-scatter is the row-parallel output layout).
+
+What the torch backend can run, and with which data-parallel engine, is
+torch_backend.support's answer; lower() asks again, before any worker allocates memory.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import ContextManager, Optional
+from typing import Literal, Optional
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
-
+from ms_llm.errors import StrategyError
 from ms_llm.machine import Machine
-from ms_llm.strategy.plan import ChunkPlan, ModelPlan
+from ms_llm.strategy.layout import Placement, Replicate, Shard, TensorLayout
+from ms_llm.strategy.mesh import MeshSpec
+from ms_llm.strategy.plan import ChunkPlan, ModelPlan, RecomputeMode
 from torch_backend import support
-from torch_backend.mesh import Meshes
-from torch_backend.parallelize import parallelize
-from torch_backend.parallelize.dp import DataParallel, build_data_parallel
-from torch_backend.parallelize.precision import autocast
-from torch_backend.pipeline import build_schedule, cut_chunk
+
+StyleKind = Literal["colwise", "rowwise", "sequence", "prepare_input"]
+
+# Which activation of the plan a block (by its attribute name) takes as input.
+BLOCK_INPUT = {"self_attn": "attn_input", "mlp": "mlp_input"}
+# The last dimension, whatever the rank of the tensor: where column / row parallel split features.
+FEATURES = Shard(-1)
+# Each schedule of the IR (ms_llm.strategy.ir.SCHEDULES) -> the torch.distributed.pipelining class that runs it.
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+# Selective recompute keeps these ops' outputs (matmuls, and collectives so TP communication is
+# not repeated) and recomputes the cheap rest: attention core, norms, rotary, SwiGLU activation.
+SELECTIVE_SAVES = ("aten.mm.default", "aten.addmm.default",
+                   "_c10d_functional.all_gather_into_tensor.default",
+                   "_c10d_functional.reduce_scatter_tensor.default",
+                   "_c10d_functional.all_reduce.default")
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Mean next-token loss times `scale` (fp16 loss scaling inside a pipeline schedule, which
-    computes the loss itself); logits (B, T, V), possibly vocab-sharded under loss_parallel."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1)) * scale
+@dataclass(frozen=True)
+class TpStyle:
+    """One module's tensor-parallel style (a DTensor ParallelStyle), placements on the tp axis.
+    prepare_input: `input` is the layout the block is given, `output` the one it wants."""
+    module: str                    # FQN, e.g. model.layers.3.self_attn.q_proj
+    kind: StyleKind
+    input: Placement
+    output: Placement
+    use_local_output: bool         # False: the output stays a DTensor (vocab-parallel logits, SP norms)
+
+    def __str__(self) -> str:
+        # Column / row parallel hand on local tensors unless told otherwise; say when told.
+        dtensor = not self.use_local_output and self.kind in ("colwise", "rowwise")
+        return f"{self.kind}: in {self.input} out {self.output}" + (", DTensor out" if dtensor else "")
 
 
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """The engine torch_backend.support.zero_engine picked, with the settings it is built with."""
+    engine: str                    # one of support.ENGINES
+    zero_stage: int
+    mesh_axes: tuple[str, ...]     # the mesh (or group) it spans; () for none and shared (ms_llm.zero's groups)
+    reshard_after_forward: bool    # FSDP2: ZeRO-3 frees parameters after each layer's forward
+    param_dtype: str               # FSDP2 / replicate MixedPrecisionPolicy: parameters as computed with
+    reduce_dtype: str              # gradient reduction (DDP: its compression hook when not float32)
+    bucket_mb: float               # DDP gradient buckets
 
 
-@dataclass
-class Lowered:
-    plan: ModelPlan
-    meshes: Meshes
-    device: torch.device
-    chunks: tuple[ChunkPlan, ...]      # this rank's chunks, in virtual order
-    parts: list[nn.Module]             # one wrapped module per chunk
-    dp: DataParallel
-    schedule: Optional[object]         # a torch.distributed.pipelining schedule when pp > 1
-
-    @property
-    def has_first(self) -> bool:
-        return any(c.has_embedding for c in self.chunks)
-
-    @property
-    def has_last(self) -> bool:
-        return any(c.has_head for c in self.chunks)
-
-    def loss_context(self) -> ContextManager:
-        """Vocab-parallel cross entropy over the tp-sharded logits (forward and backward)."""
-        return loss_parallel() if self.plan.strategy.tp > 1 else nullcontext()
-
-    def autocast(self) -> ContextManager:
-        return autocast(self.plan, self.device.type)
+@dataclass(frozen=True)
+class TorchLowering:
+    mesh: MeshSpec                              # init_device_mesh over these axes (size-1 included)
+    stages: tuple[tuple[ChunkPlan, ...], ...]   # pp rank -> its chunks, in virtual order
+    tp: tuple[TpStyle, ...]                     # every module's style, whole model; () when tp = 1
+    loss_parallel: bool                         # vocab-parallel cross entropy over tp-sharded logits
+    recompute: tuple[RecomputeMode, ...]        # per decoder layer
+    selective_saves: tuple[str, ...]            # torch.ops names selective recompute keeps
+    dp: DataParallelPlan
+    compute_dtype: str                          # autocast dtype (float32: no autocast)
+    schedule: Optional[str]                     # torch.distributed.pipelining class; None when pp = 1
+    micro_batches: int
+    compile: bool                               # torch.compile per decoder layer
 
 
-def lower(plan: ModelPlan, meshes: Meshes, device: torch.device, rank: int, compile: bool = False) -> Lowered:
-    machine = Machine("cuda" if device.type == "cuda" else "cpu")
+def tp_placement(layout: TensorLayout) -> Placement:
+    """The layout's placement on the tp axis."""
+    return layout.placements[layout.mesh.names.index("tp")]
+
+
+def tp_plan(plan: ModelPlan) -> tuple[TpStyle, ...]:
+    """Module FQN -> style, in parameter order, for the whole model."""
+    acts = plan.activations
+    hidden = tp_placement(acts["hidden"])
+    styles: dict[str, TpStyle] = {}
+    for p in plan.params.values():
+        fqn, weight = p.name.removesuffix(".weight"), tp_placement(p.layout)
+        if p.kind == "embedding" and weight == Shard(0):
+            styles[fqn] = TpStyle(fqn, "rowwise", tp_placement(acts["tokens"]), hidden, True)
+        elif p.kind == "head" and weight == Shard(0):
+            logits = tp_placement(acts["logits"])
+            # Keep the vocab-sharded DTensor: loss_parallel computes the loss without gathering it.
+            styles[fqn] = TpStyle(fqn, "colwise", hidden, logits, logits == Replicate())
+        elif p.kind == "column" and weight == Shard(0):
+            block = fqn.rsplit(".", 1)[0]                          # model.layers.3.self_attn
+            want = tp_placement(acts[BLOCK_INPUT[block.rsplit(".", 1)[-1]]])
+            if want != hidden:
+                styles[block] = TpStyle(block, "prepare_input", hidden, want, False)
+            styles[fqn] = TpStyle(fqn, "colwise", Replicate(), FEATURES, True)
+        elif p.kind == "row" and weight == Shard(1):
+            styles[fqn] = TpStyle(fqn, "rowwise", FEATURES, hidden, True)
+        elif p.kind == "norm" and weight == Replicate():
+            if hidden != Replicate():
+                styles[fqn] = TpStyle(fqn, "sequence", hidden, hidden, False)
+        elif weight != Replicate():
+            raise StrategyError(f"{p.name}: no tensor-parallel style for a {p.kind} weight placed "
+                                f"{weight} on tp; the torch backend lowers column / row / embedding / head")
+    return tuple(styles.values())
+
+
+def data_parallel_plan(plan: ModelPlan, engine: str) -> DataParallelPlan:
+    s, zero = plan.strategy, plan.zero
+    if engine in (support.DDP, support.ZERO_OPTIMIZER, support.REPLICATE):
+        axes: tuple[str, ...] = ("dp",)
+    elif engine == support.FSDP:
+        # HSDP when shard groups are replicated: a 2-D (replicate, shard) mesh.
+        axes = ("dp_replicate", "dp_shard") if zero.replicate_size > 1 else ("dp_shard",)
+    else:
+        axes = ()
+    return DataParallelPlan(engine, zero.stage, axes, reshard_after_forward=zero.stage == 3,
+                            param_dtype=s.precision.param_dtype, reduce_dtype=s.precision.grad_reduce_dtype,
+                            bucket_mb=s.zero.bucket_mb)
+
+
+def lower(plan: ModelPlan, machine: Machine) -> TorchLowering:
+    """Everything torch needs to run `plan` on `machine`; StrategyError when it cannot."""
     support.check(plan, machine)
-    chunks = plan.chunks_of_stage(meshes.coord("pp"))
-    dp = build_data_parallel(plan, meshes, device, support.zero_engine(plan, machine))
-    with torch.device("meta"):
-        parts = [cut_chunk(plan.model, chunk) for chunk in chunks]
-    parts = parallelize(parts, plan, meshes, dp, device, rank, plan.train.seed, compile)
-    schedule = None
-    if plan.strategy.pp > 1:
-        schedule = build_schedule(plan, parts, chunks, meshes.group("pp"), device, cross_entropy)
-    return Lowered(plan, meshes, device, chunks, parts, dp, schedule)
+    s = plan.strategy
+    return TorchLowering(
+        mesh=plan.mesh,
+        stages=tuple(plan.chunks_of_stage(r) for r in range(s.pp)),
+        tp=tp_plan(plan) if s.tp > 1 else (),
+        loss_parallel=s.tp > 1,
+        recompute=plan.recompute,
+        selective_saves=SELECTIVE_SAVES if "selective" in plan.recompute else (),
+        dp=data_parallel_plan(plan, support.zero_engine(plan, machine)),
+        compute_dtype=s.precision.compute_dtype,
+        schedule=SCHEDULES[s.pipeline.schedule] if s.pp > 1 else None,
+        micro_batches=plan.micro_batches,
+        compile=plan.train.compile,
+    )

@@ -1,4 +1,4 @@
-"""Pipeline parallelism with torch.distributed.pipelining, cut along plan.chunks.
+"""Pipeline parallelism with torch.distributed.pipelining, cut along the plan's chunks.
 
 A stage module is the whole model with the other chunks' parts deleted (the model's
 forward skips None modules). Chunk i of the plan is pipeline stage i; the plan already
@@ -8,22 +8,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed import pipelining
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule
 
 from ms_llm.config.model import ModelConfig
-from ms_llm.strategy.plan import ChunkPlan, ModelPlan
+from ms_llm.strategy.plan import ChunkPlan
+from torch_backend.lower import TorchLowering
 from torch_backend.model import Transformer
-
-SCHEDULES: dict[str, type[_PipelineSchedule]] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-}
-
 
 def cut_chunk(cfg: ModelConfig, chunk: ChunkPlan) -> Transformer:
     """The model (built on the current default device, meta normally) reduced to one chunk."""
@@ -39,11 +31,12 @@ def cut_chunk(cfg: ModelConfig, chunk: ChunkPlan) -> Transformer:
     return model
 
 
-def build_schedule(plan: ModelPlan, parts: list[nn.Module], chunks: tuple[ChunkPlan, ...], group,
+def build_schedule(low: TorchLowering, parts: list[nn.Module], chunks: tuple[ChunkPlan, ...], group,
                    device: torch.device, loss_fn) -> _PipelineSchedule:
-    stages = [PipelineStage(part, chunk.index, len(plan.chunks), device, group=group)
-              for part, chunk in zip(parts, chunks)]
-    cls = SCHEDULES[plan.strategy.pipeline.schedule]
+    """The lowering's schedule over this rank's `parts` (one per chunk of `chunks`)."""
+    n_stages = sum(len(stage) for stage in low.stages)
+    stages = [PipelineStage(part, chunk.index, n_stages, device, group=group) for part, chunk in zip(parts, chunks)]
+    cls: type[_PipelineSchedule] = getattr(pipelining, low.schedule)      # e.g. Schedule1F1B
     if issubclass(cls, PipelineScheduleSingle):
-        return cls(stages[0], n_microbatches=plan.micro_batches, loss_fn=loss_fn)
-    return cls(stages, n_microbatches=plan.micro_batches, loss_fn=loss_fn)
+        return cls(stages[0], n_microbatches=low.micro_batches, loss_fn=loss_fn)
+    return cls(stages, n_microbatches=low.micro_batches, loss_fn=loss_fn)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ms_llm.config.train import OptimizerConfig
 from ms_llm.run import LossScaler, lr_at
-from torch_backend.lower import Lowered, cross_entropy, local_value
+from torch_backend.apply import Lowered, cross_entropy, local_value
 
 
 def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list[nn.Parameter], dict]:
@@ -76,7 +76,30 @@ class TrainStep:
                                    self.plan.train.optimizer.grad_clip, self.pp_group, scale)
         if self.loss_scale is not None:
             self.loss_scale.update(bool(torch.isfinite(grad_norm)), step + 1)
+        return self.global_mean(loss), grad_norm
+
+    def global_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss -> the global batch's, the same on every rank."""
         if self.world > 1:
             loss = loss * self.loss_weight
             dist.all_reduce(loss)
-        return loss, grad_norm
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean loss of a validation batch (B_local, T + 1), forward only, under the same lowering
+        (the pipeline schedule's eval, vocab-parallel loss, autocast); the same on every rank."""
+        m, n = self.m, self.plan.micro_batches
+        batch = batch.to(m.device, non_blocking=True)
+        tokens, targets = batch[:, :-1], batch[:, 1:]
+        with m.loss_context(), m.autocast():
+            if m.schedule is not None:
+                losses: list[torch.Tensor] = []
+                m.schedule.eval(*((tokens,) if m.has_first else ()), target=targets if m.has_last else None,
+                                losses=losses)
+                loss = (torch.stack([local_value(l).float() for l in losses]).mean() if losses
+                        else torch.zeros((), device=m.device))
+            else:
+                loss = sum(local_value(cross_entropy(m.parts[0](x), y)) for x, y in
+                           zip(tokens.chunk(n), targets.chunk(n))) / n
+        return self.global_mean(loss)

@@ -29,9 +29,11 @@ def build_trainer(run: RunFolder, device):
     import torch
     import torch.distributed as dist
 
+    from ms_llm.machine import Machine
     from ms_llm.run import peak_rss_gb
     from ms_llm.run.loop import Trainer
     from ms_llm.strategy.plan import plan as make_plan
+    from torch_backend.apply import apply
     from torch_backend.lower import lower
     from torch_backend.mesh import build_meshes
     from torch_backend.state import TorchTrainerState
@@ -40,8 +42,10 @@ def build_trainer(run: RunFolder, device):
     job = load_job(run.config)
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = make_plan(job.model, job.strategy, job.train, world)     # checks the world size too
-    # Lower the plan: mesh, pipeline chunks, TP/SP, AC, compile, DP/ZeRO (torch_backend/parallelize).
-    lowered = lower(plan, build_meshes(plan.mesh, device.type), device, rank, compile=job.train.compile)
+    # Lower the plan (pure data: mesh, pipeline chunks, TP/SP styles, AC, engine, schedule), then
+    # build it on this rank (torch_backend/parallelize, in its fixed order).
+    low = lower(plan, Machine("cuda" if device.type == "cuda" else "cpu"))
+    lowered = apply(low, plan, build_meshes(low.mesh, device.type), device, rank)
     step_fn = TrainStep(lowered)
     if rank == 0:
         print(f"lowered: {plan.mesh.describe()} | data parallel: {lowered.dp.name} (ZeRO {plan.zero.stage}) | "
@@ -55,8 +59,11 @@ def build_trainer(run: RunFolder, device):
     def memory_gb() -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else peak_rss_gb()
 
+    def evaluate(rows) -> float:
+        return step_fn.evaluate(torch.from_numpy(rows)).item()
+
     return Trainer(job, run, plan, rank, step, TorchTrainerState(step_fn, plan, rank), memory_gb, logs=rank == 0,
-                   loss_scale=getattr(step_fn, "loss_scale", None))
+                   loss_scale=step_fn.loss_scale, evaluate=evaluate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ code serves both backends and a shared file system across nodes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,8 +25,10 @@ from typing import Optional
 
 from ms_llm.checkpoint.boxes import Region
 from ms_llm.checkpoint.format import INDEX, Index, ShardEntry, TensorEntry, check_coverage
+from ms_llm.checkpoint.untrusted import confined
 from ms_llm.errors import CheckpointError
 
+log = logging.getLogger("ms_llm.checkpoint")
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -47,8 +50,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    """Write-fsync-rename: `path` holds either its old content or all of `data`."""
-    part = path.with_name(path.name + ".part")
+    """Write-fsync-rename: `path` holds either its old content or all of `data`. The temporary
+    name is checked like a read: a symbolic link planted there cannot redirect the write."""
+    part = confined(path.parent, path.name + ".part", "a temporary file")
     with open(part, "wb") as f:
         f.write(data)
         f.flush()
@@ -144,15 +148,22 @@ def committed(root: Path) -> list[Path]:
 
 
 def latest(root: Path) -> Optional[Path]:
-    """The folder `latest` names, or None when nothing was committed under `root`."""
+    """The folder `latest` names, or None when nothing was committed under `root`. A pointer
+    that leaves `root` is refused; one naming a folder that is gone (removed by hand) is
+    logged and the newest committed folder is used instead."""
     pointer = Path(root) / LATEST
     try:
-        name = pointer.read_text().strip()
+        name = confined(root, LATEST, "the 'latest' pointer").read_text().strip()
     except FileNotFoundError:
         return None
-    folder = Path(root) / name
-    if not (folder / INDEX).is_file():
-        raise CheckpointError(f"{pointer}: names {name!r}, which has no {INDEX}; the folder was removed by hand")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer}: cannot read ({exc})") from None
+    folder = confined(root, name, f"'{LATEST}' (the pointer to the newest checkpoint)")
+    if not _STEP_DIR.match(name) or not (folder / INDEX).is_file():
+        newest = committed(root)
+        log.warning("%s names %r, which is not a committed checkpoint folder (removed by hand?); using %s",
+                    pointer, name, newest[0].name if newest else "none")
+        return newest[0] if newest else None
     return folder
 
 

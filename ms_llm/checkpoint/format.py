@@ -16,14 +16,18 @@ optimizer states are `optim.<state>.<param name>` (see `optim_name`).
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ms_llm.checkpoint.boxes import Region
+from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
+from ms_llm.checkpoint.untrusted import MAX_COUNT, integer, integers
 from ms_llm.config.schema import to_dict
 from ms_llm.errors import CheckpointError
+from ms_llm.strategy.ir import MAX_WORLD_SIZE
 
 FORMAT = "ms_llm.checkpoint"
 VERSION = 1
@@ -61,9 +65,30 @@ class ShardEntry:
                 "crc32": list(self.crc32)}
 
     @classmethod
-    def from_json(cls, data: dict) -> "ShardEntry":
-        return cls(data["file"], data["key"], Region.from_json(data), int(data["block"]),
-                   tuple(int(c) for c in data["crc32"]))
+    def from_json(cls, data: object, where: str, shape: tuple[int, ...], itemsize: int) -> "ShardEntry":
+        """Parse and check one shard of a tensor of `shape`: its box lies inside the tensor and
+        it has one checksum per block of its bytes (none for foreign files)."""
+        data = _mapping(data, where)
+        file, key = data.get("file"), data.get("key")
+        if not isinstance(file, str) or not isinstance(key, str):
+            raise CheckpointError(f"{where}: 'file' and 'key' must be strings, got {file!r} and {key!r}")
+        offsets = integers(data.get("offsets"), where, "offsets", length=len(shape))
+        sizes = integers(data.get("sizes"), where, "sizes", length=len(shape))
+        for d, (o, n, total) in enumerate(zip(offsets, sizes, shape)):
+            if o + n > total:
+                raise CheckpointError(f"{where}: dimension {d} spans [{o}, {o + n}), outside the tensor's {total}")
+        flat = data.get("flat")
+        if flat is not None:
+            a, b = integers(flat, where, "flat", length=2)
+            if not a <= b <= math.prod(sizes):
+                raise CheckpointError(f"{where}: 'flat' is {flat}; expected 0 <= start <= stop <= {math.prod(sizes)}")
+        region = Region(offsets, sizes, tuple(flat) if flat else None)
+        block = integer(data.get("block"), where, "block", 1 if data.get("crc32") else 0)
+        crc32 = integers(data.get("crc32"), where, "crc32", 0, 0xFFFFFFFF)
+        if crc32 and len(crc32) != -(-region.numel * itemsize // block):
+            raise CheckpointError(f"{where}: {len(crc32)} checksums for {region.numel * itemsize} bytes in blocks "
+                                  f"of {block}")
+        return cls(file, key, region, block, crc32)
 
 
 @dataclass
@@ -85,9 +110,25 @@ class TensorEntry:
         return out
 
     @classmethod
-    def from_json(cls, name: str, data: dict) -> "TensorEntry":
-        return cls(name, tuple(data["shape"]), data["dtype"], data.get("layout", ""),
-                   [ShardEntry.from_json(s) for s in data["shards"]])
+    def from_json(cls, name: str, data: object, where: str) -> "TensorEntry":
+        """Parse and check a tensor entry: a supported dtype, a shape of bounded size, shards
+        inside it that together hold every element."""
+        where = f"{where}: tensor {name!r}"
+        data = _mapping(data, where)
+        shape = integers(data.get("shape"), where, "shape")
+        if math.prod(shape) > MAX_COUNT:
+            raise CheckpointError(f"{where}: 'shape' {list(shape)} has more than {MAX_COUNT} elements")
+        dtype = data.get("dtype")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise CheckpointError(f"{where}: 'dtype' is {dtype!r}; expected one of {', '.join(DTYPES)}")
+        layout, shards = data.get("layout", ""), data.get("shards")
+        if not isinstance(layout, str) or not isinstance(shards, list):
+            raise CheckpointError(f"{where}: 'layout' must be a string and 'shards' a list")
+        itemsize = storage_dtype(dtype).itemsize
+        entry = cls(name, shape, dtype, layout,
+                    [ShardEntry.from_json(s, f"{where} shard {i}", shape, itemsize) for i, s in enumerate(shards)])
+        check_coverage(entry, where)
+        return entry
 
 
 @dataclass
@@ -116,13 +157,37 @@ class Index:
         if data.get("version") != VERSION:
             raise CheckpointError(f"{where}: format version {data.get('version')} but this ms_llm reads "
                                   f"version {VERSION}; convert it with the ms_llm that wrote it")
-        try:
-            return cls(int(data["step"]), int(data["world_size"]), data["config"], data["state"],
-                       {int(r): s for r, s in data["rank_states"].items()},
-                       {n: TensorEntry.from_json(n, t) for n, t in data["tensors"].items()},
-                       data.get("save_stats", {}))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{where}: index is malformed ({type(exc).__name__}: {exc})") from None
+        step = integer(data.get("step"), where, "step")
+        world_size = integer(data.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
+        config = _mapping(data.get("config"), f"{where}: 'config'")
+        state = _mapping(data.get("state"), f"{where}: 'state'")
+        ranks = _mapping(data.get("rank_states"), f"{where}: 'rank_states'")
+        tensors = _mapping(data.get("tensors"), f"{where}: 'tensors'")
+        rank_states = {}
+        for r, s in ranks.items():
+            if not (r.isascii() and r.isdigit()):
+                raise CheckpointError(f"{where}: 'rank_states' key {r!r} is not a rank number")
+            rank_states[int(r)] = _mapping(s, f"{where}: 'rank_states' of rank {r}")
+        for value, what in [(state, "state")] + [(s, f"rank_states[{r}]") for r, s in rank_states.items()]:
+            _check_decodes(value, f"{where}: '{what}'")
+        return cls(step, world_size, config, state, rank_states,
+                   {n: TensorEntry.from_json(n, t, where) for n, t in tensors.items()},
+                   _mapping(data.get("save_stats", {}), f"{where}: 'save_stats'"))
+
+
+def _mapping(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_decodes(state: dict, where: str) -> None:
+    """A state tree's byte strings are valid base64 (decode_state would fail later, outside the
+    code that falls back to the previous checkpoint)."""
+    try:
+        decode_state(state)
+    except (TypeError, ValueError, binascii.Error) as exc:
+        raise CheckpointError(f"{where}: a stored byte string does not decode ({exc})") from None
 
 
 def check_coverage(entry: TensorEntry, where: str) -> None:
@@ -153,7 +218,7 @@ def encode_state(value: Any) -> Any:
 def decode_state(value: Any) -> Any:
     if isinstance(value, dict):
         if set(value) == {"__bytes__"}:
-            return base64.b64decode(value["__bytes__"])
+            return base64.b64decode(value["__bytes__"], validate=True)
         return {k: decode_state(v) for k, v in value.items()}
     if isinstance(value, list):
         return [decode_state(v) for v in value]

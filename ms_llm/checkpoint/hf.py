@@ -20,8 +20,9 @@ from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import layout_plan, reshard
 from ms_llm.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header, storage_dtype, write_file
 from ms_llm.config.model import ModelConfig
-from ms_llm.config.schema import to_dict
-from ms_llm.errors import CheckpointError
+from ms_llm.checkpoint.untrusted import confined
+from ms_llm.config.schema import from_dict, to_dict
+from ms_llm.errors import CheckpointError, MsLlmError
 from ms_llm.strategy.ir import ParallelStrategy
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -42,20 +43,27 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
     }
 
 
-def model_from_hf_config(cfg: dict, where: str) -> ModelConfig:
-    if cfg.get("model_type") != "llama":
-        raise CheckpointError(f"{where}: model_type {cfg.get('model_type')!r}; only LLaMA ('llama') imports")
+def model_from_hf_config(cfg: object, where: str) -> ModelConfig:
+    """The ModelConfig of a config.json, through the config schema (types, bounds, finiteness)."""
+    if not isinstance(cfg, dict) or cfg.get("model_type") != "llama":
+        kind = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
+        raise CheckpointError(f"{where}: model_type {kind!r}; only LLaMA ('llama') imports")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if k not in cfg]
+    if missing:
+        raise CheckpointError(f"{where}: config.json lacks {missing[0]!r}")
+    dtype = cfg.get("torch_dtype")
+    fields = {"name": cfg.get("_name_or_path") or "hf_llama", "vocab_size": cfg["vocab_size"],
+              "hidden_size": cfg["hidden_size"], "num_layers": cfg["num_hidden_layers"],
+              "num_heads": cfg["num_attention_heads"], "num_kv_heads": cfg.get("num_key_value_heads"),
+              "ffn_hidden_size": cfg["intermediate_size"], "max_seq_len": cfg.get("max_position_embeddings", 2048),
+              "rope_theta": cfg.get("rope_theta", 10000.0), "norm_eps": cfg.get("rms_norm_eps", 1e-5),
+              "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+              "dtype": dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"}
     try:
-        return ModelConfig(
-            name=cfg.get("_name_or_path", "") or "hf_llama", vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            ffn_hidden_size=cfg["intermediate_size"], max_seq_len=cfg.get("max_position_embeddings", 2048),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)), norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            dtype=cfg.get("torch_dtype") if cfg.get("torch_dtype") in ("float32", "bfloat16", "float16") else "bfloat16")
-    except KeyError as exc:
-        raise CheckpointError(f"{where}: config.json lacks {exc.args[0]!r}") from None
+        return from_dict(ModelConfig, fields, "model")
+    except MsLlmError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
 def convert_dtype(array: np.ndarray, src: str, dst: str) -> np.ndarray:
@@ -91,14 +99,14 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
     for i, group in enumerate(groups):
         fname = SINGLE_NAME if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         entries = [(n, out_dtype, ckpt.entry(n).shape) for n in group]
-        total += write_file(str(out / fname), entries,
+        total += write_file(str(confined(out, fname, "an export file")), entries,
                             lambda n: convert_dtype(ckpt.read_full(n), ckpt.entry(n).dtype, out_dtype),
                             {"format": "pt"})
         weight_map.update({n: fname for n in group})
     if len(groups) > 1:
-        (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(model, out_dtype), indent=2))
+        confined(out, INDEX_NAME, "an export file").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    confined(out, "config.json", "an export file").write_text(json.dumps(hf_config(model, out_dtype), indent=2))
     ckpt.close()
     return out
 
@@ -106,20 +114,20 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
 def hf_source(folder: str | Path) -> Checkpoint:
     """A Hugging Face folder opened as a (read-only, checksum-less) checkpoint of full tensors."""
     folder = Path(folder)
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder}: no config.json; not a Hugging Face model folder") from None
-    model = model_from_hf_config(cfg, str(folder / "config.json"))
+    model = model_from_hf_config(_read_json(folder, "config.json"), str(folder / "config.json"))
     if (folder / INDEX_NAME).is_file():
-        files = sorted(set(json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()))
+        data = _read_json(folder, INDEX_NAME)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{folder / INDEX_NAME}: 'weight_map' is missing or not a JSON object")
+        files = sorted(set(weight_map.values()), key=str)
     elif (folder / SINGLE_NAME).is_file():
         files = [SINGLE_NAME]
     else:
         raise CheckpointError(f"{folder}: neither {INDEX_NAME} nor {SINGLE_NAME}; only safetensors weights import")
     tensors = {}
     for fname in files:
-        spans, _, _ = read_header(str(folder / fname))
+        spans, _, _ = read_header(str(confined(folder, fname, f"a file in {INDEX_NAME} 'weight_map'")))
         for key, span in spans.items():
             region = Region((0,) * len(span.shape), span.shape)
             tensors[key] = TensorEntry(key, span.shape, span.dtype, "", [ShardEntry(fname, key, region, 0, ())])
@@ -128,6 +136,16 @@ def hf_source(folder: str | Path) -> Checkpoint:
     index = Index(step=0, world_size=1, config={"backend": "hf", "model": to_dict(model, full=True)},
                   state={}, rank_states={}, tensors=tensors)
     return Checkpoint(folder, index)
+
+
+def _read_json(folder: Path, name: str) -> object:
+    path = confined(folder, name, name)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: no {name}; not a Hugging Face model folder") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({type(exc).__name__}: {exc})") from None
 
 
 def import_hf(folder: str | Path, dst_root: str | Path, target=None) -> Path:

@@ -30,6 +30,7 @@ from ms_llm.checkpoint.boxes import Region, intersect, local_slices, touched_byt
 from ms_llm.checkpoint.format import INDEX, Index, ShardEntry, TensorEntry, decode_state
 from ms_llm.checkpoint.safetensors_io import TensorSpan, read_header, storage_dtype
 from ms_llm.checkpoint.shards import Piece
+from ms_llm.checkpoint.untrusted import confined
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.errors import CheckpointError, MsLlmError
@@ -45,13 +46,15 @@ class Checkpoint:
         safetensors files (shards without checksums)."""
         self.folder = Path(folder)
         if index is None:
-            path = self.folder / INDEX
+            path = confined(self.folder, INDEX, "the index")
             try:
                 data = json.loads(path.read_text())
             except FileNotFoundError:
                 raise CheckpointError(f"{self.folder}: no {INDEX}; not a committed checkpoint") from None
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+                raise CheckpointError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
             index = Index.from_json(data, str(path))
         self.index: Index = index
         self._files: dict[str, tuple[mmap.mmap, dict[str, TensorSpan]]] = {}
@@ -111,7 +114,10 @@ class Checkpoint:
     def strategy(self) -> ParallelStrategy:
         if "strategy" not in self.config:
             raise CheckpointError(f"{self.folder}: index records no strategy")
-        return from_dict(ParallelStrategy, self.config["strategy"], "strategy")
+        try:
+            return from_dict(ParallelStrategy, self.config["strategy"], "strategy")
+        except MsLlmError as exc:
+            raise CheckpointError(f"{self.folder}: saved strategy: {exc}") from None
 
     # ---- reading -----------------------------------------------------------------------
     def read(self, name: str, want: Region | Piece, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -125,6 +131,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {entry.shape}; the wanted box "
                                   f"{region.offsets}+{region.sizes} does not fit (a different model config?)")
         dtype = storage_dtype(entry.dtype)
+        for shard in entry.shards:      # every shard's file holds what the index says, before allocating
+            self._span(entry, shard)
         if out is None:
             out = np.empty(region.shape, dtype=dtype)
         elif out.shape != region.shape or out.dtype != dtype or not out.flags.c_contiguous:
@@ -181,7 +189,10 @@ class Checkpoint:
 
     def close(self) -> None:
         for mm, _ in self._files.values():
-            mm.close()
+            try:
+                mm.close()
+            except BufferError:         # a view is still alive (e.g. in an error's traceback): freed with it
+                pass
         for fd in self._fds.values():
             os.close(fd)
         self._files.clear()
@@ -194,13 +205,13 @@ class Checkpoint:
         self.close()
 
     # ---- internals ---------------------------------------------------------------------
-    def _open_file(self, fname: str) -> tuple[mmap.mmap, dict[str, TensorSpan]]:
+    def _open_file(self, fname: str, tensor: str) -> tuple[mmap.mmap, dict[str, TensorSpan]]:
         with self._lock:
-            return self._open_file_locked(fname)
+            return self._open_file_locked(fname, tensor)
 
-    def _open_file_locked(self, fname: str) -> tuple[mmap.mmap, dict[str, TensorSpan]]:
+    def _open_file_locked(self, fname: str, tensor: str) -> tuple[mmap.mmap, dict[str, TensorSpan]]:
         if fname not in self._files:
-            path = self.folder / fname
+            path = confined(self.folder, fname, f"the shard 'file' of tensor {tensor!r}")
             spans, _, size = read_header(str(path))
             fd = os.open(path, os.O_RDONLY)
             self._fds[fname] = fd
@@ -231,7 +242,7 @@ class Checkpoint:
             self._check_block(entry, shard, b, data, span.start + lo)
 
     def _span(self, entry: TensorEntry, shard: ShardEntry) -> tuple[mmap.mmap, TensorSpan]:
-        mm, spans = self._open_file(shard.file)
+        mm, spans = self._open_file(shard.file, entry.name)
         span = spans.get(shard.key)
         if span is None:
             raise CheckpointError(f"{self.folder / shard.file}: has no key {shard.key!r} for tensor {entry.name!r}")
@@ -282,6 +293,7 @@ def candidates(*roots: str | Path) -> list[Path]:
     for order, root in enumerate(roots):
         if root is None or not Path(root).is_dir():
             continue
+        commit_mod.latest(Path(root))       # warns when it names a missing folder, refuses one outside root
         for folder in commit_mod.committed(Path(root)):
             found.append((-int(folder.name[5:]), order, folder))
     return [f for _, _, f in sorted(found)]

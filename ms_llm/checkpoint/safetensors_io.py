@@ -13,12 +13,15 @@ dtype name ("bfloat16") says how to read them. `bf16_to_f32` / `f32_to_bf16` con
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
+from ms_llm.checkpoint.untrusted import integers
 from ms_llm.errors import CheckpointError
 
 # Our dtype name -> (safetensors code, numpy storage dtype).
@@ -102,14 +105,37 @@ def header_bytes(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict
 def read_header(path: str) -> tuple[dict[str, TensorSpan], dict[str, str], int]:
     """Parse a safetensors header: spans by key, metadata, and the file size.
 
-    Raises CheckpointError naming the file when the header is unreadable or a tensor's bytes
-    lie past the end of the file (a truncated write)."""
+    Raises CheckpointError naming the file (and the tensor and field) when the header is
+    unreadable, a value in it is not what the format allows, or a tensor's bytes lie past
+    the end of the file (a truncated write)."""
+    text, size = _header_text(path)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is a {type(header).__name__}, not a JSON object")
+    base = 8 + len(text)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: safetensors '__metadata__' is not a JSON object")
+    spans = {key: _span(path, key, info, base, size) for key, info in header.items()}
+    return spans, metadata, size
+
+
+def _header_text(path: str) -> tuple[bytes, int]:
+    """The header JSON bytes and the file size; only a regular file is read (a FIFO would block)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: shard file is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file")
+        size = st.st_size
         raw = os.pread(fd, 8, 0)
         if len(raw) < 8:
             raise CheckpointError(f"{path}: truncated ({size} bytes); not even a safetensors header length")
@@ -117,31 +143,26 @@ def read_header(path: str) -> tuple[dict[str, TensorSpan], dict[str, str], int]:
         if n > size - 8 or n > 100 << 20:
             raise CheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes); "
                                   "the file is truncated or not safetensors")
-        text = os.pread(fd, n, 8)
+        return os.pread(fd, n, 8), size
     finally:
         os.close(fd)
-    try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({exc})") from None
-    base = 8 + n
-    metadata = header.pop("__metadata__", None) or {}
-    spans = {}
-    for key, info in header.items():
-        try:
-            dtype = FROM_CODE[info["dtype"]]
-            begin, end = info["data_offsets"]
-            shape = tuple(int(s) for s in info["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: header entry {key!r} is malformed: {info!r}") from None
-        expected = int(np.prod(shape, dtype=np.int64)) * storage_dtype(dtype).itemsize
-        if end - begin != expected:
-            raise CheckpointError(f"{path}: tensor {key!r} has {end - begin} bytes for shape {shape} {dtype}")
-        if base + end > size:
-            raise CheckpointError(f"{path}: truncated: tensor {key!r} needs bytes up to {base + end} but the "
-                                  f"file has {size}")
-        spans[key] = TensorSpan(key, dtype, shape, base + begin, end - begin)
-    return spans, metadata, size
+
+
+def _span(path: str, key: str, info: object, base: int, size: int) -> TensorSpan:
+    """One header entry, every number checked against the format and the file size."""
+    where = f"{path}: tensor {key!r}"
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or info["dtype"] not in FROM_CODE:
+        raise CheckpointError(f"{where}: header entry is malformed: {info!r:.80}")
+    dtype = FROM_CODE[info["dtype"]]
+    shape = integers(info.get("shape"), where, "shape")
+    begin, end = integers(info.get("data_offsets"), where, "data_offsets", length=2)
+    expected = math.prod(shape) * storage_dtype(dtype).itemsize
+    if end - begin != expected:
+        raise CheckpointError(f"{where}: 'data_offsets' [{begin}, {end}) hold {end - begin} bytes but shape "
+                              f"{list(shape)} {dtype} needs {expected}")
+    if base + end > size:
+        raise CheckpointError(f"{where}: truncated: needs bytes up to {base + end} but the file has {size}")
+    return TensorSpan(key, dtype, shape, base + begin, end - begin)
 
 
 def write_file(path: str, entries: list[tuple[str, str, tuple[int, ...]]], fetch, metadata: dict[str, str] | None = None

@@ -30,6 +30,7 @@ from ms_llm.checkpoint.direct_io import aligned_buffer, write_file
 from ms_llm.checkpoint.format import encode_state, rank_file
 from ms_llm.checkpoint.safetensors_io import TensorSpan, dtype_name, header_bytes, storage_dtype
 from ms_llm.checkpoint.shards import Piece
+from ms_llm.checkpoint.untrusted import confined
 from ms_llm.errors import CheckpointError
 
 # A local tensor as numpy (a view is fine: it is copied before save() returns) or a function
@@ -93,7 +94,10 @@ class CheckpointWriter:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.last: Optional[SaveStats] = None
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"{self.root}: cannot create the checkpoint folder ({exc.strerror or exc})") from None
         if memory is not None:
             memory.attach(rank, world_size)
 
@@ -231,5 +235,5 @@ class CheckpointWriter:
         """This rank's shard file into the step's temporary folder, fsynced."""
         folder = commit_mod.tmp_dir(root, step)
         folder.mkdir(parents=True, exist_ok=True)
-        write_file(folder / rank_file(self.rank), self._buffer, len(image),
+        write_file(confined(root, f"{folder.name}/{rank_file(self.rank)}", "a shard file"), self._buffer, len(image),
                    self.max_bytes_per_s if throttle else 0.0)

@@ -20,7 +20,7 @@ from ms_llm.checkpoint.hf import export_hf, import_hf
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import layout_plan, reshard
 from ms_llm.config.job import load_section
-from ms_llm.errors import ConfigError
+from ms_llm.errors import CheckpointError, ConfigError
 
 FORMATS = ("ms_llm", "hf", "mindspore", "dcp")
 
@@ -40,7 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    src, dst = Path(args.src), Path(args.dst)
+    """Convert; a folder the operating system refuses (missing, read-only, full) is one line."""
+    try:
+        out = _convert(args, Path(args.src), Path(args.dst))
+    except OSError as exc:
+        raise CheckpointError(f"convert-checkpoint: {exc.filename or args.dst}: {exc.strerror or exc}") from None
+    print(f"wrote {out}")
+    return 0
+
+
+def _convert(args: argparse.Namespace, src: Path, dst: Path) -> Path:
     if args.src_format == "ms_llm":
         out = _export(args, args.to, src, dst)
     elif args.to == "ms_llm" and args.strategy is None:
@@ -50,8 +59,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
             mid = _import(args, args.src_format, src, Path(tmp))
             out = _export(args, args.to, mid, dst)
-    print(f"wrote {out}")
-    return 0
+    return out
 
 
 def _section(kind: str, value: str | None, flag: str):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from ms_llm.config.schema import spec
 from ms_llm.errors import ConfigError
@@ -11,27 +11,37 @@ DType = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+# Upper bounds well past any published model (GPT-3: 96 layers x 12288 wide, Llama 3 405B: 126 x 16384,
+# 128k vocab): they exist so a typo such as 1e308 is refused by name instead of overflowing a size.
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 20
+MAX_HEADS = 1 << 16
+MAX_SEQ = 1 << 24
+MAX_PARAMS = 10 ** 15            # checked on the derived total: 1000x the largest dense models
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = spec("model", "Flavor name, used in run folders and tables.")
-    vocab_size: int = spec(doc="Embedding rows and lm_head outputs.", ge=2)
-    hidden_size: int = spec(doc="Model width d_model.", ge=1)
-    num_layers: int = spec(doc="Decoder layers.", ge=1)
-    num_heads: int = spec(doc="Query heads.", ge=1)
-    num_kv_heads: int = spec(0, "Key/value heads (GQA); 0 means num_heads (plain multi-head).", ge=0)
-    ffn_hidden_size: int = spec(doc="SwiGLU inner width (gate_proj/up_proj outputs).", ge=1)
-    max_seq_len: int = spec(2048, "Longest sequence the rotary tables are built for.", ge=1)
-    rope_theta: float = spec(10000.0, "Rotary base frequency.", ge=1.0)
-    norm_eps: float = spec(1e-5, "RMSNorm epsilon.", ge=0.0)
+    vocab_size: int = spec(doc="Embedding rows and lm_head outputs.", ge=2, le=1 << 24)
+    hidden_size: int = spec(doc="Model width d_model.", ge=1, le=MAX_WIDTH)
+    num_layers: int = spec(doc="Decoder layers.", ge=1, le=MAX_LAYERS)
+    num_heads: int = spec(doc="Query heads.", ge=1, le=MAX_HEADS)
+    num_kv_heads: Optional[int] = spec(None, "Key/value heads (GQA); null or left out = num_heads (plain "
+                                             "multi-head).", ge=1, le=MAX_HEADS)
+    ffn_hidden_size: int = spec(doc="SwiGLU inner width (gate_proj/up_proj outputs).", ge=1, le=MAX_WIDTH)
+    max_seq_len: int = spec(2048, "Longest sequence the rotary tables are built for.", ge=1, le=MAX_SEQ)
+    rope_theta: float = spec(10000.0, "Rotary base frequency.", ge=1.0, le=1e12)
+    norm_eps: float = spec(1e-5, "RMSNorm epsilon.", ge=0.0, le=1.0)
     tie_embeddings: bool = spec(False, "Share embed_tokens and lm_head weights.")
     dtype: DType = spec("bfloat16", "Parameter dtype on the device.")
-    num_experts: int = spec(0, "Routed experts per MoE layer; 0 means a dense SwiGLU MLP.", ge=0)
-    moe_top_k: int = spec(2, "Experts each token is routed to (MoE only).", ge=1)
+    num_experts: int = spec(0, "Routed experts per MoE layer; 0 means a dense SwiGLU MLP.", ge=0, le=MAX_HEADS)
+    moe_top_k: int = spec(2, "Experts each token is routed to (MoE only).", ge=1, le=MAX_HEADS)
     flash_attention: bool = spec(False, "Fused attention kernel where the backend has one (MindSpore: "
                                         "FlashAttentionScore on Ascend); the same math as plain attention.")
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads == 0:
+        if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"model.hidden_size: {self.hidden_size} is not divisible by "
@@ -41,6 +51,9 @@ class ModelConfig:
                               f"model.num_heads={self.num_heads} (each kv head serves a group of query heads)")
         if self.num_experts and self.moe_top_k > self.num_experts:
             raise ConfigError(f"model.moe_top_k: {self.moe_top_k} exceeds model.num_experts={self.num_experts}")
+        if self.num_params() > MAX_PARAMS:
+            raise ConfigError(f"model: {self.num_params():.3g} parameters is more than {MAX_PARAMS:.0e}; check "
+                              "hidden_size, ffn_hidden_size, num_layers, vocab_size and num_experts")
 
     @property
     def head_dim(self) -> int:

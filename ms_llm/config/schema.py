@@ -1,14 +1,17 @@
 """Typed dataclass <-> plain dict conversion with errors that name the full key path.
 
 Config sections are frozen dataclasses whose fields carry their own documentation and
-allowed range (see `spec`). `from_dict` walks a parsed YAML mapping into them and raises
-ConfigError("strategy.pipeline.micro_batches: ...") on the first bad value; `to_dict`
-writes back only what differs from the defaults, so YAML -> IR -> YAML is the identity.
+allowed range (see `spec`): every number field has both bounds, so a value that would
+overflow a size computed from it (1e308 layers) stops here, and no number is NaN or infinite.
+`from_dict` walks a parsed YAML mapping into them and raises
+ConfigError("strategy.pipeline.micro_batches: ...") on the first bad value; `to_dict` writes back
+only what differs from the defaults, so YAML -> IR -> YAML is the identity.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -114,11 +117,14 @@ def _check_range(f: dataclasses.Field, value: Any, path: str) -> None:
 
 
 def _check_number(meta: dict, value: float, path: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: got {value!r}; expected a finite number")
     ge, le = meta.get("ge"), meta.get("le")
+    shown = repr(value) if len(repr(value)) <= 24 else f"{value:.3g}"
     if ge is not None and value < ge:
-        raise ConfigError(f"{path}: got {value!r}; must be >= {ge}")
+        raise ConfigError(f"{path}: got {shown}; must be >= {ge}")
     if le is not None and value > le:
-        raise ConfigError(f"{path}: got {value!r}; must be <= {le}")
+        raise ConfigError(f"{path}: got {shown}; must be <= {le}")
 
 
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
@@ -173,5 +179,10 @@ def to_dict(obj: Any, *, full: bool = False) -> dict:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> documentation, for `--help` style listings."""
-    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+    """Field name -> documentation with its allowed range, for `--help` style listings."""
+    return {f.name: f.metadata.get("doc", "") + _range_text(f.metadata) for f in dataclasses.fields(cls)}
+
+
+def _range_text(meta: Any) -> str:
+    ge, le = meta.get("ge"), meta.get("le")
+    return f" [{ge} .. {le}]" if ge is not None or le is not None else ""

@@ -4,23 +4,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from ms_llm.config.model import MAX_SEQ
 from ms_llm.config.schema import spec
+from ms_llm.errors import ConfigError
+
+# Upper bounds far past any real job; they turn a typo (1e308) into an error that names the field.
+MAX_STEPS = 10 ** 9
+MAX_BATCH = 1 << 24
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     name: Literal["adamw", "sgd"] = spec("adamw", "AdamW for training; SGD exists for bit-exact parity tests.")
-    lr: float = spec(3e-4, "Peak learning rate.", ge=0.0)
-    weight_decay: float = spec(0.1, "Decoupled weight decay (AdamW).", ge=0.0)
+    lr: float = spec(3e-4, "Peak learning rate.", ge=0.0, le=10.0)
+    weight_decay: float = spec(0.1, "Decoupled weight decay (AdamW).", ge=0.0, le=10.0)
     beta1: float = spec(0.9, "Adam beta1.", ge=0.0, le=1.0)
     beta2: float = spec(0.95, "Adam beta2.", ge=0.0, le=1.0)
-    eps: float = spec(1e-8, "Adam epsilon.", ge=0.0)
-    grad_clip: float = spec(1.0, "Global gradient-norm clip; 0 means off.", ge=0.0)
+    eps: float = spec(1e-8, "Adam epsilon.", ge=0.0, le=1.0)
+    grad_clip: float = spec(1.0, "Global gradient-norm clip; 0 means off.", ge=0.0, le=1e9)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
-    warmup_steps: int = spec(0, "Linear warmup from 0 to lr.", ge=0)
+    warmup_steps: int = spec(0, "Linear warmup from 0 to lr.", ge=0, le=MAX_STEPS)
     decay: Literal["cosine", "linear", "constant"] = spec("cosine", "Shape after warmup.")
     min_lr_ratio: float = spec(0.1, "Final lr as a fraction of the peak.", ge=0.0, le=1.0)
 
@@ -28,18 +34,15 @@ class ScheduleConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     interval: Union[int, Literal["auto"]] = spec(0, "Steps between saves; 0 = never; 'auto' = chosen from "
-                                                 "measured save/step time and mtbf_hours.")
-    keep_last: int = spec(3, "Checkpoints retained on disk.", ge=1)
+                                                 "measured save/step time and mtbf_hours.",
+                                                 ge=0, le=MAX_STEPS)
+    keep_last: int = spec(3, "Checkpoints retained on disk.", ge=1, le=1 << 20)
     async_save: bool = spec(True, "Snapshot to host memory, persist in the background.")
     memory_tier: bool = spec(False, "Also keep the last snapshot in /dev/shm for fast restart.")
-    mtbf_hours: float = spec(24.0, "Mean time between failures of the job, for interval='auto'.", ge=0.0)
+    mtbf_hours: float = spec(24.0, "Mean time between failures of the job, for interval='auto'.",
+                            ge=1e-3, le=1e6)
     load: str = spec("", "Checkpoint folder a new run starts from. A run folder that holds checkpoints of its "
                          "own resumes from its newest (<run>/checkpoints/latest) either way.")
-
-    def __post_init__(self) -> None:
-        if isinstance(self.interval, int) and self.interval < 0:
-            from ms_llm.errors import ConfigError
-            raise ConfigError(f"train.checkpoint.interval: got {self.interval}; use 0 (off), a step count or 'auto'")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,19 +50,57 @@ class DataConfig:
     source: str = spec("stdlib", "'stdlib' = the Python standard library's sources, byte-tokenized; "
                                  "or a path to a uint16/uint32 token file.")
     token_dtype: Literal["uint16", "uint32"] = spec("uint16", "Element type of a token file.")
+    paths: tuple[str, ...] = spec((), "Indexed dataset prefixes (PREFIX.bin + PREFIX.idx, Megatron's format, as "
+                                      "`ms-llm prepare-data` writes); when given, `source` is not read.")
+    weights: tuple[float, ...] = spec((), "Blend weights, one per path, normalized; empty: each dataset weighs "
+                                          "its tokens.", ge=0.0, le=1e12)
+    split: str = spec("969,30,1", "Train,valid,test shares of each dataset's documents (Megatron's --split).")
+    tokenizer: str = spec("", "The tokenizer the data was made with (recorded; prepare-data writes it beside "
+                              "the data).")
+
+    def __post_init__(self) -> None:
+        if self.weights and len(self.weights) != len(self.paths):
+            raise ConfigError(f"train.data.weights: {len(self.weights)} weights for {len(self.paths)} paths; "
+                              "give one weight per path, or none")
+        if self.weights and not sum(self.weights) > 0:
+            raise ConfigError("train.data.weights: all weights are 0; give at least one a positive weight")
+        self.split_fractions()
+
+    def split_fractions(self) -> tuple[float, float, float]:
+        """'969,30,1' -> normalized (train, valid, test); missing parts are 0 (Megatron's parse)."""
+        try:
+            parts = [float(p) for p in self.split.split(",")]
+        except ValueError:
+            parts = []
+        if not 1 <= len(parts) <= 3 or any(not 0 <= p < float("inf") for p in parts) or sum(parts) <= 0:
+            raise ConfigError(f"train.data.split: got {self.split!r}; give up to three non-negative train,valid,test "
+                              "shares with a positive sum, e.g. '969,30,1'")
+        parts += [0.0] * (3 - len(parts))
+        total = sum(parts)
+        return parts[0] / total, parts[1] / total, parts[2] / total
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    interval: int = spec(0, "Steps between validation losses (and after the last step); 0 = off. Needs "
+                            "train.data.paths with a valid share in train.data.split.", ge=0, le=MAX_STEPS)
+    batches: int = spec(1, "Global batches of the valid split per evaluation, the same ones every time.", ge=1,
+                        le=1 << 20)
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    global_batch_size: int = spec(8, "Sequences per optimizer step, over all data-parallel ranks.", ge=1)
-    micro_batch_size: int = spec(1, "Sequences per forward pass on one rank.", ge=1)
-    seq_len: int = spec(128, "Tokens per sequence.", ge=2)
-    steps: int = spec(10, "Optimizer steps.", ge=0)
-    seed: int = spec(1234, "Seeds weights, data order and dropout.", ge=0)
-    log_every: int = spec(1, "Steps between progress lines.", ge=1)
+    global_batch_size: int = spec(8, "Sequences per optimizer step, over all data-parallel ranks.", ge=1,
+                                  le=MAX_BATCH)
+    micro_batch_size: int = spec(1, "Sequences per forward pass on one rank.", ge=1, le=MAX_BATCH)
+    seq_len: int = spec(128, "Tokens per sequence.", ge=2, le=MAX_SEQ)
+    steps: int = spec(10, "Optimizer steps.", ge=0, le=MAX_STEPS)
+    seed: int = spec(1234, "Seeds weights, data order and dropout.", ge=0, le=2 ** 32 - 1)
+    log_every: int = spec(1, "Steps between progress lines.", ge=1, le=MAX_STEPS)
     compile: bool = spec(False, "torch backend: torch.compile each decoder layer (MindSpore compiles its graph "
                                 "anyway).")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"doc": "Optimizer."})
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"doc": "Learning-rate schedule."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoint policy."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Token source."})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"doc": "Validation loss."})

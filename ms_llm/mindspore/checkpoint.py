@@ -25,6 +25,7 @@ from ms_llm.checkpoint.format import optim_name, split_optim_name
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.safetensors_io import bf16_to_f32, dtype_name, f32_to_bf16
 from ms_llm.checkpoint.shards import Piece, layout_piece
+from ms_llm.checkpoint.untrusted import confined
 from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem
 from ms_llm.checkpoint.reshard import layout_plan
 from ms_llm.config.schema import to_dict
@@ -104,10 +105,9 @@ def export_mindspore(src: str | Path, out: str | Path, target: ModelPlan, *, zer
                 entries[theirs] = entry
                 array = ckpt.read(ours, layout_piece(ours, held, srank))
                 saved.append({"name": theirs, "data": from_numpy(array, ckpt.entry(ours).dtype)})
-        folder = out / f"rank_{rank}"
-        folder.mkdir(exist_ok=True)
-        ms.save_checkpoint(saved, str(folder / f"{prefix}{rank}.ckpt"))
-        write_strategy_file(out / "strategy" / f"rank_{rank}.ckpt", entries, stage,
+        (out / f"rank_{rank}").mkdir(exist_ok=True)
+        ms.save_checkpoint(saved, str(confined(out, f"rank_{rank}/{prefix}{rank}.ckpt", "an export file")))
+        write_strategy_file(confined(out, f"strategy/rank_{rank}.ckpt", "an export file"), entries, stage,
                             {n: e.dev_matrix for n, e in entries.items()})
     ckpt.close()
     return out
@@ -118,17 +118,19 @@ def rank_checkpoint(folder: Path, rank: int) -> Path:
     files = sorted((folder / f"rank_{rank}").glob("*.ckpt"))
     if not files:
         raise CheckpointError(f"{folder / f'rank_{rank}'}: no .ckpt file")
-    return files[-1]
+    return confined(folder, f"rank_{rank}/{files[-1].name}", f"the checkpoint of rank {rank}")
 
 
 def rank_layouts(strategy: Path, rank: int, stage_devices: Optional[int] = None) -> dict[str, MsParamLayout]:
     """Layouts that apply to `rank`: strategy/rank_<r>.ckpt when `strategy` is a folder of
     per-rank files, else one file for all ranks (a merged pipeline file's '<stage>-' prefixes
     are resolved with the rank's stage)."""
-    path = strategy / f"rank_{rank}.ckpt" if strategy.is_dir() else strategy
+    path = confined(strategy, f"rank_{rank}.ckpt", "a per-rank strategy file") if strategy.is_dir() else strategy
     entries, _ = read_strategy_file(path)
     if entries and all("-" in n and n.split("-", 1)[0].isdigit() for n in entries):
         devices = stage_devices or int(np.prod(next(iter(entries.values())).dev_matrix))
+        if devices < 1:
+            raise CheckpointError(f"{path}: device matrix of {devices} devices; a strategy file needs at least 1")
         stage = rank // devices
         entries = {n.split("-", 1)[1]: e for n, e in entries.items() if n.split("-", 1)[0] == str(stage)}
     return entries
@@ -141,7 +143,7 @@ def import_mindspore(folder: str | Path, strategy: str | Path, dst_root: str | P
     so any layout loads it. Parameters the strategy does not mention (learning rate, global
     step, ...) are not model state and are left out."""
     folder, strategy = Path(folder), Path(strategy)
-    ranks = sorted(int(p.name[5:]) for p in folder.glob("rank_*") if p.name[5:].isdigit())
+    ranks = sorted(int(p.name[5:]) for p in folder.glob("rank_*") if p.name[5:].isascii() and p.name[5:].isdigit())
     if not ranks or ranks != list(range(len(ranks))):
         raise CheckpointError(f"{folder}: expected rank_0 ... rank_N-1 folders, found {ranks}")
     shapes = {n: p.shape for n, p in layout_plan(model, ParallelStrategy(dp=1), 1).params.items()}

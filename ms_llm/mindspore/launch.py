@@ -14,6 +14,7 @@ scheduler runs on node rank 0, not on every machine that owns --master_addr.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -55,9 +56,10 @@ def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> N
             for line in lines[seen:]:
                 rec = json.loads(line)
                 if "step" in rec and "loss" in rec:
-                    m = StepMetrics(**{k: rec[k] for k in ("step", "loss", "lr", "tokens_per_s", "mfu", "memory_gb",
-                                                           "grad_norm", "step_time_s")})
-                    if m.step % every == 0 or m.step == total or m.step == 1:
+                    fields = {f.name for f in dataclasses.fields(StepMetrics)} - {"extra"}
+                    m = StepMetrics(**{k: v for k, v in rec.items() if k in fields},
+                                    extra={k: v for k, v in rec.items() if k not in fields})
+                    if m.step % every == 0 or m.step == total or m.step == 1 or "val_loss" in m.extra:
                         print(m.line(total), flush=True)
             seen = len(lines)
         if done:

@@ -118,7 +118,8 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
     if logs:
         print(f"MindSpore {mode}: {p.mesh.describe()} | ZeRO {p.zero.stage} | {p.micro_batches} micro-batch(es) | "
               f"precision {p.strategy.precision.compute_dtype}", flush=True)
-    return Trainer(job, run, p, rank, step_fn, MsTrainerState(step_fn, p, rank, world), memory_gb, logs, loss_scale)
+    return Trainer(job, run, p, rank, step_fn, MsTrainerState(step_fn, p, rank, world), memory_gb, logs, loss_scale,
+                   step_fn.evaluate)
 
 
 def main(argv: list[str] | None = None) -> int:

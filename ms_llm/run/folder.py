@@ -11,9 +11,12 @@
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ms_llm.errors import RunFolderError
 
 
 @dataclass(frozen=True)
@@ -24,9 +27,26 @@ class RunFolder:
     def create(cls, name: str, run_dir: str | Path | None = None, base: str | Path = "runs") -> "RunFolder":
         root = Path(run_dir) if run_dir else Path(base) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         folder = cls(root.resolve())
-        for sub in (folder.logs, folder.checkpoints, folder.data):
-            sub.mkdir(parents=True, exist_ok=True)
+        try:
+            for sub in (folder.logs, folder.checkpoints, folder.data):
+                sub.mkdir(parents=True, exist_ok=True)
+            folder.probe_write()
+        except OSError as exc:
+            raise RunFolderError(f"run folder {folder.root}: cannot write there ({exc.strerror or exc}); "
+                                 "pick another --run-dir or free space") from None
         return folder
+
+    def probe_write(self) -> None:
+        """Write, fsync and remove a small file: a read-only or full disk fails here, before the
+        workers start, rather than in the middle of a run."""
+        probe = self.root / f".write_probe.{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
 
     @property
     def logs(self) -> Path:

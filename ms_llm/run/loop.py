@@ -18,7 +18,7 @@ import numpy as np
 
 from ms_llm.checkpoint.trainer import TrainerCheckpoints, TrainerState
 from ms_llm.config.job import JobConfig
-from ms_llm.data import GlobalBatchSampler, load_tokens
+from ms_llm.data import BatchSampler, GlobalBatchSampler, load_tokens, samples
 from ms_llm.errors import ConfigError, TrainingDiverged
 from ms_llm.run.folder import RunFolder
 from ms_llm.run.heartbeat import Heartbeat
@@ -48,15 +48,35 @@ class Trainer:
     memory_gb: Callable[[], float]       # peak device (or host) memory of this rank
     logs: bool                           # this rank prints progress and writes metrics.jsonl
     loss_scale: Optional[LossScaler] = None   # fp16: a non-finite norm is a skipped step, not divergence
+    evaluate: Optional[Callable[[np.ndarray], float]] = None   # rows (B_local, T + 1) -> global mean loss
 
 
-def token_sampler(job: JobConfig, run: RunFolder) -> GlobalBatchSampler:
-    """The shared data order; the launcher resolved train.data.source to a token file."""
+def token_sampler(job: JobConfig, run: RunFolder) -> BatchSampler:
+    """The shared data order: indexed datasets through the sample order the launcher built in
+    the run folder, else the token file it resolved train.data.source to."""
     t = job.train
+    if t.data.paths:
+        return samples.train_sampler(t, run.data)
     if t.data.source == "stdlib":
         raise ConfigError(f"{run.config}: train.data.source is 'stdlib'; workers read the token file the launcher "
                           "resolves it to: start them with `ms-llm train`")
     return GlobalBatchSampler(load_tokens(t.data.source, t.data.token_dtype), t.seq_len, t.global_batch_size, t.seed)
+
+
+def validation_rows(job: JobConfig, run: RunFolder, dp_rank: int, dp: int) -> list[np.ndarray]:
+    """This rank's rows of each fixed validation batch (empty when train.eval is off)."""
+    t = job.train
+    if t.eval.interval == 0:
+        return []
+    if not t.data.paths:
+        raise ConfigError("train.eval.interval: validation needs train.data.paths (indexed datasets with a valid "
+                          "share in train.data.split); set train.eval.interval: 0 or give data paths")
+    valid = samples.valid_batches(t, run.data)
+    if valid is None:
+        raise ConfigError(f"train.eval: the valid split holds less than one global batch of {t.global_batch_size}; "
+                          "give it a larger share in train.data.split or set train.eval.interval: 0")
+    per_rank = t.global_batch_size // dp
+    return [rows[dp_rank * per_rank:(dp_rank + 1) * per_rank] for rows in valid.batches(t.eval.batches)]
 
 
 def check_finite(step: int, loss: float, grad_norm: float, norm_measured: bool, skipped: bool,
@@ -78,6 +98,7 @@ def train(t: Trainer) -> list[StepMetrics]:
     rate = StepRate.of(t.job, t.plan.world_size)
     heartbeat = Heartbeat(t.run.heartbeat, t.rank)
     norm_measured = tc.optimizer.grad_clip > 0 or t.loss_scale is not None
+    valid = validation_rows(t.job, t.run, dp_rank, t.plan.strategy.dp) if t.evaluate is not None else []
     checkpoints = TrainerCheckpoints(t.job, t.run, t.plan, t.state, sampler, t.rank, logger, t.loss_scale)
     history: list[StepMetrics] = []
     try:
@@ -97,6 +118,8 @@ def train(t: Trainer) -> list[StepMetrics]:
             skipped = scale is not None and not math.isfinite(grad_norm)
             if scale is not None:
                 m.extra["loss_scale"] = scale
+            if valid and ((step + 1) % tc.eval.interval == 0 or step + 1 == tc.steps):
+                m.extra["val_loss"] = sum(t.evaluate(rows) for rows in valid) / len(valid)
             logger.log(m, force=step == first)
             check_finite(step + 1, loss, grad_norm, norm_measured, skipped, checkpoints.last_step)
             history.append(m)

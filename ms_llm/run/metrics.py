@@ -29,6 +29,8 @@ class StepMetrics:
                 f"{self.tokens_per_s:,.0f} tok/s | MFU {100 * self.mfu:.2f}% | mem {self.memory_gb:.2f} GB")
         if self.grad_norm == self.grad_norm:
             text += f" | gnorm {self.grad_norm:.3f}"
+        if "val_loss" in self.extra:
+            text += f" | val loss {self.extra['val_loss']:.4f}"
         return text
 
 
@@ -73,7 +75,7 @@ class MetricsLogger:
         record = {k: v for k, v in asdict(m).items() if k != "extra"} | m.extra
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if force or m.step % self.every == 0 or m.step == self.total:
+        if force or m.step % self.every == 0 or m.step == self.total or "val_loss" in m.extra:
             print(m.line(self.total), file=self.stream, flush=True)
 
     def event(self, **fields) -> None:

@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from ms_llm.config.schema import spec
-from ms_llm.config.model import DType
+from ms_llm.config.model import MAX_LAYERS, DType
 from ms_llm.errors import StrategyError
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 # Schedules that place several model chunks on one rank.
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zbv")
+# Devices in one job: past the largest clusters built, and small enough that per-rank tables stay cheap.
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,8 +27,9 @@ class ZeroSpec:
     stage: int = spec(0, "0: replicated (DDP); 1: shard optimizer states; 2: + gradients; 3: + parameters.",
                       ge=0, le=3)
     shard_size: int = spec(-1, "Ranks a shard group spans (HSDP: shard inside, replicate across); "
-                               "-1 = all of dp.", ge=-1)
-    bucket_mb: float = spec(25.0, "Gradient / parameter bucket size for fused collectives.", ge=0.0)
+                               "-1 = all of dp.", ge=-1, le=MAX_WORLD_SIZE)
+    bucket_mb: float = spec(25.0, "Gradient / parameter bucket size for fused collectives.", ge=0.0,
+                          le=1 << 20)
     engine: Literal["auto", "shared", "native"] = spec(
         "auto", "'shared': ms_llm's ZeRO engine (same partition on both backends); 'native': the "
                 "backend's own (torch DDP / FSDP2 fully_shard, MindSpore parallel optimizer); "
@@ -40,11 +43,14 @@ class ZeroSpec:
 @dataclass(frozen=True, kw_only=True)
 class PipelineSpec:
     schedule: Schedule = spec("1f1b", "Pipeline schedule (ignored when pp = 1).")
-    virtual_stages: int = spec(1, "Model chunks per pipeline rank (interleaved / V schedules).", ge=1)
+    virtual_stages: int = spec(1, "Model chunks per pipeline rank (interleaved / V schedules).", ge=1,
+                                le=MAX_LAYERS)
     micro_batches: int = spec(-1, "Micro-batches per step per data-parallel rank (= gradient "
-                                  "accumulation); -1 = global_batch / (micro_batch_size * dp).", ge=-1)
+                                  "accumulation); -1 = global_batch / (micro_batch_size * dp).", ge=-1,
+                               le=1 << 24)
     layer_split: Optional[tuple[int, ...]] = spec(None, "Layers per (stage, chunk) in pipeline order, "
-                                                        "pp * virtual_stages entries; null = even.")
+                                                        "pp * virtual_stages entries; null = even.",
+                                                    ge=0, le=MAX_LAYERS)
 
     def __post_init__(self) -> None:
         if self.micro_batches == 0:
@@ -57,7 +63,8 @@ class RecomputeSpec:
     policy: Literal["none", "selective", "full"] = spec(
         "none", "none: keep activations; selective: recompute attention core and MLP activation; "
                 "full: keep only each layer's input.")
-    num_layers: int = spec(-1, "Recompute only the first N layers of each stage; -1 = all.", ge=-1)
+    num_layers: int = spec(-1, "Recompute only the first N layers of each stage; -1 = all.", ge=-1,
+                           le=MAX_LAYERS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +74,7 @@ class PrecisionSpec:
     grad_reduce_dtype: DType = spec("float32", "Dtype gradients are reduced in across data parallel.")
     master_dtype: DType = spec("float32", "Optimizer's copy of the weights.")
     loss_scale: Literal["none", "dynamic", "static"] = spec("none", "fp16 needs 'dynamic' or 'static'.")
-    initial_loss_scale: float = spec(65536.0, "Starting (or static) loss scale.", ge=1.0)
+    initial_loss_scale: float = spec(65536.0, "Starting (or static) loss scale.", ge=1.0, le=2.0 ** 32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,11 +85,13 @@ class OffloadSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelStrategy:
-    dp: int = spec(-1, "Data-parallel degree (replicate x shard); -1 = world / (tp * pp * cp).", ge=-1)
-    tp: int = spec(1, "Tensor-parallel degree.", ge=1)
-    pp: int = spec(1, "Pipeline-parallel degree.", ge=1)
-    cp: int = spec(1, "Context-parallel degree (splits the sequence).", ge=1)
-    ep: int = spec(1, "Expert-parallel degree, carved out of dp * cp for expert layers.", ge=1)
+    dp: int = spec(-1, "Data-parallel degree (replicate x shard); -1 = world / (tp * pp * cp).", ge=-1,
+                   le=MAX_WORLD_SIZE)
+    tp: int = spec(1, "Tensor-parallel degree.", ge=1, le=MAX_WORLD_SIZE)
+    pp: int = spec(1, "Pipeline-parallel degree.", ge=1, le=MAX_WORLD_SIZE)
+    cp: int = spec(1, "Context-parallel degree (splits the sequence).", ge=1, le=MAX_WORLD_SIZE)
+    ep: int = spec(1, "Expert-parallel degree, carved out of dp * cp for expert layers.", ge=1,
+                   le=MAX_WORLD_SIZE)
     sequence_parallel: bool = spec(False, "Shard norm/residual activations on the sequence over tp.")
     zero: ZeroSpec = field(default_factory=ZeroSpec)
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
@@ -93,6 +102,7 @@ class ParallelStrategy:
     def __post_init__(self) -> None:
         if self.dp == 0:
             raise StrategyError("strategy.dp: 0 ranks cannot hold a replica; use -1 (the leftover ranks) or >= 1")
+        _check_world(max(self.dp, 1) * self.model_parallel_size, "strategy: dp*tp*pp*cp")
 
     @property
     def model_parallel_size(self) -> int:
@@ -108,6 +118,8 @@ class ParallelStrategy:
     def resolve(self, world_size: int | None = None) -> "ParallelStrategy":
         """Fill dp = -1 and zero.shard_size = -1 from the world size; check the product."""
         dp = self.dp
+        if world_size is not None:
+            _check_world(world_size, "the world size")
         if dp < 0:
             if world_size is None:
                 raise StrategyError("strategy.dp: -1 needs a world size to resolve; pass --world-size N")
@@ -134,3 +146,9 @@ class ParallelStrategy:
     @property
     def dp_replicate(self) -> int:
         return self.dp // self.dp_shard
+
+
+def _check_world(size: int, what: str) -> None:
+    """Every rank gets a row in the plan's tables: refuse a world no cluster has before building them."""
+    if not 1 <= size <= MAX_WORLD_SIZE:
+        raise StrategyError(f"{what} = {size} devices; ms_llm plans 1 to {MAX_WORLD_SIZE} devices")

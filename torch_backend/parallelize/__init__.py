@@ -1,4 +1,4 @@
-"""Apply a ModelPlan to this rank's model parts (the whole model, or its pipeline chunks).
+"""Apply a TorchLowering to this rank's model parts (the whole model, or its pipeline chunks).
 
 The order is fixed, as in torchtitan, because each step must see what the previous made:
 
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ms_llm.strategy.plan import ModelPlan
+from torch_backend.lower import TorchLowering
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize.ac import apply_ac
 from torch_backend.parallelize.dp import DataParallel
@@ -29,14 +30,14 @@ def apply_compile(part: nn.Module) -> None:
         layer.compile()
 
 
-def parallelize(parts: list[nn.Module], plan: ModelPlan, meshes: Meshes, dp: DataParallel, device: torch.device,
-                rank: int, seed: int, compile: bool = False) -> list[nn.Module]:
+def parallelize(parts: list[nn.Module], low: TorchLowering, plan: ModelPlan, meshes: Meshes, dp: DataParallel,
+                device: torch.device, rank: int) -> list[nn.Module]:
     """`parts`: this rank's model chunks on the meta device. Returns them ready to train."""
     for part in parts:
-        if plan.strategy.tp > 1:
-            apply_tp(part, plan, meshes["tp"])
-        materialize(part, plan, device, rank, seed)
-        apply_ac(part, plan)
-        if compile:
+        if low.tp:
+            apply_tp(part, low, meshes["tp"])
+        materialize(part, plan, device, rank, plan.train.seed)
+        apply_ac(part, low)
+        if low.compile:
             apply_compile(part)
     return dp.wrap(parts)

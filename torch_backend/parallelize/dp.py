@@ -10,7 +10,8 @@ The trainer only ever calls, in this order:
         norm = dp.step(optimizer, params, lr, grad_clip, pp_group, loss_scale)
                                                 clip (fp16: unscale, skip on overflow), update, clear grads
 
-Engines (torch_backend.support.zero_engine picks one per plan, before any process starts):
+Engines (torch_backend.support.zero_engine picks one per plan, before any process starts; the
+lowering's DataParallelPlan carries it with its settings):
     shared  ms_llm's ZeRO engine (ms_llm.zero), stages 0-3, the same partition on both
             backends; 'auto' takes it wherever this adapter supports the strategy
     native  stage 0: DistributedDataParallel (FSDP2's `replicate` under tensor or pipeline
@@ -36,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ms_llm.strategy.plan import ModelPlan
 from torch_backend import support
 from torch_backend.clip import clip_grad_norm
+from torch_backend.lower import DataParallelPlan
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize.precision import DTYPES
 
@@ -199,24 +201,25 @@ class SharedZero(DataParallel):
         return torch.tensor(float("nan") if norm is None else norm)
 
 
-def mixed_precision(plan: ModelPlan) -> MixedPrecisionPolicy:
-    prec = plan.strategy.precision
-    return MixedPrecisionPolicy(param_dtype=DTYPES[prec.param_dtype], reduce_dtype=DTYPES[prec.grad_reduce_dtype])
+def mixed_precision(dp: DataParallelPlan) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=DTYPES[dp.param_dtype], reduce_dtype=DTYPES[dp.reduce_dtype])
 
 
-def build_data_parallel(plan: ModelPlan, meshes: Meshes, device: torch.device, engine: str) -> DataParallel:
-    """The engine torch_backend.support.zero_engine chose for this plan."""
-    s, zero = plan.strategy, plan.zero
-    if engine == SharedZero.name:
+def _mesh(meshes: Meshes, axes: tuple[str, ...]) -> DeviceMesh:
+    """One axis by name (derived ones, such as dp, are flattened meshes), several as a sub-mesh."""
+    return meshes[axes[0]] if len(axes) == 1 else meshes[axes]
+
+
+def build_data_parallel(dp: DataParallelPlan, plan: ModelPlan, meshes: Meshes, device: torch.device) -> DataParallel:
+    """The engine the lowering names, over the mesh axes it names."""
+    if dp.engine == SharedZero.name:
         return SharedZero(plan, device)
-    if engine == DDP.name:
-        return DDP(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
-    if engine == ZeroOptimizer.name:
-        return ZeroOptimizer(meshes.group("dp"), s.zero.bucket_mb, s.precision.grad_reduce_dtype)
-    if engine == Replicate.name:
-        return Replicate(meshes["dp"], mixed_precision(plan))
-    if engine == FSDP.name:
-        # HSDP when shard groups are replicated: a 2-D (replicate, shard) mesh.
-        mesh = meshes[("dp_replicate", "dp_shard")] if zero.replicate_size > 1 else meshes["dp_shard"]
-        return FSDP(mesh, reshard_after_forward=zero.stage == 3, mp=mixed_precision(plan))
+    if dp.engine == DDP.name:
+        return DDP(_mesh(meshes, dp.mesh_axes).get_group(), dp.bucket_mb, dp.reduce_dtype)
+    if dp.engine == ZeroOptimizer.name:
+        return ZeroOptimizer(_mesh(meshes, dp.mesh_axes).get_group(), dp.bucket_mb, dp.reduce_dtype)
+    if dp.engine == Replicate.name:
+        return Replicate(_mesh(meshes, dp.mesh_axes), mixed_precision(dp))
+    if dp.engine == FSDP.name:
+        return FSDP(_mesh(meshes, dp.mesh_axes), reshard_after_forward=dp.reshard_after_forward, mp=mixed_precision(dp))
     return DataParallel()

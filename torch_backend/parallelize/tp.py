@@ -1,17 +1,8 @@
-"""Tensor and sequence parallelism: DTensor ParallelStyles derived from the plan's layouts.
+"""Tensor and sequence parallelism: the lowering's TpStyle data as DTensor ParallelStyles.
 
-Nothing here names a LLaMA layer. Each weight's placement on the tp axis, and the tp
-placement of the activations around it, pick the style:
-
-    weight Shard(0), kind embedding   -> RowwiseParallel   (vocab-parallel embedding)
-    weight Shard(0), kind head        -> ColwiseParallel   (vocab-parallel logits for loss_parallel)
-    weight Shard(0), kind column      -> ColwiseParallel
-    weight Shard(1), kind row         -> RowwiseParallel   (output in the residual-stream layout)
-    replicated norm, residual stream sharded on the sequence -> SequenceParallel
-
-and where a block's input layout ("attn_input", "mlp_input") differs from the residual
-stream ("hidden"), a PrepareModuleInput on the block redistributes it (the all-gather of
-sequence parallelism; its reduce-scatter is the row-parallel output layout).
+Which module gets which style, with which placements, is decided in torch_backend.lower from
+the plan's layouts; here each TpStyle becomes the ParallelStyle of its kind, for the modules a
+part (the whole model or a pipeline stage) holds.
 """
 from __future__ import annotations
 
@@ -23,13 +14,8 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
-from ms_llm.errors import StrategyError
 from ms_llm.strategy import layout as L
-from ms_llm.strategy.layout import TensorLayout
-from ms_llm.strategy.plan import ModelPlan
-
-# Which activation of the plan a block (by its attribute name) takes as input.
-BLOCK_INPUT = {"self_attn": "attn_input", "mlp": "mlp_input"}
+from torch_backend.lower import TorchLowering, TpStyle
 
 
 def torch_placement(p: L.Placement) -> Placement:
@@ -40,47 +26,25 @@ def torch_placement(p: L.Placement) -> Placement:
     return Replicate()
 
 
-def tp_placement(layout: TensorLayout) -> Placement:
-    """The layout's placement on the tp axis, as a torch Placement."""
-    return torch_placement(layout.placements[layout.mesh.names.index("tp")])
+def parallel_style(style: TpStyle, module: nn.Module) -> ParallelStyle:
+    """`module`: the one the style applies to (prepare_input pads its other forward arguments)."""
+    given, out = torch_placement(style.input), torch_placement(style.output)
+    if style.kind == "colwise":
+        return ColwiseParallel(input_layouts=given, output_layouts=out, use_local_output=style.use_local_output)
+    if style.kind == "rowwise":
+        return RowwiseParallel(input_layouts=given, output_layouts=out, use_local_output=style.use_local_output)
+    if style.kind == "sequence":
+        return SequenceParallel(sequence_dim=style.input.dim, use_local_output=style.use_local_output)
+    rest = (None,) * (len(inspect.signature(module.forward).parameters) - 1)   # rotary tables stay local
+    return PrepareModuleInput(input_layouts=(given, *rest), desired_input_layouts=(out, *rest),
+                              use_local_output=style.use_local_output)
 
 
-def tp_styles(plan: ModelPlan, module: nn.Module) -> dict[str, ParallelStyle]:
-    """FQN -> ParallelStyle for the parameters `module` (a whole model or a pipeline stage) holds."""
-    acts = plan.activations
-    hidden = tp_placement(acts["hidden"])
-    present = dict(module.named_parameters())
-    styles: dict[str, ParallelStyle] = {}
-    for p in plan.params.values():
-        if p.name not in present:
-            continue
-        fqn, weight = p.name.removesuffix(".weight"), tp_placement(p.layout)
-        if p.kind == "embedding" and weight == Shard(0):
-            styles[fqn] = RowwiseParallel(input_layouts=tp_placement(acts["tokens"]), output_layouts=hidden)
-        elif p.kind == "head" and weight == Shard(0):
-            logits = tp_placement(acts["logits"])
-            # Keep the vocab-sharded DTensor: loss_parallel computes the loss without gathering it.
-            styles[fqn] = ColwiseParallel(input_layouts=hidden, output_layouts=logits,
-                                          use_local_output=logits == Replicate())
-        elif p.kind == "column" and weight == Shard(0):
-            styles[fqn] = ColwiseParallel()
-            block_fqn = fqn.rsplit(".", 1)[0]                      # model.layers.3.self_attn
-            want = tp_placement(acts[BLOCK_INPUT[block_fqn.rsplit(".", 1)[-1]]])
-            if want != hidden:
-                n_args = len(inspect.signature(module.get_submodule(block_fqn).forward).parameters)
-                rest = (None,) * (n_args - 1)
-                styles[block_fqn] = PrepareModuleInput(input_layouts=(hidden, *rest),
-                                                       desired_input_layouts=(want, *rest))
-        elif p.kind == "row" and weight == Shard(1):
-            styles[fqn] = RowwiseParallel(output_layouts=hidden)
-        elif p.kind == "norm" and weight == Replicate():
-            if hidden != Replicate():
-                styles[fqn] = SequenceParallel(sequence_dim=hidden.dim)
-        elif weight != Replicate():
-            raise StrategyError(f"{p.name}: no tensor-parallel style for a {p.kind} weight placed "
-                                f"{weight} on tp; the torch backend lowers column / row / embedding / head")
-    return styles
+def tp_styles(low: TorchLowering, part: nn.Module) -> dict[str, ParallelStyle]:
+    """FQN -> ParallelStyle for the modules `part` holds."""
+    present = dict(part.named_modules())
+    return {s.module: parallel_style(s, present[s.module]) for s in low.tp if s.module in present}
 
 
-def apply_tp(module: nn.Module, plan: ModelPlan, tp_mesh: DeviceMesh) -> None:
-    parallelize_module(module, tp_mesh, tp_styles(plan, module))
+def apply_tp(part: nn.Module, low: TorchLowering, tp_mesh: DeviceMesh) -> None:
+    parallelize_module(part, tp_mesh, tp_styles(low, part))

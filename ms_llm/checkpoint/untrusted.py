@@ -1,0 +1,58 @@
+"""Checks for values that come from checkpoint files, which may be damaged or crafted.
+
+Shard file names in index.json, the `latest` pointer and the names inside imported Hugging
+Face, MindSpore and DCP folders are data, not trusted paths: `confined` is the one check
+every read and write of such a name goes through, so a checkpoint cannot make ms_llm read
+or write a file outside its folder. Every number (shapes, offsets, block sizes, checksums)
+goes through `integer` / `integers` before it sizes an allocation or an offset, so a bad
+value is a CheckpointError naming where it was, never an OverflowError or a 3 TiB np.empty.
+"""
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+from typing import Optional
+
+from ms_llm.errors import CheckpointError
+
+
+def confined(folder: str | Path, name: object, field: str) -> Path:
+    """`folder / name` after checking that `name` is a relative path without `..` and that it
+    resolves (symlinks followed) inside `folder`; else CheckpointError naming `field`."""
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        raise CheckpointError(f"{folder}: {field} is {name!r}; expected a file name inside the folder")
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or ".." in parts:
+        raise CheckpointError(f"{folder}: {field} is {name!r}, which points outside the folder; a checkpoint "
+                              "names only its own files (relative, no '..')")
+    path = folder / name
+    root = folder.resolve()
+    if not path.resolve().is_relative_to(root):
+        raise CheckpointError(f"{folder}: {field} is {name!r}, a symbolic link to {path.resolve()} outside the "
+                              "folder; copy the file into the checkpoint folder instead")
+    return path
+
+
+# Elements in one tensor, or bytes in one file: past any real checkpoint (8 PiB), far below int64 overflow.
+MAX_COUNT = 1 << 53
+
+
+def integer(value: object, where: str, field: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
+    """`value` if it is a JSON integer (not a bool, not a float) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CheckpointError(f"{where}: '{field}' is {_short(value)}; expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def integers(value: object, where: str, field: str, lo: int = 0, hi: int = MAX_COUNT,
+             length: Optional[int] = None) -> tuple[int, ...]:
+    """A JSON list of integers in [lo, hi] (of `length` items when given)."""
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        need = f"a list of {length} integers" if length is not None else "a list of integers"
+        raise CheckpointError(f"{where}: '{field}' is {_short(value)}; expected {need}")
+    return tuple(integer(v, where, f"{field}[{i}]", lo, hi) for i, v in enumerate(value))
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
