@@ -1,8 +1,8 @@
 """Import boundaries, each module checked in a fresh interpreter:
 - ms_llm minus ms_llm/mindspore imports neither torch nor mindspore;
 - the core (that, minus the CLI layer) imports no backend either, not even inside a function;
-- each backend's support.py and launch.py import no framework: the launcher asks the one and
-  runs the other before any worker starts."""
+- each backend's support, launch, lower and dry_run modules import no framework: the launcher
+  asks, prints and starts with them before any worker imports torch or MindSpore."""
 import ast
 import importlib.util
 import pkgutil

@@ -1,8 +1,8 @@
 """What the torch backend can run, and with which data-parallel / ZeRO engine.
 
 Framework-free (numpy, stdlib, ms_llm core), so the launcher and `ms-llm plan --backend
-torch` ask here before torchrun starts; lower() asks again in every worker and builds the
-engine `zero_engine` names. Rules true for every backend live in ms_llm.strategy.validate.
+torch` ask here before torchrun starts; lower() asks again in every worker and records the
+engine `zero_engine` names, which apply() builds. Rules true for every backend live in ms_llm.strategy.validate.
 Every refusal names the field and what to use instead.
 """
 from __future__ import annotations
