@@ -19,6 +19,7 @@ goes to the console and <run>/launcher.log, worker logs to <run>/logs/. With
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import sys
@@ -145,6 +146,23 @@ def with_corpus(job: JobConfig, run: RunFolder) -> JobConfig:
     node builds its own (its workers read it locally); on a shared folder concurrent builds write
     the same bytes under temporary names and rename them, so any of them may win."""
     if job.train.data.paths:
+        for prefix in job.train.data.paths:     # prepare-data's summary records the tokenizer's vocab_size
+            summary = Path(f"{prefix}.json")
+            if not summary.is_file():
+                continue
+            try:
+                vocab = json.loads(summary.read_text())["vocab_size"]
+            except (ValueError, KeyError, TypeError) as exc:     # bad JSON or bytes, no key, not an object
+                vocab, why = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+            else:
+                why = f"vocab_size is {vocab!r}"
+            if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+                raise ConfigError(f"train.data.paths: {summary} is not a prepare-data summary with an integer "
+                                  f"vocab_size ({why}); write it again with `ms-llm prepare-data` or remove it")
+            if vocab > job.model.vocab_size:
+                raise ConfigError(f"model.vocab_size: {job.model.vocab_size}, but the tokenizer of {prefix} has "
+                                  f"vocab_size {vocab} ({summary}); use vocab_size >= {vocab} or data made with "
+                                  "this model's tokenizer")
         folder = samples.build(samples.DataSpec.of(job.train), run.data)
         top, prefix = samples.max_token(folder)
         if top >= job.model.vocab_size:

@@ -3,13 +3,17 @@ builds for torchrun and msrun (one node and several), and one clear line per bad
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from ms_llm.cli import main
 from ms_llm.config.job import load_job
+from ms_llm.data import IndexedDatasetWriter
+from ms_llm.errors import ConfigError
 from ms_llm.launch import TrainRequest, prepare
 from ms_llm.nodes import Nodes
 from torch_backend.launch import torch_command, torchrun
@@ -106,3 +110,32 @@ def test_a_negative_step_count_stops_in_the_launcher(tmp_path, capsys):
 def test_several_nodes_need_one_named_run_folder(capsys):
     assert main(["train", str(TORCH_JOB), "--nnodes", "2", "--master-addr", "h", "--master-port", "29400"]) == 2
     assert "--run-dir: required with --nnodes 2" in capsys.readouterr().err
+
+
+def test_a_model_smaller_than_the_datas_tokenizer_is_refused_before_launch(tmp_path):
+    """prepare-data's PREFIX.json records the tokenizer's vocab_size; every id in this data fits the
+    tiny model's 320, but a tokenizer of 32000 would not, and neither does a summary that is not JSON."""
+    writer = IndexedDatasetWriter(tmp_path / "ds", np.uint16)
+    for doc in np.random.default_rng(0).integers(0, 300, (40, 100)):
+        writer.add_document(doc)
+    writer.finalize()
+    job_file = tmp_path / "job.yaml"
+    job = yaml.safe_load(TORCH_JOB.read_text())
+    job["train"]["data"] = {"paths": [str(tmp_path / "ds")]}
+    job_file.write_text(yaml.safe_dump(job))
+    summary = tmp_path / "ds.json"
+
+    def launch(run: str):
+        return prepare(TrainRequest(job_file, run_dir=tmp_path / run, steps=2))
+
+    summary.write_text(json.dumps({"documents": 40, "vocab_size": 320}))
+    launch("fits")
+    summary.write_text(json.dumps({"documents": 40, "vocab_size": 32000}))
+    with pytest.raises(ConfigError, match=r"^model.vocab_size: 320, but the tokenizer of .*ds has vocab_size "
+                                          r"32000 \(.*ds.json\); use vocab_size >= 32000") as err:
+        launch("small")
+    summary.write_text('{"vocab_size": 32000,')
+    with pytest.raises(ConfigError, match=r"^train.data.paths: .*ds.json is not a prepare-data summary") as bad:
+        launch("malformed")
+    assert "\n" not in str(err.value) + str(bad.value)
+    assert not (tmp_path / "small" / "data").exists() or not any((tmp_path / "small" / "data").iterdir())
