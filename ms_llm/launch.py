@@ -32,7 +32,7 @@ from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict, load_job
 from ms_llm.config.train import DataConfig
 from ms_llm.data import IndexedDataset, build_stdlib_corpus, samples
 from ms_llm.elastic import check_restarts, with_restarts
-from ms_llm.errors import ConfigError, StrategyError
+from ms_llm.errors import ConfigError, RunFolderError, StrategyError
 from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
 from ms_llm.strategy.plan import ModelPlan, plan
@@ -79,13 +79,13 @@ def absolute_paths(job: JobConfig) -> JobConfig:
     load, source = t.checkpoint.load, t.data.source
     if load:
         if not Path(load).exists():
-            raise ConfigError(f"train.checkpoint.load: {load} does not exist (relative to {Path.cwd()})")
+            raise ConfigError(f"train.checkpoint.load: {load!r} does not exist (relative to {Path.cwd()})")
         load = str(Path(load).resolve())
     if t.data.paths:
         return with_train(job, checkpoint=dataclasses.replace(t.checkpoint, load=load), data=indexed_data(t.data))
     if source != "stdlib":
         if not Path(source).is_file():
-            raise ConfigError(f"train.data.source: token file {source} does not exist (relative to {Path.cwd()}); "
+            raise ConfigError(f"train.data.source: token file {source!r} does not exist (relative to {Path.cwd()}); "
                               "give a token file or 'stdlib'")
         source = str(Path(source).resolve())
     return with_train(job, checkpoint=dataclasses.replace(t.checkpoint, load=load),
@@ -106,7 +106,7 @@ def indexed_data(data: DataConfig) -> DataConfig:
     tokenizer = data.tokenizer
     if tokenizer:
         if not Path(tokenizer).exists():
-            raise ConfigError(f"train.data.tokenizer: {tokenizer} does not exist (relative to {Path.cwd()}); give "
+            raise ConfigError(f"train.data.tokenizer: {tokenizer!r} does not exist (relative to {Path.cwd()}); give "
                               "the tokenizer the data was prepared with, or leave it empty")
         tokenizer = str(Path(tokenizer).resolve())
     return dataclasses.replace(data, paths=tuple(paths), tokenizer=tokenizer)
@@ -178,8 +178,12 @@ def write_config(job: JobConfig, run: RunFolder) -> None:
     """<run>/config.yaml, atomically: a worker, or another node sharing the folder, reads the whole
     old file or the whole new one, never a part."""
     tmp = run.config.with_name(f".config.yaml.{socket.gethostname()}.{os.getpid()}")
-    tmp.write_text(dump_yaml(job_to_dict(job)))
-    os.replace(tmp, run.config)
+    try:
+        tmp.write_text(dump_yaml(job_to_dict(job)))
+        os.replace(tmp, run.config)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise RunFolderError(f"run folder {run.root}: cannot write config.yaml ({exc.strerror or exc})") from None
 
 
 def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, RunFolder]:

@@ -107,6 +107,7 @@ class TrainerCheckpoints:
         weights = [n for n in held if n in self.plan.params]
 
         def load(ckpt: Checkpoint) -> list[str]:
+            self._check_state(ckpt)
             missing = [n for n in weights if n not in ckpt.index.tensors]
             if missing:
                 raise CheckpointError(f"{ckpt.folder}: lacks weight {missing[0]!r}; a different model?")
@@ -118,9 +119,6 @@ class TrainerCheckpoints:
 
         ckpt = self._load_agreed(folders, load)
         saved = ckpt.state
-        if "sampler" in saved and self.sampler.step_of(SamplerState.from_dict(saved["sampler"])) != ckpt.step:
-            raise CheckpointError(f"{ckpt.folder}: data position does not match step {ckpt.step}; train.seed or "
-                                  "global_batch_size changed since it was saved")
         self.state.set_optimizer_step(int(saved.get("optimizer_step", ckpt.step)))
         if self.loss_scale is not None:
             self.loss_scale.load_state(saved.get("loss_scale"))
@@ -134,6 +132,20 @@ class TrainerCheckpoints:
         self.last_step = ckpt.step
         ckpt.close()
         return ckpt.step
+
+    def _check_state(self, ckpt: Checkpoint) -> None:
+        """The training-state record is untrusted input too: a malformed one is a CheckpointError,
+        so the previous checkpoint is tried."""
+        saved = ckpt.state
+        try:
+            position = (self.sampler.step_of(SamplerState.from_dict(saved["sampler"])) if "sampler" in saved
+                        else ckpt.step)
+            int(saved.get("optimizer_step", ckpt.step))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{ckpt.folder}: training state is malformed ({type(exc).__name__}: {exc})") from None
+        if position != ckpt.step:
+            raise CheckpointError(f"{ckpt.folder}: data position does not match step {ckpt.step}; train.seed or "
+                                  "global_batch_size changed since it was saved")
 
     def _load_agreed(self, folders: list[Path], load: Callable[[Checkpoint], object]) -> Checkpoint:
         """load_with_fallback for many ranks: after each folder the ranks compare, so a file
