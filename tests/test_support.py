@@ -283,3 +283,11 @@ def test_plan_reports_the_engine_of_an_accepted_plan():
     out = ms_llm("plan", "configs/train/tiny_ms_dp2.yaml")
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip().endswith("backend    mindspore on cpu: ZeRO engine grad_reducer")
+
+
+def test_torch_refuses_an_ascend_machine_and_names_the_fix():
+    p = plan_for({"dp": 2, "precision": FP32}, 2)
+    problems = torch_support.refusals(p, ASCEND)
+    assert problems and problems[0].startswith("device: the torch backend runs on CUDA GPUs (NCCL) or CPUs (gloo)")
+    assert "--backend mindspore" in problems[0]
+    assert torch_support.refusals(p, CPU) == []

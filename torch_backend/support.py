@@ -24,10 +24,13 @@ ENGINES = (NONE, SHARED, DDP, ZERO_OPTIMIZER, REPLICATE, FSDP)
 
 
 def refusals(plan: ModelPlan, machine: Machine) -> list[str]:
-    """Every reason the torch backend cannot run `plan` on `machine` (empty: it can). The answer
-    is the same on every machine today: torch runs on CUDA (NCCL) or on CPU (gloo) alike."""
+    """Every reason the torch backend cannot run `plan` on `machine` (empty: it can). Torch runs
+    on CUDA (NCCL) or on CPU (gloo) alike; Ascend NPUs are MindSpore's."""
     engine, problems = _engine(plan)
     problems = _lowering(plan) + _precision(plan) + problems
+    if machine.accelerator == "ascend":
+        problems.insert(0, "device: the torch backend runs on CUDA GPUs (NCCL) or CPUs (gloo), not on Ascend NPUs; "
+                           "use --backend mindspore, or a job device of h100, h200, a100 or cpu")
     s = plan.strategy
     if s.offload.optimizer and engine != SHARED:
         more = " with dp > 1" if s.dp == 1 else ""
