@@ -179,7 +179,7 @@ def test_the_launcher_resolves_checks_and_builds_the_order_before_workers(tmp_pa
         prepare(TrainRequest(job_file(tmp_path, {"paths": ["a", "b"]}, vocab=1000), run_dir=tmp_path / "r2"))
     with pytest.raises(ConfigError, match=r"train.data.paths\[1\]: indexed dataset: .*nope.idx does not exist"):
         prepare(TrainRequest(job_file(tmp_path, {"paths": ["a", "nope"]}), run_dir=tmp_path / "r3"))
-    with pytest.raises(ConfigError, match="train.data.tokenizer: gone.json does not exist"):
+    with pytest.raises(ConfigError, match="train.data.tokenizer: 'gone.json' does not exist"):
         prepare(TrainRequest(job_file(tmp_path, {"paths": ["a"], "tokenizer": "gone.json"}), run_dir=tmp_path / "r4"))
     os.replace(f"{two[1]}.bin", f"{two[0]}.bin")
     with pytest.raises(ConfigError, match=r"train.data.paths\[0\]: .*does not match its \.bin"):
