@@ -3,6 +3,7 @@ environment and log of a backend launcher (torchrun, msrun). Shared by ms_llm.la
 backends' launch modules; imports no framework."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -82,10 +83,8 @@ def worker_env(run: RunFolder, nodes: Nodes) -> dict[str, str]:
 
 def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
     shutil.rmtree(tmp_dir(run, nodes), ignore_errors=True)
-    try:
+    with contextlib.suppress(OSError):                # not empty: another node is still running
         tmp_dir(run, nodes).parent.rmdir()            # the last node out removes tmp/
-    except OSError:
-        pass
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:

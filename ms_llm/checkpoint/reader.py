@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import mmap
+import contextlib
 import os
 import threading
 import zlib
@@ -189,10 +190,8 @@ class Checkpoint:
 
     def close(self) -> None:
         for mm, _ in self._files.values():
-            try:
-                mm.close()
-            except BufferError:         # a view is still alive (e.g. in an error's traceback): freed with it
-                pass
+            with contextlib.suppress(BufferError):    # a view is still alive (e.g. in an error's traceback):
+                mm.close()                            # the map is freed with it
         for fd in self._fds.values():
             os.close(fd)
         self._files.clear()

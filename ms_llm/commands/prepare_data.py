@@ -25,15 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Iterator
-
-import numpy as np
 
 from ms_llm.data.readers import FORMATS
 from ms_llm.errors import ConfigError
 
-MINDRECORD_COLUMN = "input_ids"
-CHUNK_TOKENS = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +96,10 @@ def import_mindrecord(args: argparse.Namespace) -> dict:
                           f"{len(args.input)}")
     path = args.input[0]
     Outputs(Path(args.output)).check(args.overwrite)    # before a pass over the input, not after
+    try:
+        from ms_llm.mindspore.mindrecord import mindrecord_chunks    # the CLI layer reaches into the backend
+    except ImportError:
+        raise ConfigError(f"{path}: MindRecord input needs MindSpore: pip install 'ms_llm[mindspore]'") from None
     tokenizer = None
     if args.tokenizer:
         spec = TokenizerSpec.from_arg(args.tokenizer, args.eos_token)
@@ -111,38 +110,3 @@ def import_mindrecord(args: argparse.Namespace) -> dict:
         vocab_size = 1 + max((int(ids.max()) for ids, _, _ in mindrecord_chunks(path) if ids.size), default=0)
     return prepare_tokens(mindrecord_chunks(path), Path(args.output), vocab_size, tokenizer, [path],
                           overwrite=args.overwrite)
-
-
-def mindrecord_chunks(path: str) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """(flat ids, row lengths, 0) for ~1M tokens of rows at a time, in the file's order."""
-    try:
-        from mindspore.mindrecord import FileReader
-    except ImportError:
-        raise ConfigError(f"{path}: MindRecord input needs MindSpore: pip install 'ms_llm[mindspore]'") from None
-    if not Path(path).is_file():
-        raise ConfigError(f"--input: {path} does not exist; give a MindRecord file (e.g. wiki.mindrecord0)")
-    try:
-        reader = FileReader(path, columns=[MINDRECORD_COLUMN])
-    except Exception as exc:  # MindSpore raises RuntimeError / ParamValueError / its own MRM errors
-        raise ConfigError(f"{path}: cannot read as MindRecord with an {MINDRECORD_COLUMN!r} column "
-                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-    try:
-        rows, tokens = [], 0
-        for index, row in enumerate(reader.get_next()):
-            ids = np.asarray(row[MINDRECORD_COLUMN]).reshape(-1)
-            if ids.size and int(ids.min()) < 0:
-                raise ConfigError(f"{path}: row {index}: negative token id {int(ids.min())} in "
-                                  f"{MINDRECORD_COLUMN!r}")
-            rows.append(ids)
-            tokens += ids.size
-            if tokens >= CHUNK_TOKENS:
-                yield _chunk(rows)
-                rows, tokens = [], 0
-        if rows:
-            yield _chunk(rows)
-    finally:
-        reader.close()
-
-
-def _chunk(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
-    return np.concatenate(rows).astype(np.int64), np.array([r.size for r in rows], np.int64), 0

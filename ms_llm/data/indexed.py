@@ -27,6 +27,7 @@ from types import TracebackType
 
 import numpy as np
 
+from ms_llm.checkpoint.commit import fsync_dir
 from ms_llm.errors import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -49,14 +50,6 @@ def idx_path(prefix: str | Path) -> Path:
 
 def bin_path(prefix: str | Path) -> Path:
     return Path(f"{prefix}.bin")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class IndexedDatasetWriter:
@@ -117,7 +110,7 @@ class IndexedDatasetWriter:
         final_bin, final_idx = bin_path(self.prefix), idx_path(self.prefix)
         os.replace(self._tmp_bin, final_bin)
         os.replace(self._tmp_idx, final_idx)
-        _fsync_dir(final_idx.parent)
+        fsync_dir(final_idx.parent)
         return final_bin, final_idx
 
     def abort(self) -> None:
