@@ -177,6 +177,16 @@ def test_convert_checkpoint_command(tmp_path, capsys):
     assert all(np.array_equal(back.read_full(n), ref[n]) for n in back.names()) and len(back.names()) == 39
     assert cli(["convert-checkpoint", str(tmp_path / "dcp"), str(tmp_path / "x"), "--from", "dcp"]) == 2
     assert "--model is required" in capsys.readouterr().err
+    # what was written is named; nothing saved is replaced without --overwrite
+    before = (tmp_path / "re" / "step_00000005" / "index.json").read_bytes()
+    assert cli(["convert-checkpoint", str(tmp_path / "ckpt"), str(tmp_path / "re"), "--strategy", "dp2",
+                "--world-size", "2"]) == 2
+    assert "already holds step 5" in capsys.readouterr().err
+    assert (tmp_path / "re" / "step_00000005" / "index.json").read_bytes() == before
+    assert cli(["convert-checkpoint", str(tmp_path / "re"), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    assert cli(["convert-checkpoint", str(tmp_path / "re"), str(tmp_path / "hf"), "--to", "hf", "--overwrite"]) == 0
+    assert "hf format, step 5" in capsys.readouterr().out
     assert cli(["ckpt-interval", "--checkpoint", str(tmp_path / "ckpt"), "--iter", "0.5", "--mtbf-hours", "12"]) == 0
     out = capsys.readouterr().out
     assert "tau* = sqrt(2*t_stall*MTBF)" in out and "-> every" in out

@@ -16,6 +16,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from ms_llm.checkpoint.commit import step_dir
 from ms_llm.checkpoint.hf import export_hf, import_hf
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import layout_plan, reshard
@@ -37,16 +38,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--names", choices=("hf", "torchtitan"), default="hf", help="DCP tensor names")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="Hugging Face export dtype")
     parser.add_argument("--step", type=int, default=0, help="step recorded for imported checkpoints")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what DST already holds (the same checkpoint step, or a non-empty export folder)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Convert; a folder the operating system refuses (missing, read-only, full) is one line."""
+    src, dst = Path(args.src), Path(args.dst)
     try:
-        out = _convert(args, Path(args.src), Path(args.dst))
+        if not args.overwrite:
+            _refuse_overwrite(args, src, dst)
+        out = _convert(args, src, dst)
     except OSError as exc:
         raise CheckpointError(f"convert-checkpoint: {exc.filename or args.dst}: {exc.strerror or exc}") from None
-    print(f"wrote {out}")
+    print(_wrote(args, out))
     return 0
+
+
+def _refuse_overwrite(args: argparse.Namespace, src: Path, dst: Path) -> None:
+    """Nothing already saved is replaced without --overwrite: the same step of an ms_llm
+    checkpoint root, or a foreign-format folder that is not empty."""
+    if args.to == "ms_llm":
+        step = args.step if args.src_format != "ms_llm" else Checkpoint.open(src).step
+        if step_dir(dst, step).exists():
+            raise CheckpointError(f"convert-checkpoint: {dst} already holds step {step} ({step_dir(dst, step)}); "
+                                  f"pass --overwrite to replace it, or write to another folder"
+                                  + (" or --step" if args.src_format != "ms_llm" else ""))
+    elif dst.is_dir() and any(dst.iterdir()):
+        raise CheckpointError(f"convert-checkpoint: {dst} is not empty; pass --overwrite to write the "
+                              f"{args.to} export over it, or choose an empty folder")
+
+
+def _wrote(args: argparse.Namespace, out: Path) -> str:
+    """What was written: the format, the step and the files, so an export is checkable at a glance."""
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    shown = ", ".join(str(p.relative_to(out)) for p in files[:4]) + (", ..." if len(files) > 4 else "")
+    step = Checkpoint.open(out).step if args.to == "ms_llm" else (
+        args.step if args.src_format != "ms_llm" else Checkpoint.open(Path(args.src)).step)
+    return f"wrote {out}: {args.to} format, step {step}, {len(files)} files, {size / 1e6:.1f} MB ({shown})"
 
 
 def _convert(args: argparse.Namespace, src: Path, dst: Path) -> Path:

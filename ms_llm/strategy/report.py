@@ -10,6 +10,19 @@ from ms_llm.strategy.plan import ModelPlan
 GB = 1e9
 
 
+def params_text(count: int) -> str:
+    """A parameter count as people say it: '3.4M params', '6.74B params'."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit} params"
+    return f"{count} params"
+
+
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """'1 group', '2 groups'; '1 micro-batch', '4 micro-batches'."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def _ranges(values: list[int]) -> str:
     """[0,1,2,5] -> '0-2, 5'."""
     out, start = [], None
@@ -58,7 +71,7 @@ def stage_map_lines(plan: ModelPlan) -> list[str]:
 def plan_report(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> str:
     s, m, t = plan.strategy, plan.model, plan.train
     mem = est.memory
-    L = [f"ms-llm plan: {m.name} ({m.num_params() / 1e9:.2f}B params) on {plan.world_size} x {device.name}",
+    L = [f"ms-llm plan: {m.name} ({params_text(m.num_params())}) on {plan.world_size} x {device.name}",
          f"strategy   {strategy_summary(plan)}",
          f"mesh       {plan.mesh.describe()}  (rank order {'-'.join(DENSE_AXES)}, row-major, tp fastest)"]
     shown = min(plan.world_size, 8)
@@ -71,11 +84,11 @@ def plan_report(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> str:
     for axis in ("tp", "cp", "dp", "pp"):
         if plan.mesh.axis_size(axis) > 1:
             g = plan.mesh.groups(axis)
-            groups.append(f"{axis}: {len(g)} groups of {len(g[0])}, rank 0 in {g[0]}")
+            groups.append(f"{axis}: {counted(len(g), 'group')} of {len(g[0])}, rank 0 in {g[0]}")
     if groups:
         L.append("groups     " + "; ".join(groups))
     L.append(f"batch      global {t.global_batch_size} = micro {t.micro_batch_size} x dp {s.dp} x "
-             f"micro-batches {plan.micro_batches}; seq {t.seq_len}; {est.tokens_per_step:,} tokens/step")
+             f"{counted(plan.micro_batches, 'micro-batch', 'micro-batches')}; seq {t.seq_len}; {est.tokens_per_step:,} tokens/step")
     L.append("")
     L.append(f"memory per device (busiest: pipeline stage {mem.stage}, {mem.in_flight_micro_batches:g} "
              "micro-batches in flight)")
