@@ -52,20 +52,6 @@ def cmd_train(args) -> int:
                               args.max_restarts, nodes))
 
 
-def cmd_demo(args) -> int:
-    """The embedded default job: plan the shipped configurations, then train the tiny one."""
-    from ms_llm.launch import TrainRequest, train
-
-    root = Path(__file__).resolve().parents[1] / "configs" / "train"
-    for name in ("tiny_torch_dp2", "llama2_7b_dp8_zero1", "llama2_70b_dp2_tp4_pp8"):
-        print(f"$ ms-llm plan configs/train/{name}.yaml")
-        cmd_plan(argparse.Namespace(config=root / f"{name}.yaml", world_size=None, device=None, json=False,
-                                    backend=None))
-        print()
-    print("$ ms-llm train configs/train/tiny_torch_dp2.yaml --backend torch", flush=True)
-    return train(TrainRequest(root / "tiny_torch_dp2.yaml", backend="torch"))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ms-llm", description="Pretrain LLaMA-family models on Ascend "
                                      "(MindSpore) and GPU (PyTorch) from one parallel-strategy IR.")
@@ -104,10 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a free port on node 0, the same on every node (with --nnodes 2 or more)")
     t.set_defaults(func=cmd_train)
 
-    d = sub.add_parser("demo", help="run the embedded default job")
-    d.set_defaults(func=cmd_demo)
-
-    from ms_llm.commands import checkpoint, convert, estimate, interval, prepare_data, search
+    from ms_llm.commands import checkpoint, convert, demo, estimate, interval, prepare_data, search
     for name, module, summary in (
             ("convert-strategy", convert, "convert strategy configs between Megatron-LM, DeepSpeed, MindFormers, "
                                           "torchtitan and ms_llm"),
@@ -116,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("convert-checkpoint", checkpoint, "export / import Hugging Face, MindSpore, DCP; reshard"),
             ("ckpt-interval", interval, "checkpoint interval minimising expected lost time per hour"),
             ("prepare-data", prepare_data, "tokenize text (JSONL, text, Parquet, HF datasets, MindRecord) into an "
-                                           "indexed dataset; train a BPE tokenizer")):
+                                           "indexed dataset; train a BPE tokenizer"),
+            ("demo", demo, "the mission in a few minutes on CPU: plan, convert, train under several strategies, "
+                           "recover from a lost rank, continue on MindSpore, export to Hugging Face, report")):
         c = sub.add_parser(name, help=summary, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(c)
