@@ -40,3 +40,48 @@ def test_init_is_independent_of_module_order():
         assert torch.equal(p, q), n
     a.init_weights(8)
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
+
+
+# A tiny GQA model in each family, with rope scaling set apart from the default (Llama-3.1's
+# "llama3" with a short original context so its bands fall inside head_dim) and Qwen3's head_dim
+# set apart from hidden / heads.
+LLAMA31 = dict(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_seq_len": 16})
+FAMILIES = {
+    "llama3.1": LLAMA31,
+    "llama-yarn": dict(rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_seq_len": 8,
+                                                         "beta_fast": 8.0}),
+    "llama-linear": dict(rope_scaling={"type": "linear", "factor": 2.0}),
+    "qwen2": dict(rope_theta=1e6, qkv_bias=True),
+    "qwen3": dict(rope_theta=1e6, qk_norm=True, head_dim=24),
+}
+
+
+def family_config(family: str, **over) -> ModelConfig:
+    from ms_llm.config.schema import from_dict
+    return from_dict(ModelConfig, {"vocab_size": 96, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+                                   "num_kv_heads": 2, "ffn_hidden_size": 160, "max_seq_len": 32,
+                                   "norm_eps": 1e-6, "dtype": "float32", **FAMILIES[family], **over}, "model")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_match_transformers_through_the_exported_config(family):
+    """transformers builds the class our exported config.json names; with its random weights
+    (biases and q/k norms randomised too) our model gives the same logits."""
+    from ms_llm.checkpoint.hf_config import hf_config
+    cfg = family_config(family)
+    hf_cfg = transformers.AutoConfig.for_model(**hf_config(cfg, "float32"))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    assert type(hf).__name__ == hf_cfg.architectures[0]
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    ours = Transformer(cfg).eval()
+    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, diff
