@@ -24,6 +24,10 @@ def test_shipped_models_have_the_published_sizes():
     assert 70.4 < sizes["llama3_70b"] < 70.7
     assert 174 < sizes["gpt3_175b"] < 176
     assert 1e-3 < sizes["tiny"] < 1e-2
+    # The Hugging Face shapes summed (q/k/v biases, q/k norms, head_dim 128); the model cards say 7.62B, 8.19B, 32.8B.
+    assert load_section("model", "qwen2_7b").num_params() == 7_615_616_512
+    assert load_section("model", "qwen3_8b").num_params() == 8_190_735_360
+    assert load_section("model", "qwen3_32b").num_params() == 32_762_123_264
 
 
 @pytest.mark.parametrize("path", TRAIN_FILES, ids=lambda p: p.stem)

@@ -43,10 +43,10 @@ def test_init_is_independent_of_module_order():
 
 
 # A tiny GQA model in each family, with rope scaling set apart from the default (Llama-3.1's
-# "llama3" with a short original context so its bands fall inside head_dim) and Qwen3's head_dim
-# set apart from hidden / heads.
-LLAMA31 = dict(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_seq_len": 16})
+# "llama3" with an original context that puts frequencies in each of its three bands) and Qwen3's
+# head_dim set apart from hidden / heads.
+LLAMA31 = dict(rope_theta=10000.0, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_seq_len": 64})
 FAMILIES = {
     "llama3.1": LLAMA31,
     "llama-yarn": dict(rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_seq_len": 8,

@@ -35,7 +35,7 @@ def rotary_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Te
     by the rope scaling's attention factor (YaRN)."""
     inv_freq, attention_factor = inv_frequencies(cfg)
     t = torch.arange(cfg.max_seq_len, dtype=torch.int64, device=device).float()
-    freqs = torch.outer(t, torch.from_numpy(inv_freq).to(device))
+    freqs = torch.outer(t, torch.from_numpy(inv_freq).to(t.device))   # t.device: also under a meta-device context
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * attention_factor, emb.sin() * attention_factor
 

@@ -131,4 +131,4 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus causal attention scores (PaLM's 12*L*h*s, halved)."""
-        return 6.0 * self.active_params() + 6.0 * self.num_layers * self.hidden_size * seq_len
+        return 6.0 * self.active_params() + 6.0 * self.num_layers * self.q_dim * seq_len
