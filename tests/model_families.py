@@ -14,6 +14,7 @@ FAMILIES = {
     "llama-yarn": dict(rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_seq_len": 8,
                                                          "beta_fast": 8.0}),
     "llama-linear": dict(rope_scaling={"type": "linear", "factor": 2.0}),
+    "llama-dynamic": dict(rope_scaling={"type": "dynamic", "factor": 4.0, "original_max_seq_len": 32}),
     "qwen2": dict(rope_theta=1e6, qkv_bias=True),
     "qwen3": dict(rope_theta=1e6, qk_norm=True, head_dim=24),
 }

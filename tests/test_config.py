@@ -87,6 +87,13 @@ def test_model_consistency_errors():
         ModelConfig(vocab_size=8, hidden_size=64, num_layers=1, num_heads=8, num_kv_heads=3, ffn_hidden_size=8)
     with pytest.raises(ConfigError, match=r"model\.hidden_size: 66 is not divisible"):
         ModelConfig(vocab_size=8, hidden_size=66, num_layers=1, num_heads=8, ffn_hidden_size=8)
+    assert ModelConfig(vocab_size=8, hidden_size=66, num_layers=1, num_heads=8, ffn_hidden_size=8, head_dim=16).q_dim == 128
+    base = {"vocab_size": 8, "hidden_size": 64, "num_layers": 1, "num_heads": 8, "ffn_hidden_size": 8}
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling\.original_max_seq_len: required by type 'llama3'"):
+        from_dict(ModelConfig, {**base, "rope_scaling": {"type": "llama3", "factor": 8.0}}, "model")
+    with pytest.raises(ConfigError, match=r"model\.max_seq_len: 4096 exceeds rope_scaling\.original_max_seq_len=2048"):
+        from_dict(ModelConfig, {**base, "max_seq_len": 4096,
+                                "rope_scaling": {"type": "dynamic", "factor": 2.0, "original_max_seq_len": 2048}}, "model")
 
 
 def test_references_resolve_relative_then_by_name(tmp_path):
