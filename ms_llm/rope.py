@@ -49,7 +49,8 @@ def _yarn(cfg: ModelConfig, dim: int) -> tuple[np.ndarray, float]:
     if low == high:
         high += 0.001                                     # transformers' guard against a zero-width ramp
     pos_freqs = (F32(base) ** (np.arange(0, dim, 2).astype(F32) / F32(dim))).astype(F32)
-    extrapolation, interpolation = (F32(1.0) / pos_freqs).astype(F32), (F32(1.0) / (F32(factor) * pos_freqs)).astype(F32)
+    extrapolation = (F32(1.0) / pos_freqs).astype(F32)
+    interpolation = (F32(1.0) / (F32(factor) * pos_freqs)).astype(F32)
     ramp = np.clip((np.arange(dim // 2, dtype=F32) - F32(low)) / F32(high - low), 0, 1).astype(F32)
     keep = (F32(1) - ramp).astype(F32)
     return (interpolation * (F32(1) - keep) + extrapolation * keep).astype(F32), float(attention_factor)

@@ -26,6 +26,9 @@ ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
              "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
                       "truncate")}
+ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("original_max_position_embeddings",),
+                 "llama3": ROPE_KEYS["llama3"]}
+RENAMES = {"original_max_position_embeddings": "original_max_seq_len"}     # theirs -> RopeScaling's
 
 
 def model_type_of(model: ModelConfig) -> str:
@@ -108,29 +111,23 @@ def _rope(cfg: dict, where: str, max_pos: Any) -> tuple[Any, dict]:
         raise CheckpointError(f"{where}: rope_theta={cfg['rope_theta']!r} disagrees with {key}.rope_theta="
                               f"{theta!r}; keep one")
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_KEYS:
         raise _refuse(where, f"{key}.rope_type", kind, f"rope types computed exactly: {', '.join(ROPE_KEYS)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise _refuse(where, f"{key}.partial_rotary_factor", params["partial_rotary_factor"],
                       "rotary covers the whole head")
-    missing = [k for k in ROPE_KEYS[kind] if k in ("low_freq_factor", "high_freq_factor", "factor",
-                                                   "original_max_position_embeddings") and k not in params]
-    if kind == "yarn":
-        missing = [k for k in missing if k != "factor"]
+    missing = [k for k in ROPE_REQUIRED.get(kind, ()) if params.get(k) is None]
     if missing:
         raise CheckpointError(f"{where}: {key} of rope_type {kind!r} lacks {missing[0]!r}")
     scaling: dict = {"type": kind}
-    for ours, theirs in (("factor", "factor"), ("low_freq_factor", "low_freq_factor"),
-                         ("high_freq_factor", "high_freq_factor"),
-                         ("original_max_seq_len", "original_max_position_embeddings"), ("beta_fast", "beta_fast"),
-                         ("beta_slow", "beta_slow"), ("attention_factor", "attention_factor"),
-                         ("truncate", "truncate")):
-        if theirs in ROPE_KEYS[kind] and params.get(theirs) is not None:
-            scaling[ours] = params[theirs]
+    scaling.update({RENAMES.get(k, k): params[k] for k in ROPE_KEYS[kind] if params.get(k) is not None})
     if kind == "dynamic":
         scaling["original_max_seq_len"] = max_pos
     if kind == "yarn":
-        _yarn_defaults(scaling, params, max_pos)
+        try:
+            _yarn_defaults(scaling, params, max_pos)
+        except (TypeError, ValueError, ZeroDivisionError) as exc:
+            raise CheckpointError(f"{where}: {key}: YaRN values that are not numbers ({exc})") from None
     return theta, scaling
 
 
@@ -154,7 +151,7 @@ def model_from_hf_config(cfg: object, where: str, weights_dtype: Optional[str] =
     """The ModelConfig of a config.json, through the config schema (types, bounds, finiteness).
     `weights_dtype`: the one dtype the safetensors hold, used when config.json names none."""
     kind = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
-    if kind not in ARCHITECTURES:
+    if not isinstance(kind, str) or kind not in ARCHITECTURES:
         raise CheckpointError(f"{where}: model_type {kind!r}; importable: {', '.join(map(repr, ARCHITECTURES))}")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if k not in cfg]
@@ -170,7 +167,8 @@ def model_from_hf_config(cfg: object, where: str, weights_dtype: Optional[str] =
         raise _refuse(where, dtype_key, dtype, f"parameter dtypes: {', '.join(DTYPES)}")
     fields = {"name": cfg.get("_name_or_path") or f"hf_{kind}", "vocab_size": cfg["vocab_size"],
               "hidden_size": cfg["hidden_size"], "num_layers": cfg["num_hidden_layers"],
-              "num_heads": cfg["num_attention_heads"], "num_kv_heads": cfg.get("num_key_value_heads", defaults["num_key_value_heads"]),
+              "num_heads": cfg["num_attention_heads"],
+              "num_kv_heads": cfg.get("num_key_value_heads", defaults["num_key_value_heads"]),
               "head_dim": cfg.get("head_dim") or defaults["head_dim"],
               "ffn_hidden_size": cfg["intermediate_size"], "max_seq_len": max_pos,
               "rope_theta": theta, "rope_scaling": scaling, "norm_eps": cfg.get("rms_norm_eps", 1e-6),

@@ -61,7 +61,8 @@ class ModelConfig:
     ffn_hidden_size: int = spec(doc="SwiGLU inner width (gate_proj/up_proj outputs).", ge=1, le=MAX_WIDTH)
     max_seq_len: int = spec(2048, "Longest sequence the rotary tables are built for.", ge=1, le=MAX_SEQ)
     rope_theta: float = spec(10000.0, "Rotary base frequency.", ge=1.0, le=1e12)
-    rope_scaling: RopeScaling = spec(doc="Rotary frequency scaling (Llama-3.1, YaRN, ...).", default_factory=RopeScaling)
+    rope_scaling: RopeScaling = spec(doc="Rotary frequency scaling (Llama-3.1, YaRN, ...).",
+                                     default_factory=RopeScaling)
     head_dim: Optional[int] = spec(None, "Per-head width; null or left out = hidden_size / num_heads (Qwen3 sets "
                                          "it apart: 128 at hidden 5120 x 64 heads).", ge=2, le=MAX_WIDTH)
     qkv_bias: bool = spec(False, "Biases on q_proj / k_proj / v_proj (Qwen2).")
