@@ -1,6 +1,8 @@
 """Exports and imports: Hugging Face (transformers loads it), torch DCP, MindSpore's own
 tools, torch -> MindSpore -> torch resharding, and the convert-checkpoint command."""
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +13,13 @@ import torch
 
 from ckpt_helpers import TINY, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, SaveItem, optim_name, param_pieces, run_config
-from ms_llm.checkpoint.hf import export_hf, import_hf
+from ms_llm.checkpoint.hf import export_hf, hf_source, import_hf
+from ms_llm.checkpoint.hf_config import hf_config
 from ms_llm.checkpoint.names import hf_to_meta_rotary, meta_to_hf_rotary
 from ms_llm.cli import main as cli
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.schema import to_dict
+from ms_llm.errors import CheckpointError
+from model_families import family_config
 from torch_backend.checkpoint import export_dcp, import_dcp, load_into
 from torch_backend.model import Transformer, apply_rotary, rotary_tables
 
@@ -38,7 +43,7 @@ def _write(root, ref, strategy=None, world=1, model=TINY):
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path, tied):
     transformers = pytest.importorskip("transformers")
-    model = ModelConfig(**{**TINY.__dict__, "tie_embeddings": tied})
+    model = dataclasses.replace(TINY, tie_embeddings=True) if tied else TINY
     ref = {n: a * 0.05 for n, a in reference(model).items() if not n.startswith("optim.")}
     _write(tmp_path / "ckpt", ref, {"tp": 2}, 2, model)
     export_hf(tmp_path / "ckpt", tmp_path / "hf", max_shard_bytes=200_000)
@@ -54,6 +59,80 @@ def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path, tied):
     with torch.no_grad():
         diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
     assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "qwen2", "qwen3"])
+def test_transformers_folder_imports_and_exports_with_equal_logits(tmp_path, family):
+    """A folder transformers 5 writes (rope_parameters, dtype) imports as the same model: GQA,
+    Llama-3.1 rope scaling, Qwen biases and q/k norms give transformers' logits; exported back,
+    transformers loads the same class and weights."""
+    transformers = pytest.importorskip("transformers")
+    cfg = family_config(family)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config(cfg, "float32")))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    hf.eval().save_pretrained(tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "rope_parameters" in written and "rope_theta" not in written and written["dtype"] == "float32"
+    imported = Checkpoint.open(import_hf(tmp_path / "hf", tmp_path / "ckpt"))
+    model = imported.model_config()
+    assert dataclasses.replace(model, name=cfg.name) == cfg
+    ours = Transformer(model).eval()
+    load_into(imported, param_pieces(plan_for({"dp": 1}, 1, model), 0), dict(ours.named_parameters()))
+    tokens = torch.randint(0, model.vocab_size, (2, model.max_seq_len))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        assert (ours(tokens) - want).abs().max().item() <= 1e-5
+        export_hf(tmp_path / "ckpt", tmp_path / "out")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert type(back) is type(hf)
+        assert torch.equal(back(tokens).logits, want)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type='longrope'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "lacks 'low_freq_factor'"),
+    ({"attention_bias": True}, "attention_bias=True"), ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"), ({"dtype": "int8"}, "dtype='int8'"),
+    ({"rope_theta": 5e5}, "rope_theta=500000.0 disagrees with rope_parameters.rope_theta=1000000.0"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+])
+def test_hf_import_refuses_what_the_model_does_not_compute(tmp_path, change, match):
+    ref = {n: a for n, a in reference().items() if not n.startswith("optim.")}
+    _write(tmp_path / "ckpt", ref)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["rope_parameters"]["rope_theta"] = 1e6
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(CheckpointError, match=re.escape(match)):
+        hf_source(tmp_path / "hf")
+
+
+def test_transformers4_spelling_reads_the_same(tmp_path):
+    """rope_theta + rope_scaling + torch_dtype (transformers 4) give what rope_parameters + dtype give."""
+    ref = {n: a for n, a in reference().items() if not n.startswith("optim.")}
+    _write(tmp_path / "ckpt", ref)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf", dtype="bfloat16")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    new = {**cfg, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(new))
+    five = hf_source(tmp_path / "hf").model_config()
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "dtype")}
+    old.update(rope_theta=5e5, torch_dtype="bfloat16", rope_scaling={
+        k: v for k, v in new["rope_parameters"].items() if k != "rope_theta"})
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(old))
+    assert hf_source(tmp_path / "hf").model_config() == five
+    assert five.rope_theta == 5e5 and five.rope_scaling.type == "llama3" and five.dtype == "bfloat16"
+    del old["torch_dtype"]                      # no dtype named: the one the weights are stored in
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(old))
+    assert hf_source(tmp_path / "hf").model_config().dtype == "bfloat16"
 
 
 def test_hf_import_and_bf16_export(tmp_path):
@@ -163,7 +242,7 @@ def test_convert_checkpoint_command(tmp_path, capsys):
     ref = reference()
     _write(tmp_path / "ckpt", ref, {"tp": 2}, 2)
     model_yaml = tmp_path / "model.yaml"
-    model_yaml.write_text(json.dumps({k: v for k, v in TINY.__dict__.items()}))
+    model_yaml.write_text(json.dumps(to_dict(TINY)))
     assert cli(["convert-checkpoint", str(tmp_path / "ckpt"), str(tmp_path / "re"), "--strategy", "dp2",
                 "--world-size", "2"]) == 0
     re = Checkpoint.open(tmp_path / "re")

@@ -24,6 +24,10 @@ def test_shipped_models_have_the_published_sizes():
     assert 70.4 < sizes["llama3_70b"] < 70.7
     assert 174 < sizes["gpt3_175b"] < 176
     assert 1e-3 < sizes["tiny"] < 1e-2
+    # The Hugging Face shapes summed (q/k/v biases, q/k norms, head_dim 128); the model cards say 7.62B, 8.19B, 32.8B.
+    assert load_section("model", "qwen2_7b").num_params() == 7_615_616_512
+    assert load_section("model", "qwen3_8b").num_params() == 8_190_735_360
+    assert load_section("model", "qwen3_32b").num_params() == 32_762_123_264
 
 
 @pytest.mark.parametrize("path", TRAIN_FILES, ids=lambda p: p.stem)
@@ -83,6 +87,13 @@ def test_model_consistency_errors():
         ModelConfig(vocab_size=8, hidden_size=64, num_layers=1, num_heads=8, num_kv_heads=3, ffn_hidden_size=8)
     with pytest.raises(ConfigError, match=r"model\.hidden_size: 66 is not divisible"):
         ModelConfig(vocab_size=8, hidden_size=66, num_layers=1, num_heads=8, ffn_hidden_size=8)
+    assert ModelConfig(vocab_size=8, hidden_size=66, num_layers=1, num_heads=8, ffn_hidden_size=8, head_dim=16).q_dim == 128
+    base = {"vocab_size": 8, "hidden_size": 64, "num_layers": 1, "num_heads": 8, "ffn_hidden_size": 8}
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling\.original_max_seq_len: required by type 'llama3'"):
+        from_dict(ModelConfig, {**base, "rope_scaling": {"type": "llama3", "factor": 8.0}}, "model")
+    with pytest.raises(ConfigError, match=r"model\.max_seq_len: 4096 exceeds rope_scaling\.original_max_seq_len=2048"):
+        from_dict(ModelConfig, {**base, "max_seq_len": 4096,
+                                "rope_scaling": {"type": "dynamic", "factor": 2.0, "original_max_seq_len": 2048}}, "model")
 
 
 def test_references_resolve_relative_then_by_name(tmp_path):

@@ -30,6 +30,8 @@ CASES = [
      {"global_batch_size": 32, "seq_len": 2048}, 8),
     ("tiny", {"tp": 2, "sequence_parallel": True}, {"global_batch_size": 8, "seq_len": 128}, 4),
     ("tiny", {"dp": 2}, {"global_batch_size": 8, "seq_len": 128}, None),
+    ("qwen3_32b", {"dp": 2, "tp": 8, "pp": 4, "zero": {"stage": 1}}, {"global_batch_size": 64, "seq_len": 4096}, 64),
+    ("qwen2_7b", {"tp": 4, "pp": 7, "sequence_parallel": True}, {"global_batch_size": 28, "seq_len": 4096}, 28),
 ]
 
 

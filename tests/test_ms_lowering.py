@@ -23,6 +23,7 @@ from ms_llm.strategy.plan import plan
 MODEL = ModelConfig(vocab_size=96, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                     ffn_hidden_size=128, max_seq_len=32, dtype="float32")
 FLASH = dataclasses.replace(MODEL, flash_attention=True)
+QWEN = dataclasses.replace(MODEL, qkv_bias=True, qk_norm=True, head_dim=24)    # every Qwen parameter
 STRATEGIES = {
     "dp4": ({"dp": 4}, 4),
     "dp4_zero2": ({"dp": 4, "zero": {"stage": 2}}, 4),
@@ -34,11 +35,12 @@ STRATEGIES = {
                                        "recompute": {"policy": "selective", "num_layers": 1}}, 4),
     "hsdp_zero3": ({"dp": 4, "zero": {"stage": 3, "shard_size": 2}}, 4),
     "flash_cp2_tp2_sp": ({"dp": 1, "cp": 2, "tp": 2, "sequence_parallel": True}, 1),
+    "qwen_dp2_tp2_sp_zero1": ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 1}}, 4),
 }
 
 
 def _model(name) -> ModelConfig:
-    return FLASH if name.startswith("flash") else MODEL
+    return FLASH if name.startswith("flash") else QWEN if name.startswith("qwen") else MODEL
 
 
 def _plan(name):

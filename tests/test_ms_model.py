@@ -13,6 +13,7 @@ from ms_llm.config.train import OptimizerConfig
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.mindspore.optim import AdamW
 from ms_llm.mindspore.step import TrainCell
+from model_families import FAMILIES, family_config
 from torch_backend.model import Transformer as TorchTransformer
 
 CFG = dict(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=160, max_seq_len=32,
@@ -39,6 +40,26 @@ def test_logits_match_torch(kv_heads, tied):
     for name, p in ref.named_parameters():
         assert tuple(p.shape) == tuple(dict(ours.parameters_and_names())[name].shape), name
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 17))
+    got = ours(ms.Tensor(tokens, ms.int32)).asnumpy()
+    want = ref(torch.from_numpy(tokens)).detach().numpy()
+    assert np.abs(got - want).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_match_torch(family):
+    """Rope scaling, q/k/v biases, q/k norms and head_dim apart from hidden / heads: the same logits
+    as the torch model (which equals transformers, tests/test_torch_model.py), biases and norm
+    weights randomised so each one counts."""
+    cfg = family_config(family)
+    ours, ref = _pair(cfg)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    state = {k: v.numpy() for k, v in ref.state_dict().items()}
+    assert {n for n, _ in ours.parameters_and_names()} == set(state)
+    ours.load_numpy(state)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, cfg.max_seq_len))
     got = ours(ms.Tensor(tokens, ms.int32)).asnumpy()
     want = ref(torch.from_numpy(tokens)).detach().numpy()
     assert np.abs(got - want).max() <= 1e-4

@@ -53,17 +53,22 @@ def max_diff(a: dict, b: dict, prefix: str) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a if k.startswith(prefix))
 
 
-@pytest.mark.parametrize("case", ["ref", "ref_adamw"])
+def reference_case(case: str) -> str:
+    """The world-1 run of the same model and optimizer."""
+    return ("qwen_" if case.startswith("qwen") else "") + ("ref" if CASES[case][2] == "sgd" else "ref_adamw")
+
+
+@pytest.mark.parametrize("case", ["ref", "ref_adamw", "qwen_ref"])
 def test_reference_equals_plain_loop(matrix, case):
     record, _ = load(matrix(1), case)
     assert max(abs(a - b) for a, b in zip(record["losses"], record["plain_losses"])) <= TOL
     assert record["losses"][-1] < record["losses"][0]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("ref")])
+@pytest.mark.parametrize("case", [c for c in CASES if "ref" not in c.split("_")])
 def test_strategy_equals_single_process(matrix, case):
     world, _, optimizer = CASES[case]
-    ref, ref_t = load(matrix(1), "ref" if optimizer == "sgd" else "ref_adamw")
+    ref, ref_t = load(matrix(1), reference_case(case))
     got, got_t = load(matrix(world), case)
     params = {k for k in ref_t if k.startswith("param/")}
     assert params == {k for k in got_t if k.startswith("param/")}        # every parameter, once

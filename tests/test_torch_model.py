@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from ms_llm.config.model import ModelConfig
+from model_families import FAMILIES, family_config
 from torch_backend.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -40,3 +41,26 @@ def test_init_is_independent_of_module_order():
         assert torch.equal(p, q), n
     a.init_weights(8)
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_match_transformers_through_the_exported_config(family):
+    """transformers builds the class our exported config.json names; with its random weights
+    (biases and q/k norms randomised too) our model gives the same logits."""
+    from ms_llm.checkpoint.hf_config import hf_config
+    cfg = family_config(family)
+    hf_cfg = transformers.AutoConfig.for_model(**hf_config(cfg, "float32"))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    assert type(hf).__name__ == hf_cfg.architectures[0]
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    ours = Transformer(cfg).eval()
+    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, diff

@@ -259,7 +259,8 @@ def test_hf_weight_map_outside_the_folder_is_refused(root, tmp_path):
 
 
 @pytest.mark.parametrize("field,value,match", [("num_hidden_layers", 1e308, r"model.num_layers: got 1e\+308"),
-                                               ("rope_theta", float("nan"), "model.rope_theta: got nan"),
+                                               ("rope_parameters", {"rope_type": "default", "rope_theta": float("nan")},
+                                                "model.rope_theta: got nan"),
                                                ("num_key_value_heads", 0, "model.num_kv_heads: got 0")])
 def test_hf_config_numbers_go_through_the_schema(root, tmp_path, field, value, match):
     out = hf_folder(root, tmp_path)

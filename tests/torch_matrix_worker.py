@@ -34,6 +34,9 @@ from torch_backend.weights import canonical_name
 
 MODEL = dict(name="matrix", vocab_size=264, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=64, max_seq_len=32, dtype="float32")
+# Cases named qwen_*: the same model with Qwen's extra parameters (q/k/v biases, q/k norms per head)
+# and a head_dim apart from hidden / heads.
+QWEN = dict(MODEL, name="matrix_qwen", qkv_bias=True, qk_norm=True, head_dim=16)
 STEPS = 4
 FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
 NATIVE, SHARED = {"engine": "native"}, {"engine": "shared"}
@@ -43,11 +46,13 @@ NATIVE, SHARED = {"engine": "native"}, {"engine": "shared"}
 CASES: dict[str, tuple[int, dict, str]] = {
     "ref": (1, {}, "sgd"),
     "ref_adamw": (1, {}, "adamw"),
+    "qwen_ref": (1, {}, "sgd"),
     "compile_selective": (1, {"recompute": {"policy": "selective"}}, "sgd"),     # train.compile: true
     "dp2": (2, {"dp": 2, "zero": NATIVE}, "sgd"),
     "dp2_adamw": (2, {"dp": 2, "zero": NATIVE}, "adamw"),
     "tp2": (2, {"tp": 2}, "sgd"),
     "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}, "sgd"),
+    "qwen_tp2_sp": (2, {"tp": 2, "sequence_parallel": True}, "sgd"),
     "tp2_sp_adamw": (2, {"tp": 2, "sequence_parallel": True}, "adamw"),
     "tp2_sp_selective": (2, {"tp": 2, "sequence_parallel": True, "recompute": {"policy": "selective"}}, "sgd"),
     "pp2_gpipe": (2, {"pp": 2, "pipeline": {"schedule": "gpipe"}}, "sgd"),
@@ -99,7 +104,7 @@ def job_for(case: str):
     lr = 0.5 if opt == "sgd" else 1e-2
     compile = case.startswith("compile")
     return job_from_dict({
-        "name": case, "device": "cpu", "model": MODEL,
+        "name": case, "device": "cpu", "model": QWEN if case.startswith("qwen") else MODEL,
         "strategy": {**strategy, "precision": FP32},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "steps": STEPS, "seed": 7,
                   "compile": compile,

@@ -10,6 +10,8 @@ placement of the activations around it, pick the tensor-parallel style:
     weight Shard(0), kind column      -> colwise
     weight Shard(1), kind row         -> rowwise   (output in the residual-stream layout)
     replicated norm, residual stream sharded on the sequence -> sequence
+    bias Shard(0)                     -> none      (its module's colwise shards it with the weight)
+    replicated head_norm              -> sequence over the heads dim of "q" (its gradient sums over tp)
 
 and where a block's input layout ("attn_input", "mlp_input") differs from the residual
 stream ("hidden"), a prepare_input on the block redistributes it (the all-gather of
@@ -119,6 +121,11 @@ def tp_plan(plan: ModelPlan) -> tuple[TpStyle, ...]:
         elif p.kind == "norm" and weight == Replicate():
             if hidden != Replicate():
                 styles[fqn] = TpStyle(fqn, "sequence", hidden, hidden, False)
+        elif p.kind == "bias" and weight == Shard(0):
+            continue
+        elif p.kind == "head_norm" and weight == Replicate():
+            heads = tp_placement(acts["q"])
+            styles[fqn] = TpStyle(fqn, "sequence", heads, heads, True)
         elif weight != Replicate():
             raise StrategyError(f"{p.name}: no tensor-parallel style for a {p.kind} weight placed "
                                 f"{weight} on tp; the torch backend lowers column / row / embedding / head")

@@ -14,6 +14,7 @@ from torch import nn
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.init import init_param
+from ms_llm.rope import inv_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -30,13 +31,13 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_seq_len, head_dim), HF layout: the frequencies repeated twice."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    """cos, sin of shape (max_seq_len, head_dim), HF layout: the frequencies repeated twice, scaled
+    by the rope scaling's attention factor (YaRN)."""
+    inv_freq, attention_factor = inv_frequencies(cfg)
     t = torch.arange(cfg.max_seq_len, dtype=torch.int64, device=device).float()
-    freqs = torch.outer(t, inv_freq)
+    freqs = torch.outer(t, torch.from_numpy(inv_freq).to(t.device))   # t.device: also under a meta-device context
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -53,10 +54,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_dim, cfg.hidden_size, bias=False)
+        # Qwen3: RMSNorm over each head's features, shared by all heads (replicated under tp).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -64,8 +68,11 @@ class Attention(nn.Module):
         # of the sequence, while attention sees the whole (gathered) sequence.
         cos, sin = cos[:T], sin[:T]
         # -1 heads: under tensor parallelism each rank sees only its local heads.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, nkv, T, hs)
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)                   # (B, T, nh, hs)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)                   # (B, T, nkv, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                        # (B, nh, T, hs), (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])

@@ -1,8 +1,8 @@
-"""Hugging Face LLaMA export and import.
+"""Hugging Face LLaMA / Qwen2 / Qwen3 export and import.
 
-Canonical tensor names are Hugging Face LLaMA names, so export is a copy: full tensors
+Canonical tensor names are Hugging Face names, so export is a copy: full tensors
 into model-0000i-of-0000n.safetensors + model.safetensors.index.json, and a config.json
-that transformers' LlamaForCausalLM reads. Import wraps the HF files as a checkpoint
+that transformers 5 reads (hf_config.py). Import wraps the HF files as a checkpoint
 source (no copy) that `reshard` lays out for any strategy.
 """
 from __future__ import annotations
@@ -16,54 +16,17 @@ import numpy as np
 
 from ms_llm.checkpoint.boxes import Region
 from ms_llm.checkpoint.format import Index, ShardEntry, TensorEntry, split_optim_name
+from ms_llm.checkpoint.hf_config import hf_config, model_from_hf_config
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import layout_plan, reshard
 from ms_llm.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header, storage_dtype, write_file
-from ms_llm.config.model import ModelConfig
 from ms_llm.checkpoint.untrusted import confined
-from ms_llm.config.schema import from_dict, to_dict
-from ms_llm.errors import CheckpointError, MsLlmError
+from ms_llm.config.schema import to_dict
+from ms_llm.errors import CheckpointError
 from ms_llm.strategy.ir import ParallelStrategy
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-def hf_config(model: ModelConfig, dtype: str) -> dict:
-    """config.json for transformers' LlamaForCausalLM."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-        "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
-        "head_dim": model.head_dim, "max_position_embeddings": model.max_seq_len,
-        "rope_theta": model.rope_theta, "rms_norm_eps": model.norm_eps,
-        "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
-    }
-
-
-def model_from_hf_config(cfg: object, where: str) -> ModelConfig:
-    """The ModelConfig of a config.json, through the config schema (types, bounds, finiteness)."""
-    if not isinstance(cfg, dict) or cfg.get("model_type") != "llama":
-        kind = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
-        raise CheckpointError(f"{where}: model_type {kind!r}; only LLaMA ('llama') imports")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if k not in cfg]
-    if missing:
-        raise CheckpointError(f"{where}: config.json lacks {missing[0]!r}")
-    dtype = cfg.get("torch_dtype")
-    fields = {"name": cfg.get("_name_or_path") or "hf_llama", "vocab_size": cfg["vocab_size"],
-              "hidden_size": cfg["hidden_size"], "num_layers": cfg["num_hidden_layers"],
-              "num_heads": cfg["num_attention_heads"], "num_kv_heads": cfg.get("num_key_value_heads"),
-              "ffn_hidden_size": cfg["intermediate_size"], "max_seq_len": cfg.get("max_position_embeddings", 2048),
-              "rope_theta": cfg.get("rope_theta", 10000.0), "norm_eps": cfg.get("rms_norm_eps", 1e-5),
-              "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-              "dtype": dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"}
-    try:
-        return from_dict(ModelConfig, fields, "model")
-    except MsLlmError as exc:
-        raise CheckpointError(f"{where}: {exc}") from None
 
 
 def convert_dtype(array: np.ndarray, src: str, dst: str) -> np.ndarray:
@@ -81,7 +44,8 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
     model = ckpt.model_config()
     if model.num_experts:
         raise CheckpointError(f"{ckpt.folder}: a mixture-of-experts model has no LlamaForCausalLM layout; "
-                              "Hugging Face export covers dense LLaMA models")
+                              "Hugging Face export covers dense LLaMA / Qwen2 / Qwen3 models")
+    hf_config(model, "float32")                  # refuses a model no transformers class computes, before writing
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in ckpt.names() if split_optim_name(n) is None]
@@ -114,7 +78,7 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
 def hf_source(folder: str | Path) -> Checkpoint:
     """A Hugging Face folder opened as a (read-only, checksum-less) checkpoint of full tensors."""
     folder = Path(folder)
-    model = model_from_hf_config(_read_json(folder, "config.json"), str(folder / "config.json"))
+    config = _read_json(folder, "config.json")
     if (folder / INDEX_NAME).is_file():
         data = _read_json(folder, INDEX_NAME)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -131,6 +95,8 @@ def hf_source(folder: str | Path) -> Checkpoint:
         for key, span in spans.items():
             region = Region((0,) * len(span.shape), span.shape)
             tensors[key] = TensorEntry(key, span.shape, span.dtype, "", [ShardEntry(fname, key, region, 0, ())])
+    stored = {t.dtype for t in tensors.values()}
+    model = model_from_hf_config(config, str(folder / "config.json"), stored.pop() if len(stored) == 1 else None)
     if model.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     index = Index(step=0, world_size=1, config={"backend": "hf", "model": to_dict(model, full=True)},

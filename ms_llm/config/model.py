@@ -11,6 +11,35 @@ DType = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+RopeType = Literal["default", "linear", "dynamic", "llama3", "yarn"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Rotary frequency scaling, as transformers' rope_parameters names it (modeling_rope_utils)."""
+    type: RopeType = spec("default", "default: plain RoPE; linear: frequencies / factor; dynamic: NTK, equal to "
+                                     "default for positions below max_seq_len (all the model holds); llama3: "
+                                     "Llama-3.1's banded scaling; yarn: YaRN ramp plus cos/sin attention factor.")
+    factor: float = spec(1.0, "Context extension factor (linear, dynamic, llama3, yarn).", ge=1.0, le=1e6)
+    low_freq_factor: float = spec(1.0, "llama3: wavelengths above original/low_freq_factor are divided by factor.",
+                                  ge=1e-6, le=1e6)
+    high_freq_factor: float = spec(4.0, "llama3: wavelengths below original/high_freq_factor are kept.",
+                                   ge=1e-6, le=1e6)
+    original_max_seq_len: Optional[int] = spec(None, "Pretraining context (llama3, yarn: "
+                                                     "original_max_position_embeddings).", ge=1, le=1 << 24)
+    beta_fast: float = spec(32.0, "yarn: rotations where the ramp ends (pure extrapolation above).", ge=1e-6, le=1e6)
+    beta_slow: float = spec(1.0, "yarn: rotations where the ramp starts (pure interpolation below).", ge=1e-6, le=1e6)
+    attention_factor: Optional[float] = spec(None, "yarn: cos/sin scale; null = 0.1 ln(factor) + 1.", ge=0.0, le=1e6)
+    truncate: bool = spec(True, "yarn: round the ramp bounds to whole dims.")
+
+    def __post_init__(self) -> None:
+        if self.type in ("dynamic", "llama3", "yarn") and self.original_max_seq_len is None:
+            raise ConfigError(f"model.rope_scaling.original_max_seq_len: required by type {self.type!r}")
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(f"model.rope_scaling.high_freq_factor: {self.high_freq_factor} must exceed "
+                              f"low_freq_factor={self.low_freq_factor}")
+
+
 # Upper bounds well past any published model (GPT-3: 96 layers x 12288 wide, Llama 3 405B: 126 x 16384,
 # 128k vocab): they exist so a typo such as 1e308 is refused by name instead of overflowing a size.
 MAX_LAYERS = 4096
@@ -32,6 +61,12 @@ class ModelConfig:
     ffn_hidden_size: int = spec(doc="SwiGLU inner width (gate_proj/up_proj outputs).", ge=1, le=MAX_WIDTH)
     max_seq_len: int = spec(2048, "Longest sequence the rotary tables are built for.", ge=1, le=MAX_SEQ)
     rope_theta: float = spec(10000.0, "Rotary base frequency.", ge=1.0, le=1e12)
+    rope_scaling: RopeScaling = spec(doc="Rotary frequency scaling (Llama-3.1, YaRN, ...).",
+                                     default_factory=RopeScaling)
+    head_dim: Optional[int] = spec(None, "Per-head width; null or left out = hidden_size / num_heads (Qwen3 sets "
+                                         "it apart: 128 at hidden 5120 x 64 heads).", ge=2, le=MAX_WIDTH)
+    qkv_bias: bool = spec(False, "Biases on q_proj / k_proj / v_proj (Qwen2).")
+    qk_norm: bool = spec(False, "RMSNorm over each head of q and k before rotary (Qwen3: q_norm / k_norm).")
     norm_eps: float = spec(1e-5, "RMSNorm epsilon.", ge=0.0, le=1.0)
     tie_embeddings: bool = spec(False, "Share embed_tokens and lm_head weights.")
     dtype: DType = spec("bfloat16", "Parameter dtype on the device.")
@@ -43,9 +78,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(f"model.hidden_size: {self.hidden_size} is not divisible by "
-                              f"model.num_heads={self.num_heads}; pick sizes with an integer head_dim")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError(f"model.hidden_size: {self.hidden_size} is not divisible by "
+                                  f"model.num_heads={self.num_heads}; pick sizes with an integer head_dim "
+                                  "or set model.head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        scaling = self.rope_scaling
+        if scaling.type == "dynamic" and self.max_seq_len > scaling.original_max_seq_len:
+            raise ConfigError(f"model.max_seq_len: {self.max_seq_len} exceeds rope_scaling.original_max_seq_len="
+                              f"{scaling.original_max_seq_len}; dynamic NTK rescales per sequence length there, "
+                              "which fixed rotary tables cannot follow")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"model.num_kv_heads: {self.num_kv_heads} must divide "
                               f"model.num_heads={self.num_heads} (each kv head serves a group of query heads)")
@@ -56,17 +99,20 @@ class ModelConfig:
                               "hidden_size, ffn_hidden_size, num_layers, vocab_size and num_experts")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def q_dim(self) -> int:
+        """q_proj outputs (o_proj inputs): equal to hidden_size unless head_dim is set apart."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
     def layer_param_count(self) -> int:
-        """Parameters of one decoder layer: attention, MLP (or experts + router), two norms."""
+        """Parameters of one decoder layer: attention (+ q/k/v biases, q/k norms), MLP (or experts +
+        router), two norms."""
         h, f = self.hidden_size, self.ffn_hidden_size
-        attn = 2 * h * h + 2 * h * self.kv_dim
+        attn = 2 * h * self.q_dim + 2 * h * self.kv_dim
+        attn += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         mlp = 3 * h * f
         if self.num_experts:
             mlp = self.num_experts * mlp + self.num_experts * h
@@ -86,4 +132,4 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus causal attention scores (PaLM's 12*L*h*s, halved)."""
-        return 6.0 * self.active_params() + 6.0 * self.num_layers * self.hidden_size * seq_len
+        return 6.0 * self.active_params() + 6.0 * self.num_layers * self.q_dim * seq_len

@@ -178,8 +178,14 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
     kv_tiled = kt.group_dims(((0,), (1,), (), (2, 3)))                       # (B, nkv, 1, T*hd)
     tables = _select(qt, (2, 3))                                             # rotary cos/sin (T, hd)
     ops = _norm_ops(p + "input_layernorm.", hidden, w[p + "input_layernorm.weight"])
-    for proj in ("q_proj", "k_proj", "v_proj"):
+    for proj, out in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
         ops.append(_op(f"{p}self_attn.{proj}.matmul", [_flat(a["attn_input"]), w[f"{p}self_attn.{proj}.weight"]]))
+        if plan.model.qkv_bias:      # (tokens, heads * hd) + bias, both split over the heads like the weight rows
+            ops.append(_op(f"{p}self_attn.{proj}.bias_add", [a[out].group_dims(((0, 1), (2, 3))),
+                                                             w[f"{p}self_attn.{proj}.bias"]]))
+    if plan.model.qk_norm:           # over each head's features of (B, T, heads, hd); the weight is replicated
+        for norm, out in (("q_norm", "q"), ("k_norm", "k")):
+            ops += _norm_ops(f"{p}self_attn.{norm}.", a[out], w[f"{p}self_attn.{norm}.weight"])
     r = p + "self_attn.rotary."
     ops += [_op(p + "self_attn.transpose", [a["q"]]),
             _op(r + "split", [qt]), _op(r + "neg", [qt]), _op(r + "concat", [qt, qt]),

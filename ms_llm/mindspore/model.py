@@ -17,6 +17,7 @@ from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.init import init_param
+from ms_llm.rope import inv_frequencies
 
 MASK_VALUE = -1e4     # additive causal mask (MindFormers' value): exp() is exactly 0 in fp32, and fp16 holds it
 FLASH_TARGETS = ("Ascend",)    # device targets with a FlashAttentionScore kernel
@@ -29,18 +30,24 @@ def uses_flash_attention(cfg: ModelConfig) -> bool:
 
 
 class Linear(nn.Cell):
-    """y = x W^T with W [out, in]; x is flattened to (tokens, in) for one 2-D MatMul."""
+    """y = x W^T (+ b) with W [out, in]; x is flattened to (tokens, in) for one 2-D MatMul."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = Parameter(Tensor(np.zeros((out_features, in_features), np.float32)), name="weight")
         self.matmul = ops.MatMul(transpose_b=True)
         self.reshape = ops.Reshape()
+        self.has_bias = bias
+        if bias:
+            self.bias = Parameter(Tensor(np.zeros((out_features,), np.float32)), name="bias")
+            self.bias_add = ops.Add()
 
     def construct(self, x):
         lead = x.shape[:-1]
         y = self.matmul(self.reshape(x, (-1, self.in_features)), self.weight)
+        if self.has_bias:
+            y = self.bias_add(y, self.bias)                  # (tokens, out) + (out,)
         return self.reshape(y, lead + (self.out_features,))
 
 
@@ -74,13 +81,14 @@ class RMSNorm(nn.Cell):
 
 
 def rotary_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin (max_seq_len, head_dim), HF layout (frequencies repeated twice), fp32 as torch computes them."""
-    d = cfg.head_dim
-    inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
+    """cos, sin (max_seq_len, head_dim), HF layout (frequencies repeated twice), fp32 as torch computes them,
+    scaled by the rope scaling's attention factor (YaRN)."""
+    inv_freq, attention_factor = inv_frequencies(cfg)
     t = np.arange(cfg.max_seq_len, dtype=np.int64).astype(np.float32)
     freqs = np.outer(t, inv_freq).astype(np.float32)
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    return ((np.cos(emb) * np.float32(attention_factor)).astype(np.float32),
+            (np.sin(emb) * np.float32(attention_factor)).astype(np.float32))
 
 
 class Rotary(nn.Cell):
@@ -106,10 +114,15 @@ class Attention(nn.Cell):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rep = cfg.num_heads // cfg.num_kv_heads
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
-        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim)
-        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_proj = Linear(cfg.hidden_size, cfg.q_dim, cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_dim, cfg.hidden_size)
+        # Qwen3: RMSNorm over each head's features, shared by all heads (replicated under tp).
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.rotary = Rotary()
         self.reshape = ops.Reshape()
         self.transpose = ops.Transpose()              # (B, T, nh, hs) -> (B, nh, T, hs)
@@ -129,9 +142,12 @@ class Attention(nn.Cell):
                                                        pre_tokens=2147483647, next_tokens=0, input_layout="BNSD")
             self.flash_dtype = ms.float16 if cfg.dtype == "float16" else ms.bfloat16   # the kernel's dtypes
 
-    def _heads(self, x, n):
+    def _heads(self, x, n, norm=None):
         b, t, _ = x.shape
-        return self.transpose(self.reshape(x, (b, t, n, self.head_dim)), (0, 2, 1, 3))
+        x = self.reshape(x, (b, t, n, self.head_dim))                                 # (B, T, n, hs)
+        if norm is not None:
+            x = norm(x)
+        return self.transpose(x, (0, 2, 1, 3))
 
     def _repeat_kv(self, x):
         # GQA: kv head j serves query heads j*rep .. j*rep+rep-1 (torch's repeat_interleave)
@@ -150,8 +166,9 @@ class Attention(nn.Cell):
 
     def construct(self, x, cos, sin, mask):
         b, t, _ = x.shape
-        q = self.rotary(self._heads(self.q_proj(x), self.num_heads), cos, sin)       # (B, nh, T, hs)
-        k = self.rotary(self._heads(self.k_proj(x), self.num_kv_heads), cos, sin)    # (B, nkv, T, hs)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        q = self.rotary(self._heads(self.q_proj(x), self.num_heads, q_norm), cos, sin)       # (B, nh, T, hs)
+        k = self.rotary(self._heads(self.k_proj(x), self.num_kv_heads, k_norm), cos, sin)    # (B, nkv, T, hs)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         if self.use_flash:
             y = self._flash(q, k, v, mask)                                            # (B, nh, T, hs)

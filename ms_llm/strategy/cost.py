@@ -136,9 +136,10 @@ def cost_shape(plan: ModelPlan) -> CostShape:
 
 def _local_layer_params(m: ModelConfig, s: ParallelStrategy) -> int:
     """Parameters of one decoder layer on one device, as plan.py lays them out: tp splits
-    q/k/v/o and the MLP, ep splits the experts, norms and the router are replicated."""
-    h, f, kv, tp = m.hidden_size, m.ffn_hidden_size, m.kv_dim, s.tp
-    attn = (2 * h * h + 2 * kv * h) // tp
+    q/k/v/o, their biases and the MLP, ep splits the experts, norms (q/k norms too) and the
+    router are replicated."""
+    h, f, q, kv, tp = m.hidden_size, m.ffn_hidden_size, m.q_dim, m.kv_dim, s.tp
+    attn = (2 * q * h + 2 * kv * h + (q + 2 * kv) * m.qkv_bias) // tp + 2 * m.head_dim * m.qk_norm
     if m.num_experts:
         mlp = 3 * (m.num_experts // s.ep) * (f // tp) * h + m.num_experts * h
     else:
@@ -201,14 +202,15 @@ def _activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     """Bytes one decoder layer keeps for backward per (local) token."""
     m, s = plan.model, plan.strategy
     tp = s.tp
-    h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_dim
+    h, f, q, kv = m.hidden_size, m.ffn_hidden_size, m.q_dim, m.kv_dim
     if m.num_experts:
         f = f * m.moe_top_k
     act = DTYPE_BYTES[s.precision.compute_dtype]
     norm_io = 4 * h / (tp if s.sequence_parallel else 1)       # attn/mlp norm inputs and outputs
     if mode == "full":
         return act * h / (tp if s.sequence_parallel else 1)    # the layer input only
-    inside = (h + 2 * kv + h + 4 * f) / tp                     # q, k, v, attn out, gate/up/silu/product
+    inside = (q + 2 * kv + q + 4 * f) / tp                     # q, k, v, attn out, gate/up/silu/product
+    inside += (q + kv) / tp * m.qk_norm                        # q, k norm outputs (Qwen3)
     if mode == "selective":
         inside -= 2 * f / tp                                   # silu output and product are recomputed
     return act * (norm_io + inside)

@@ -18,7 +18,10 @@ from ms_llm.strategy.layout import Partial, Replicate, Shard, TensorLayout
 from ms_llm.strategy.mesh import DENSE_AXES, EXPERT_AXES, MeshSpec
 from ms_llm.strategy.validate import validate
 
-ParamKind = Literal["embedding", "column", "row", "norm", "head", "expert_column", "expert_row", "router"]
+# bias: shards with its column-parallel weight's outputs; head_norm: q/k RMSNorm over one head's
+# features (Qwen3), replicated, its gradient summed over the tp ranks' heads.
+ParamKind = Literal["embedding", "column", "bias", "row", "norm", "head_norm", "head", "expert_column",
+                    "expert_row", "router"]
 RecomputeMode = Literal["none", "selective", "full"]
 
 
@@ -225,7 +228,7 @@ def _activation_layouts(model: ModelConfig, s: ParallelStrategy, train: TrainCon
         "q": lay((b, t, nh, hd), tp_dim=2),
         "k": lay((b, t, nkv, hd), tp_dim=2),
         "v": lay((b, t, nkv, hd), tp_dim=2),
-        "attn_output": lay((b, t, h), tp_dim=2),         # o_proj input: local heads
+        "attn_output": lay((b, t, model.q_dim), tp_dim=2),   # o_proj input: local heads
         "o_proj_output": lay((b, t, h), partial=True),   # summed by all-reduce or reduce-scatter
         "mlp_input": lay((b, t, h)),
         "mlp_hidden": lay((b, t, f), tp_dim=2),          # silu(gate) * up
@@ -253,7 +256,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     layer_chunk = tuple(c.index for c in chunks for _ in c.layers)
 
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    kv = model.kv_dim
+    q, kv = model.q_dim, model.kv_dim
     params: dict[str, ParamPlan] = {}
 
     def add(name, shape, kind, layer, chunk, tp_dim=None, ep_dim=None):
@@ -274,10 +277,16 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     for layer in range(model.num_layers):
         c = layer_chunk[layer]
         p = f"model.layers.{layer}."
-        add(p + "self_attn.q_proj.weight", (h, h), "column", layer, c, tp_dim=0)
+        add(p + "self_attn.q_proj.weight", (q, h), "column", layer, c, tp_dim=0)
         add(p + "self_attn.k_proj.weight", (kv, h), "column", layer, c, tp_dim=0)
         add(p + "self_attn.v_proj.weight", (kv, h), "column", layer, c, tp_dim=0)
-        add(p + "self_attn.o_proj.weight", (h, h), "row", layer, c, tp_dim=1)
+        if model.qkv_bias:
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                add(p + f"self_attn.{proj}.bias", (rows,), "bias", layer, c, tp_dim=0)
+        if model.qk_norm:
+            add(p + "self_attn.q_norm.weight", (model.head_dim,), "head_norm", layer, c)
+            add(p + "self_attn.k_norm.weight", (model.head_dim,), "head_norm", layer, c)
+        add(p + "self_attn.o_proj.weight", (h, q), "row", layer, c, tp_dim=1)
         if model.num_experts:
             e = model.num_experts
             add(p + "mlp.gate.weight", (e, h), "router", layer, c)
