@@ -155,7 +155,7 @@ def run(work: Path, shm: Path) -> int:
     pieces = param_pieces(one, 0)
     items = [SaveItem(p, state[n]) for n, p in pieces.items()]
     print(f"checkpoint bench: {len(state)} tensors, {nbytes / 1e6:.0f} MB fp32, one rank, median of {REPEATS}, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
 
     # ---- (a) stall, and the peers' full-state saves -----------------------------------
     torch_state = {n: torch.from_numpy(a) for n, a in state.items()}

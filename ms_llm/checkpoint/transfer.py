@@ -5,10 +5,10 @@ this module runs them. When the overlap is one byte run both in the file and in 
 destination (every same-layout load, and splits along the first dimension), `RunMove` reads it
 straight into the destination's memory: one kernel copy. Otherwise `BoxMove` reads whole rows
 of the saved sub-box into a scratch buffer and copies the box out with one numpy copy (cheaper
-than a Python loop over thousands of small rows). Both work in chunks aligned to the checksum blocks, so each block is
-checked right after it lands, while it is still in cache, and the chunks run on a small
-thread pool (Mover): preadv, zlib.crc32 and numpy copies release the GIL, so one core reads
-while another checksums and the caller plans the next tensor.
+than a Python loop over thousands of small rows). Both work in chunks aligned to the checksum
+blocks, so each block is checked right after it lands, while it is still in cache, and the
+chunks run on a small thread pool (Mover): preadv, zlib.crc32 and numpy copies release the
+GIL, so one core reads while another checksums and the caller plans the next tensor.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import numpy as np
 from ms_llm.errors import CheckpointError
 
 CHUNK = 4 << 20                     # bytes per unit of work (rounded to whole checksum blocks)
-IOV_MAX = 1024                      # iovecs per preadv call (Linux's limit)
 
 
 @dataclass(frozen=True)
@@ -76,24 +75,23 @@ class Checked:
         self._done.add((f"{shard.path}\0{shard.key}", b))
 
 
-def read_into(shard: Shard, views: list[memoryview], offset: int) -> None:
-    """Fill `views` in order from shard bytes starting at `offset` (relative to the shard)."""
-    at, i = shard.start + offset, 0
-    while i < len(views):
-        got = os.preadv(shard.fd, views[i:i + IOV_MAX], at)
+def read_into(shard: Shard, view: memoryview, offset: int) -> None:
+    """Fill `view` from the shard's bytes starting at `offset` (relative to the shard)."""
+    done = 0
+    while done < len(view):
+        try:
+            got = os.preadv(shard.fd, [view[done:]], shard.start + offset + done)
+        except OSError as exc:              # EIO on a failing disk: the caller falls back to an older one
+            raise CheckpointError(f"{shard.path}: tensor {shard.tensor!r}: cannot read ({exc.strerror or exc})") from None
         if got <= 0:
             raise CheckpointError(f"{shard.path}: tensor {shard.tensor!r}: file ended while reading")
-        at += got
-        while i < len(views) and got >= len(views[i]):
-            got -= len(views[i])
-            i += 1
-        if got:
-            views[i] = views[i][got:]
+        done += got
 
 
 def pread(shard: Shard, lo: int, hi: int) -> memoryview:
-    out = memoryview(bytearray(hi - lo))
-    read_into(shard, [out], lo)
+    """Shard bytes [lo, hi) in a new buffer (not zero-filled first)."""
+    out = memoryview(np.empty(hi - lo, np.uint8))
+    read_into(shard, out, lo)
     return out
 
 
@@ -114,7 +112,7 @@ class RunMove:
 
     def run(self, a: int, b: int, checked: Checked) -> None:
         mem = memoryview(self.dst)[self.at:self.at + self.nbytes]
-        read_into(self.shard, [mem[a:b]], self.src + a)
+        read_into(self.shard, mem[a:b], self.src + a)
         shard, lo_move, hi_move = self.shard, self.src, self.src + self.nbytes
         for blk in shard.blocks(self.src + a, self.src + b):
             if (shard, blk) in checked:
@@ -157,8 +155,7 @@ class BoxMove:
         # Reading whole unchecked blocks costs at most a block at each end and checks them all.
         ext_lo = min([lo] + [shard.block_range(blk)[0] for blk in blocks])
         ext_hi = max([hi] + [shard.block_range(blk)[1] for blk in blocks])
-        scratch = memoryview(bytearray(ext_hi - ext_lo))
-        read_into(shard, [scratch], ext_lo)
+        scratch = pread(shard, ext_lo, ext_hi)
         for blk in blocks:
             blo, bhi = shard.block_range(blk)
             checked.check(shard, blk, [scratch[blo - ext_lo:bhi - ext_lo]])
@@ -206,7 +203,11 @@ class Mover:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._pool is None:
+            return
+        try:
             for f in self._futures:
-                f.result()
+                if exc[0] is None:
+                    f.result()
+        finally:                            # after an error the queued chunks are dropped
+            self._pool.shutdown(wait=True, cancel_futures=True)
