@@ -9,7 +9,7 @@ import torch
 
 from ckpt_helpers import STATES, TINY, cut, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Piece, Region, SaveItem, flat_pieces, run_config
-from ms_llm.checkpoint.boxes import touched_bytes
+from ms_llm.checkpoint.boxes import byte_run
 from ms_llm.checkpoint.commit import committed, latest
 from ms_llm.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header
 from ms_llm.errors import CheckpointError
@@ -32,13 +32,17 @@ def test_flat_region_pieces_cover_exactly_the_run():
         assert np.array_equal(got, full.reshape(-1)[a:b])
 
 
-def test_touched_bytes_are_the_box_rows():
+def test_byte_run_only_for_contiguous_boxes():
     from ms_llm.checkpoint.boxes import SubBox
-    within = SubBox((0, 0, 0), (4, 5, 6), 0)
-    starts, ends = touched_bytes(((1, 2, 0), (2, 2, 6)), within, 4)
-    # dims 1.. of the box: rows 2,3 of each of blocks 1,2, all 6 columns -> 2 runs of 12 elements
-    assert starts.tolist() == [(1 * 30 + 2 * 6) * 4, (2 * 30 + 2 * 6) * 4]
-    assert (ends - starts).tolist() == [48, 48]
+    within = SubBox((0, 10, 0), (4, 5, 6), 0)
+    # rows 2..4 of block 1, all columns: one run of 18 elements
+    assert byte_run(((1, 12, 0), (1, 3, 6)), within, 4) == ((1 * 30 + 2 * 6) * 4, (1 * 30 + 5 * 6) * 4)
+    assert byte_run(((1, 10, 0), (2, 5, 6)), within, 4) == (120, 360)          # whole blocks 1, 2
+    assert byte_run(((0, 10, 0), (4, 5, 6)), within, 2) == (0, 240)            # the whole sub-box
+    assert byte_run(((1, 12, 2), (1, 1, 3)), within, 4) == ((30 + 12 + 2) * 4, (30 + 12 + 5) * 4)
+    assert byte_run(((1, 12, 0), (2, 2, 6)), within, 4) is None               # two rows of two blocks
+    assert byte_run(((1, 12, 0), (1, 2, 5)), within, 4) is None               # rows cut short
+    assert byte_run(((), ()), SubBox((), (), 0), 8) == (0, 8)                  # a scalar
 
 
 def test_bfloat16_rounding_matches_torch():

@@ -4,7 +4,8 @@ A Region is what one rank holds of a global tensor: a box (offsets, sizes) and, 
 flat-buffer slices, the run [start, stop) of that box's row-major order it owns (the
 whole box when `flat` is None). Any region splits into at most 2*ndim - 1 sub-boxes, each
 contiguous in the region's flat data, so copying between any saved region and any wanted
-region is a handful of box intersections done with numpy slicing.
+region is a handful of box intersections: one byte range when the overlap is contiguous on
+both sides (`byte_run`), numpy slicing otherwise.
 
     >>> [(b.offsets, b.sizes, b.start) for b in Region((0, 0), (4, 4), (2, 13)).pieces()]
     [((0, 2), (1, 2), 0), ((1, 0), (2, 4), 2), ((3, 0), (1, 1), 10)]
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
-import numpy as np
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -59,6 +60,10 @@ class Region:
     def pieces(self) -> list[SubBox]:
         """Sub-boxes covering the region, each contiguous in its flat data (start is relative
         to the region's first element)."""
+        return self._pieces
+
+    @cached_property
+    def _pieces(self) -> list[SubBox]:          # every read intersects them: computed once
         a, b = self.flat or (0, math.prod(self.sizes))
         return [SubBox(tuple(o + off for o, off in zip(p.offsets, self.offsets)), p.sizes, p.start - a)
                 for p in _flat_to_boxes(self.sizes, a, b)]
@@ -116,19 +121,16 @@ def local_slices(box: Box, within: SubBox) -> tuple[slice, ...]:
     return tuple(slice(o - w, o - w + s) for o, s, w in zip(box[0], box[1], within.offsets))
 
 
-def touched_bytes(box: Box, within: SubBox, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
-    """Byte runs [start, end) relative to the sub-box's first byte that reading `box` touches:
-    one run per row of the non-contiguous leading dims (vectorised, for checksum blocks)."""
-    sizes, n = within.sizes, len(within.sizes)
-    # Trailing dims the box covers fully merge into one contiguous run.
-    k = n
-    while k > 1 and box[1][k - 1] == sizes[k - 1]:
-        k -= 1
-    run_elems = math.prod(box[1][k - 1:]) if n else 1
-    strides = [math.prod(sizes[d + 1:]) for d in range(n)]
-    base = sum((o - w) * st for o, w, st in zip(box[0], within.offsets, strides))
-    starts = np.array([base], dtype=np.int64)
-    for d in range(k - 1):
-        starts = (starts[:, None] + np.arange(box[1][d], dtype=np.int64)[None, :] * strides[d]).ravel()
-    starts = starts * itemsize
-    return starts, starts + run_elems * itemsize
+def byte_run(box: Box, within: SubBox, itemsize: int) -> Optional[tuple[int, int]]:
+    """Bytes [start, end) of `box` relative to the first byte of sub-box `within`, when the box
+    is one contiguous run of it (every dimension after the first partial one is whole and
+    every one before it has size 1); None otherwise."""
+    (offsets, sizes), n = box, len(within.sizes)
+    partial = [d for d in range(n) if sizes[d] != within.sizes[d]]
+    if partial and any(sizes[d] != 1 for d in range(partial[-1])):
+        return None
+    start, stride = 0, 1
+    for d in reversed(range(n)):
+        start += (offsets[d] - within.offsets[d]) * stride
+        stride *= within.sizes[d]
+    return start * itemsize, (start + math.prod(sizes)) * itemsize

@@ -7,10 +7,12 @@ cleanly (checksums), and from disk otherwise (`restore_folders`).
 
 The files belong to a keeper process, not to the trainers: rank 0 starts it detached
 (its own session, so a launcher killing the worker group leaves it alone) and it outlives
-trainer crashes. It removes the tier when the job says it finished (`finish()`) or when no
-save has refreshed the heartbeat for `ttl_s` (the job is gone). Single node for now: a
-multi-node job would need each node's shards replicated to a peer node, which is where a
-peer-replica step plugs into the keeper's loop.
+trainer crashes. It verifies each committed snapshot once and seals it (seal.py), so a
+restore from memory reads the files without a second checksum pass. It removes the tier
+when the job says it finished (`finish()`) or when no save has refreshed the heartbeat for
+`ttl_s` (the job is gone). Single node for now: a multi-node job would need each node's
+shards replicated to a peer node, which is where a peer-replica step plugs into the
+keeper's loop.
 """
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ from typing import Optional
 
 from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.reader import candidates
+from ms_llm.checkpoint.seal import KEEPER_LOCK as LOCK
 from ms_llm.errors import CheckpointError
 
 SHM_BASE = Path("/dev/shm/ms_llm")
 HEARTBEAT = "heartbeat"
 DONE = "done"
-LOCK = "keeper.lock"
 PIDFILE = "keeper.pid"
 
 

@@ -50,6 +50,8 @@ def integers(value: object, where: str, field: str, lo: int = 0, hi: int = MAX_C
     if not isinstance(value, list) or (length is not None and len(value) != length):
         need = f"a list of {length} integers" if length is not None else "a list of integers"
         raise CheckpointError(f"{where}: '{field}' is {_short(value)}; expected {need}")
+    if set(map(type, value)) <= {int} and (not value or lo <= min(value) and max(value) <= hi):
+        return tuple(value)             # the common case in one pass (an index holds thousands of these)
     return tuple(integer(v, where, f"{field}[{i}]", lo, hi) for i, v in enumerate(value))
 
 

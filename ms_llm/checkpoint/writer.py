@@ -36,6 +36,7 @@ from ms_llm.errors import CheckpointError
 # A local tensor as numpy (a view is fine: it is copied before save() returns) or a function
 # that fills a given numpy array (lets a backend copy device memory straight into the buffer).
 Data = Union[np.ndarray, Callable[[np.ndarray], None]]
+COPY_CHUNK = 8 << 20               # bytes per snapshot copy job
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class CheckpointWriter:
         image[:len(layout.header)] = np.frombuffer(layout.header, dtype=np.uint8)
         dsts = [image[span.start:span.start + span.nbytes].view(storage_dtype(dtype)).reshape(span.shape)
                 for dtype, span in zip(layout.dtypes, layout.spans)]
-        list(self._pool.map(self._copy, layout.items, dsts))    # copies release the GIL: run them in parallel
+        copies = [c for item, dst in zip(layout.items, dsts) for c in self._copies(item, dst)]
+        list(self._pool.map(lambda copy: copy(), copies))       # copies release the GIL: run them in parallel
         meta = {"state": encode_state(state or {}), "rank_state": encode_state(rank_state or {}),
                 "config": config or {}}
         stats.bytes = layout.nbytes
@@ -173,10 +175,11 @@ class CheckpointWriter:
         return _Layout(items, dtypes, keys, spans, header, nbytes)
 
     @staticmethod
-    def _copy(item: SaveItem, dst: np.ndarray) -> None:
+    def _copies(item: SaveItem, dst: np.ndarray) -> list[Callable[[], None]]:
+        """The copies that snapshot one item: contiguous numpy arrays in slices of COPY_CHUNK
+        bytes, so the pool's threads share a few large tensors evenly."""
         if callable(item.data) and not isinstance(item.data, np.ndarray):
-            item.data(dst)
-            return
+            return [lambda: item.data(dst)]
         src = item.data
         if tuple(src.shape) != dst.shape:
             raise CheckpointError(f"{item.piece.name}: local tensor has shape {tuple(src.shape)} but its piece at "
@@ -184,7 +187,10 @@ class CheckpointWriter:
         if src.dtype != dst.dtype:
             raise CheckpointError(f"{item.piece.name}: local tensor is {src.dtype}, declared dtype stores "
                                   f"{dst.dtype}; convert it first")
-        np.copyto(dst, src)
+        if not src.flags.c_contiguous or src.nbytes <= COPY_CHUNK:
+            return [lambda: np.copyto(dst, src)]
+        s, d, step = src.reshape(-1), dst.reshape(-1), COPY_CHUNK // src.itemsize
+        return [lambda a=a: np.copyto(d[a:a + step], s[a:a + step]) for a in range(0, s.size, step)]
 
     # ---- stage 2: background --------------------------------------------------------------
     def _persist_guarded(self, stats: SaveStats, layout: _Layout, image: np.ndarray, meta: dict,

@@ -1,0 +1,213 @@
+"""Moving checkpoint bytes from shard files into destination arrays, checksums checked on the way.
+
+The reader (reader.py) turns every overlap of a wanted sub-box with a saved one into a Move;
+this module runs them. When the overlap is one byte run both in the file and in the
+destination (every same-layout load, and splits along the first dimension), `RunMove` reads it
+straight into the destination's memory: one kernel copy. Otherwise `BoxMove` reads whole rows
+of the saved sub-box into a scratch buffer and copies the box out with one numpy copy (cheaper
+than a Python loop over thousands of small rows). Both work in chunks aligned to the checksum
+blocks, so each block is checked right after it lands, while it is still in cache, and the
+chunks run on a small thread pool (Mover): preadv, zlib.crc32 and numpy copies release the
+GIL, so one core reads while another checksums and the caller plans the next tensor.
+"""
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence, Union
+
+import numpy as np
+
+from ms_llm.errors import CheckpointError
+
+CHUNK = 4 << 20                     # bytes per unit of work (rounded to whole checksum blocks)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One saved shard's bytes in an open file, and the checksums to hold them to."""
+    path: Path                      # for messages
+    fd: int
+    start: int                      # absolute file offset of the shard's first byte
+    nbytes: int
+    block: int                      # bytes per checksum block
+    crc32: tuple[int, ...]          # empty: nothing to check (a foreign or keeper-verified file)
+    tensor: str                     # for messages
+    key: str
+
+    def blocks(self, lo: int, hi: int) -> range:
+        """Checksum blocks that bytes [lo, hi) of the shard touch (none without checksums)."""
+        if not self.crc32 or hi <= lo:
+            return range(0)
+        return range(lo // self.block, (hi - 1) // self.block + 1)
+
+    def block_range(self, b: int) -> tuple[int, int]:
+        return b * self.block, min((b + 1) * self.block, self.nbytes)
+
+    def step(self) -> int:
+        """Chunk length: whole blocks, about CHUNK bytes."""
+        return self.block * max(1, CHUNK // self.block) if self.crc32 else CHUNK
+
+
+class Checked:
+    """Blocks already verified in this Checkpoint (a block shared by two reads is checked once)."""
+
+    def __init__(self) -> None:
+        self._done: set[tuple[str, int]] = set()
+
+    def __contains__(self, item: tuple[Shard, int]) -> bool:
+        shard, b = item
+        return (f"{shard.path}\0{shard.key}", b) in self._done
+
+    def check(self, shard: Shard, b: int, parts: Sequence[Union[memoryview, bytes]]) -> None:
+        """Compare block `b`'s CRC32, computed over `parts` in order, with the index."""
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        if crc != shard.crc32[b]:
+            lo, hi = shard.block_range(b)
+            raise CheckpointError(f"{shard.path}: tensor {shard.tensor!r} (key {shard.key!r}) fails its checksum "
+                                  f"in bytes [{shard.start + lo}, {shard.start + hi}): the file is corrupted")
+        self._done.add((f"{shard.path}\0{shard.key}", b))
+
+
+def read_into(shard: Shard, view: memoryview, offset: int) -> None:
+    """Fill `view` from the shard's bytes starting at `offset` (relative to the shard)."""
+    done = 0
+    while done < len(view):
+        try:
+            got = os.preadv(shard.fd, [view[done:]], shard.start + offset + done)
+        except OSError as exc:              # EIO on a failing disk: the caller falls back to an older one
+            raise CheckpointError(f"{shard.path}: tensor {shard.tensor!r}: cannot read ({exc.strerror or exc})") from None
+        if got <= 0:
+            raise CheckpointError(f"{shard.path}: tensor {shard.tensor!r}: file ended while reading")
+        done += got
+
+
+def pread(shard: Shard, lo: int, hi: int) -> memoryview:
+    """Shard bytes [lo, hi) in a new buffer (not zero-filled first)."""
+    out = memoryview(np.empty(hi - lo, np.uint8))
+    read_into(shard, out, lo)
+    return out
+
+
+@dataclass
+class RunMove:
+    """Shard bytes [src, src + nbytes) straight into dst[at:at + nbytes] (dst: flat uint8)."""
+    shard: Shard
+    src: int
+    dst: np.ndarray
+    at: int
+    nbytes: int
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """[a, b) byte ranges of the move, cut at the shard's chunk boundaries."""
+        step, end = self.shard.step(), self.nbytes
+        edges = [0, *range((self.src // step + 1) * step - self.src, end, step), end]
+        return list(zip(edges[:-1], edges[1:]))
+
+    def run(self, a: int, b: int, checked: Checked) -> None:
+        mem = memoryview(self.dst)[self.at:self.at + self.nbytes]
+        read_into(self.shard, mem[a:b], self.src + a)
+        shard, lo_move, hi_move = self.shard, self.src, self.src + self.nbytes
+        for blk in shard.blocks(self.src + a, self.src + b):
+            if (shard, blk) in checked:
+                continue
+            lo, hi = shard.block_range(blk)
+            # The block's bytes: what this chunk just read, plus, at the two ends of the move, the
+            # parts outside it, which only the file holds.
+            parts = [pread(shard, lo, lo_move)] if lo < lo_move else []
+            parts.append(mem[max(lo, lo_move) - lo_move:min(hi, hi_move) - lo_move])
+            parts += [pread(shard, hi_move, hi)] if hi > hi_move else []
+            checked.check(shard, blk, parts)
+
+
+@dataclass
+class BoxMove:
+    """A box of a saved sub-box (C-order `sizes`, starting `src` bytes into the shard) into `dst`
+    (the destination view of that box): rows [r0, r1) of the sub-box's first dimension are read
+    whole into scratch, checked there, and `index` (the box within those rows) is copied out."""
+    shard: Shard
+    src: int
+    sizes: tuple[int, ...]
+    dtype: np.dtype
+    r0: int
+    index: tuple[slice, ...]         # into rows [r0, r1), first entry covering them all
+    dst: np.ndarray
+
+    @property
+    def row(self) -> int:
+        return math.prod(self.sizes[1:]) * self.dtype.itemsize
+
+    def chunks(self) -> list[tuple[int, int]]:
+        per = max(1, self.shard.step() // max(1, self.row))
+        rows = self.dst.shape[0]
+        return [(a, min(a + per, rows)) for a in range(0, rows, per)]
+
+    def run(self, a: int, b: int, checked: Checked) -> None:
+        shard = self.shard
+        lo, hi = self.src + (self.r0 + a) * self.row, self.src + (self.r0 + b) * self.row
+        blocks = [blk for blk in shard.blocks(lo, hi) if (shard, blk) not in checked]
+        # Reading whole unchecked blocks costs at most a block at each end and checks them all.
+        ext_lo = min([lo] + [shard.block_range(blk)[0] for blk in blocks])
+        ext_hi = max([hi] + [shard.block_range(blk)[1] for blk in blocks])
+        scratch = pread(shard, ext_lo, ext_hi)
+        for blk in blocks:
+            blo, bhi = shard.block_range(blk)
+            checked.check(shard, blk, [scratch[blo - ext_lo:bhi - ext_lo]])
+        src = np.frombuffer(scratch, self.dtype, count=(hi - lo) // self.dtype.itemsize,
+                            offset=lo - ext_lo).reshape((b - a,) + self.sizes[1:])
+        np.copyto(self.dst[a:b], src[(slice(None),) + self.index[1:]])
+
+
+Move = Union[RunMove, BoxMove]
+
+
+def check_shard(shard: Shard, checked: Checked) -> None:
+    """Verify every block of a shard (tools and tests; loads check what they read)."""
+    step = shard.step()
+    for lo in range(0, shard.nbytes, step):
+        hi = min(lo + step, shard.nbytes)
+        data = pread(shard, lo, hi)
+        for blk in shard.blocks(lo, hi):
+            blo, bhi = shard.block_range(blk)
+            checked.check(shard, blk, [data[blo - lo:bhi - lo]])
+
+
+class Mover:
+    """Runs moves' chunks on up to `workers` threads as they are submitted, so planning the
+    next tensor (Python, holding the GIL) overlaps reading and checking this one.
+
+        with Mover(checked, workers) as mover:
+            mover.submit(moves)             # returns at once; the `with` waits, re-raising the first error
+    """
+
+    def __init__(self, checked: Checked, workers: int):
+        self.checked = checked
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-read") if workers > 1 else None
+        self._futures: list[Future] = []
+
+    def submit(self, moves: Sequence[Move]) -> None:
+        for m in moves:
+            for a, b in m.chunks():
+                if self._pool is None:
+                    m.run(a, b, self.checked)
+                else:
+                    self._futures.append(self._pool.submit(m.run, a, b, self.checked))
+
+    def __enter__(self) -> "Mover":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is None:
+            return
+        try:
+            for f in self._futures:
+                if exc[0] is None:
+                    f.result()
+        finally:                            # after an error the queued chunks are dropped
+            self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,136 @@
+"""The loader's fast paths: threaded chunked reads equal serial ones, edge blocks are checked,
+and the memory tier's seal skips checksums only for the files the keeper verified, unchanged."""
+import json
+
+import numpy as np
+import pytest
+
+from ckpt_helpers import cut, plan_for, rank_pieces, reference
+from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Region, SaveItem
+from ms_llm.checkpoint import transfer
+from ms_llm.checkpoint.keeper import seal_new
+from ms_llm.checkpoint.seal import KEEPER_LOCK, SEAL
+from ms_llm.errors import CheckpointError
+
+W = "model.layers.1.mlp.down_proj.weight"
+
+
+def _save(root, strategy, world, ref, block=256):
+    plan = plan_for(strategy, world)
+    for rank in reversed(range(world)):
+        w = CheckpointWriter(root, rank, world, session="s", block_bytes=block)
+        w.save(1, [SaveItem(p, cut(ref[n], p.region)) for n, p in rank_pieces(plan, rank).items() if p.primary])
+        w.close()
+    return Checkpoint.open(root)
+
+
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory):
+    ref = reference()
+    return ref, _save(tmp_path_factory.mktemp("tp4"), {"tp": 4}, 4, ref).folder
+
+
+@pytest.mark.parametrize("strategy,world,rank", [({"tp": 2, "pp": 2}, 4, 0), ({"dp": 2, "zero": {"stage": 3}}, 2, 1),
+                                                 ({"tp": 4}, 4, 3)])
+def test_threaded_chunked_load_equals_serial_and_reference(tp4, monkeypatch, strategy, world, rank):
+    ref, folder = tp4
+    monkeypatch.setattr(transfer, "CHUNK", 512)         # many chunks per tensor, many threads at once
+    pieces = rank_pieces(plan_for(strategy, world), rank)
+    got = {}
+    for workers in (1, 4):
+        with Checkpoint(folder) as c:
+            c.workers = workers
+            got[workers] = c.read_pieces(pieces)
+    for name, piece in pieces.items():
+        assert got[4][name].tobytes() == got[1][name].tobytes() == cut(ref[name], piece.region).tobytes(), name
+
+
+def test_edge_blocks_outside_the_read_are_checked(tp4):
+    """A read that starts mid-block still checks the whole block: a flipped byte just before
+    the wanted bytes, in the same checksum block, is reported."""
+    ref, folder = tp4
+    with Checkpoint(folder) as c:
+        shard = c.entry(W).shards[0]
+        span = c._shard(c.entry(W), shard)
+    cols = shard.region.sizes[1]
+    want = Region((10, 1), (1, cols - 2))                     # row 10 of the first shard but its ends
+    before = span.start + 10 * cols * 4 + 1                   # a byte of element (10, 0): not read
+    assert (before - span.start) // shard.block == (before + 3 - span.start) // shard.block
+    path = folder / shard.file
+    data = bytearray(path.read_bytes())
+    data[before] ^= 0x40
+    path.write_bytes(bytes(data))
+    try:
+        with Checkpoint(folder) as c, pytest.raises(CheckpointError, match="fails its checksum"):
+            c.read(W, want)
+    finally:
+        data[before] ^= 0x40
+        path.write_bytes(bytes(data))
+    with Checkpoint(folder) as c:
+        assert np.array_equal(c.read(W, want), ref[W][10:11, 1:cols - 1])
+
+
+def _tier(tmp_path):
+    """A memory-tier root (the keeper's lock file marks one) holding one committed checkpoint."""
+    ref = reference()
+    root = tmp_path / "tier"
+    root.mkdir()
+    (root / KEEPER_LOCK).touch()
+    ckpt = _save(root, {"tp": 2}, 2, ref)
+    return ref, root, ckpt.folder
+
+
+def _trusted(folder) -> list[bool]:
+    with Checkpoint(folder) as c:
+        c.read_full(W)
+        return [not s.crc32 for s in c._shards.values()]
+
+
+def test_keeper_seal_skips_checksums_until_a_file_changes(tmp_path):
+    ref, root, folder = _tier(tmp_path)
+    assert _trusted(folder) == [False, False]                # not sealed yet: every block checked
+    seal_new(root, set())
+    assert (folder / SEAL).is_file() and _trusted(folder) == [True, True]
+    with Checkpoint(folder) as c:
+        assert np.array_equal(c.read_full(W), ref[W])
+    # Writing a file after the seal changes its ctime: it is checked again, and the damage found.
+    shard = folder / "rank_00001.safetensors"
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size - 5)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    with Checkpoint(folder) as c, pytest.raises(CheckpointError, match="rank_00001.safetensors.*fails its checksum"):
+        c.read_pieces(rank_pieces(plan_for({"dp": 1}, 1), 0))
+    # Truncated after the seal: refused when the header is read.
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with Checkpoint(folder) as c, pytest.raises(CheckpointError, match="truncated"):
+        c.read_pieces(rank_pieces(plan_for({"dp": 1}, 1), 0))
+
+
+def test_keeper_refuses_to_seal_a_corrupt_checkpoint(tmp_path, capsys):
+    _, root, folder = _tier(tmp_path)
+    shard = folder / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x08
+    shard.write_bytes(bytes(data))
+    failed = set()
+    seal_new(root, failed)
+    assert not (folder / SEAL).exists() and failed == {folder}
+    out = capsys.readouterr().out
+    assert "not sealed" in out and "fails its checksum" in out
+    with Checkpoint(folder) as c, pytest.raises(CheckpointError, match="fails its checksum"):
+        c.verify()
+
+
+def test_seal_counts_only_in_a_memory_tier_and_when_well_formed(tmp_path):
+    _, root, folder = _tier(tmp_path)
+    seal_new(root, set())
+    (root / KEEPER_LOCK).unlink()                           # a disk root: seals are ignored
+    assert _trusted(folder) == [False, False]
+    (root / KEEPER_LOCK).touch()
+    for bad in ({"files": {"rank_00000.safetensors": [1, 2]}}, {"files": []}, [1], "x"):
+        (folder / SEAL).write_text(json.dumps(bad))
+        assert _trusted(folder) == [False, False]
+    (folder / SEAL).write_text("{not json")
+    assert _trusted(folder) == [False, False]
