@@ -84,6 +84,11 @@ class Fields:
     def has(self, path: str) -> bool:
         return self._lookup(path) is not MISSING
 
+    def peek(self, path: str, default: Any = None) -> Any:
+        """The value as parsed, without marking it used (to choose how to read a section)."""
+        value = self._lookup(path)
+        return default if value is MISSING else value
+
     def raw(self, path: str, default: Any = None, *, ir: str | None = None) -> Any:
         """The value as parsed, unchecked (for keys that take several types); marks it used."""
         value = self._lookup(path)

@@ -26,13 +26,11 @@ def write(job: JobConfig, world_size: int) -> Written:
     parallel: dict = {"parallel_mode": 1, "gradients_mean": False, "enable_alltoall": s.ep > 1, "full_batch": True,
                       "search_mode": "sharding_propagation", "enable_parallel_optimizer": s.zero.stage > 0}
     if s.zero.stage:
-        poc: dict = {"gradient_accumulation_shard": s.zero.stage >= 2}
+        # MindSpore's optimizer_level: level1 / level2 / level3 = ZeRO stage 1 / 2 / 3 (mindformers.read maps back)
+        poc: dict = {"optimizer_level": f"level{s.zero.stage}"}
         if s.zero.shard_size not in (-1, s.dp):
             poc["optimizer_weight_shard_size"] = s.zero.shard_size
         parallel["parallel_optimizer_config"] = poc
-        if s.zero.stage == 3:
-            warnings.append("strategy.zero.stage = 3: MindSpore's parallel optimizer is written (it shards "
-                            "optimizer states, gradients with gradient_accumulation_shard, and weights)")
     pipe = s.pipeline
     if s.pp > 1:
         parallel["pipeline_config"] = {"pipeline_interleave": pipe.virtual_stages > 1,
