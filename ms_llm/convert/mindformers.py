@@ -285,7 +285,7 @@ def _optimizer(f: Fields, warnings: list[str]) -> tuple[dict, float]:
     opt: dict = {"grad_clip": f.get("runner_wrapper.max_grad_norm", float, 1.0, ir="train.optimizer.grad_clip")
                  if clip else 0.0}
     if not f.has("optimizer"):
-        return opt, 3e-4
+        return opt, None
     kind = f.get("optimizer.type", str, "AdamW", ir="train.optimizer.name")
     if kind not in OPTIMIZERS:
         warnings.append(f"optimizer.type = {kind}: read as AdamW")
@@ -299,19 +299,21 @@ def _optimizer(f: Fields, warnings: list[str]) -> tuple[dict, float]:
         b2 = f.get("optimizer.beta2", float, 0.999, ir="train.optimizer.beta2")
     opt.update(name="adamw", beta1=b1, beta2=b2, eps=f.get("optimizer.eps", float, 1e-8, ir="train.optimizer.eps"),
                weight_decay=f.get("optimizer.weight_decay", float, 0.0, ir="train.optimizer.weight_decay"))
-    return opt, f.get("optimizer.learning_rate", float, 3e-4, ir="train.optimizer.lr")
+    return opt, f.get("optimizer.learning_rate", float, None, ir="train.optimizer.lr")
 
 
-def read_schedule(f: Fields, ls: str, lr: float, dataset_steps: int, warnings: list[str]) -> tuple[dict, int, float]:
-    """The lr schedule section `ls`, and the step count: total_steps, or with -1 ("the dataset's")
-    `dataset_steps` (epochs * training samples // global batch; 0 when unknown)."""
+def read_schedule(f: Fields, ls: str, lr: float | None, dataset_steps: int,
+                  warnings: list[str]) -> tuple[dict, int, float]:
+    """The lr schedule section `ls` (its rate wins over the optimizer's `lr`, None when unset), and
+    the step count: total_steps, or with -1 ("the dataset's") `dataset_steps` (epochs * training
+    samples // global batch; 0 when unknown)."""
     if not f.has(ls):
-        return {"warmup_steps": 0, "decay": "constant"}, dataset_steps, lr
+        return {"warmup_steps": 0, "decay": "constant"}, dataset_steps, 3e-4 if lr is None else lr
     kind = f.get(f"{ls}.type", str, ir="train.schedule.decay")
     if kind not in LR_SCHEDULES:
         warnings.append(f"{ls}.type = {kind}: read as cosine decay")
-    peak = f.get(f"{ls}.learning_rate", float, lr, ir="train.optimizer.lr")
-    if peak != lr:
+    peak = f.get(f"{ls}.learning_rate", float, 3e-4 if lr is None else lr, ir="train.optimizer.lr")
+    if lr is not None and peak != lr:
         warnings.append(f"{ls}.learning_rate = {peak:g} overrides optimizer.learning_rate = {lr:g}, as in MindFormers")
     steps = f.get(f"{ls}.total_steps", int, -1, ir="train.steps")
     steps = dataset_steps if steps < 1 else steps

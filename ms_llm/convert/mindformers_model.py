@@ -49,7 +49,8 @@ NEUTRAL = {"hidden_act": ("silu", "swiglu", "fusedswiglu"), "position_embedding_
            "softmax_compute_dtype": ("float32",), "rotary_dtype": ("float32",), "initializer_range": None,
            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "model_type": None,
            "architectures": None, "moe_grouped_gemm": (True, False), "router_dense_type": ("float32",),
-           "fp32_residual_connection": (True, False), "batch_size": None, "type": ("LlamaConfig",)}
+           "fp32_residual_connection": (True, False), "batch_size": None, "type": ("LlamaConfig",),
+           "offset": (0,)}
 # What MindFormers' config class fills in for a key the YAML leaves out (shipped configs rely on it).
 CLASS_DEFAULTS = {"deepseek_v3": {"num_attention_heads": 128, "n_routed_experts": 256,
                                   "num_experts_per_tok": 8}}
@@ -77,9 +78,10 @@ def read_model(f: Fields, layout: Layout, warnings: list[str], mc: str = MC, giv
     shape when the YAML leaves it to a Hugging Face folder (pretrained_model_dir)."""
     for key, values in NEUTRAL.items():
         path = f"{mc}.{key}"
-        if f.has(path) and (values is None or f.raw(path) in values):
-            continue
-        f.used.discard(path)
+        if f.has(path) and (values is None or f.peek(path) in values):
+            f.used.add(path)
+        else:
+            f.used.discard(path)
     if given is not None:
         return {k: v for k, v in to_dict(given, full=True).items() if k not in ("name", "dtype")}
     if not f.has(f"{mc}.hidden_size") and f.has("pretrained_model_dir"):
@@ -101,6 +103,13 @@ def read_model(f: Fields, layout: Layout, warnings: list[str], mc: str = MC, giv
              "norm_eps": f.get(f"{mc}.rms_norm_eps", float, layout.eps_default, ir="model.norm_eps"),
              "tie_embeddings": f.get(f"{mc}.tie_word_embeddings", bool, False, ir="model.tie_embeddings"),
              "flash_attention": f.get(f"{mc}.use_flash_attention", bool, False, ir="model.flash_attention")}
+    untie = f.peek(f"{mc}.untie_embeddings_and_output_weights")
+    if untie is not None:
+        tie = f.get(f"{mc}.untie_embeddings_and_output_weights", bool, ir="model.tie_embeddings") is False
+        if f.has(f"{mc}.tie_word_embeddings") and tie != model["tie_embeddings"]:
+            raise f.error(f"{mc}.untie_embeddings_and_output_weights", f"{untie} contradicts tie_word_embeddings: "
+                                                                      f"{model['tie_embeddings']}; keep one of them")
+        model["tie_embeddings"] = tie
     if layout is MCORE:
         _mcore_math(f, mc, model, warnings)
     else:

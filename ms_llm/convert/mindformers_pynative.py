@@ -106,7 +106,7 @@ def _train(f: Fields, dp: int, model: dict, warnings: list[str]) -> dict:
            "eps": f.get("optimizer.eps", float, 1e-8, ir="train.optimizer.eps"),
            "weight_decay": f.get("optimizer.weight_decay", float, 0.0, ir="train.optimizer.weight_decay"),
            "grad_clip": f.get(f"{t}.max_norm", float, 1.0, ir="train.optimizer.grad_clip")}
-    train["schedule"], _, opt["lr"] = read_schedule(f, "lr_scheduler", 3e-4, train["steps"], warnings)
+    train["schedule"], _, opt["lr"] = read_schedule(f, "lr_scheduler", None, train["steps"], warnings)
     train["optimizer"] = opt
     ck = "checkpoint"
     on = f.get(f"{ck}.enable_save", bool, True, ir="train.checkpoint.interval")
