@@ -12,6 +12,13 @@ from ms_llm.config.train import DataConfig
 from ms_llm.convert.common import Fields
 
 LOADER = "BlendedMegatronDatasetDataLoader"
+# Loader settings whose value (None: any) changes nothing ms_llm's data order models: worker counts,
+# column plumbing, and the GPT sample options at their Megatron defaults.
+NEUTRAL = {"config.eod_mask_loss": (False,), "config.reset_position_ids": (False,),
+           "config.reset_attention_mask": (False,), "config.create_attention_mask": None, "config.create_compressed_eod_mask": (False,),
+           "config.eod_pad_length": None, "datasets_type": ("GPTDataset",)}
+DATASET_NEUTRAL = ("input_columns", "construct_args_key", "drop_remainder", "num_parallel_workers",
+                   "python_multiprocessing", "numa_enable", "prefetch_size")
 
 
 def read_data(f: Fields, loader: str, seq_len: int, warnings: list[str]) -> tuple[dict, int]:
@@ -20,7 +27,16 @@ def read_data(f: Fields, loader: str, seq_len: int, warnings: list[str]) -> tupl
     if f.peek(f"{loader}.type") != LOADER:
         return {}, 0
     f.get(f"{loader}.type", str)
+    dataset = loader.rsplit(".", 1)[0]
+    for key, values in NEUTRAL.items():
+        if f.has(f"{loader}.{key}") and (values is None or f.peek(f"{loader}.{key}") in values):
+            f.used.add(f"{loader}.{key}")
+    f.used.update(f"{dataset}.{key}" for key in DATASET_NEUTRAL if f.has(f"{dataset}.{key}"))
+    if f.peek("train_dataset_task.dataset_config") == f.peek("train_dataset"):
+        f.used.add("train_dataset_task.dataset_config")          # the usual YAML alias of train_dataset
     cfg = f"{loader}.config"
+    if f.peek(f"{cfg}.seed") == f.peek("seed", 1234):
+        f.used.add(f"{cfg}.seed")                                # the run's seed, as ms_llm uses it for data order
     flat = f.get(f"{cfg}.data_path", list, [], ir="train.data.paths")
     if len(flat) % 2 or not all(isinstance(p, str) for p in flat[1::2]):
         raise f.error(f"{cfg}.data_path", f"got {flat!r}; expected Megatron's [weight, prefix, weight, prefix, ...]")
