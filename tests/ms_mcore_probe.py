@@ -10,7 +10,8 @@ LayerSetting places the layers with the real offset, interleave and recompute li
 their shapes and sums). Where "build" is set (small models: a 7B one does not fit a CI machine's
 memory) the model is then built on the one device (degrees 1: MindFormers' process groups need the
 cluster) and every parameter's name and shape is recorded. Output: JSON in argv[2].
-"""from __future__ import annotations
+"""
+from __future__ import annotations
 
 import copy
 import json

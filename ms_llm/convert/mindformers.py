@@ -22,15 +22,14 @@ from ms_llm.config.job import parse_yaml
 from ms_llm.convert import mindformers_pynative
 from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOptions, make_job
 from ms_llm.convert.mindformers_data import read_data
-from ms_llm.convert.mindformers_model import MC, MCORE, Layout, layout_of, mindformers_ffn, read_dtypes, read_model
+from ms_llm.convert.mindformers_model import MC, Layout, layout_of, mindformers_ffn, read_dtypes, read_model
+from ms_llm.convert.mindformers_train import OPTIMIZERS, read_schedule
 
 __all__ = ["read", "mindformers_ffn"]
 
 PARALLEL_MODES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
 SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zbv", "seqpipe": "1f1b", "seqvpp": "1f1b",
              "seqsmartvpp": "1f1b"}
-LR_SCHEDULES = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant"}
-OPTIMIZERS = ("AdamW", "AdamWeightDecay", "FP32StateAdamWeightDecay", "FusedAdamWeightDecay")
 OPTIMIZER_LEVELS = {"level1": 1, "level2": 2, "level3": 3}
 CHECKPOINT_CALLBACKS = ("CheckpointMonitor", "CheckpointMointor")   # the second is MindFormers' historical alias
 DEVICES = {"Ascend": "910b", "GPU": "h100", "CPU": "cpu"}
@@ -55,10 +54,7 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
         return mindformers_pynative.read(data, source, options)
     f = Fields(data, source)
     warnings: list[str] = []
-    for path, values in NEUTRAL.items():
-        if f.has(path) and f.raw(path) in values:
-            continue
-        f.used.discard(path)
+    f.accept_usual(NEUTRAL)
     layout = layout_of(f)
     pc = "parallel_config"
     dp = f.get(f"{pc}.data_parallel", int, 1, ir="strategy.dp")
@@ -300,36 +296,6 @@ def _optimizer(f: Fields, warnings: list[str]) -> tuple[dict, float]:
     opt.update(name="adamw", beta1=b1, beta2=b2, eps=f.get("optimizer.eps", float, 1e-8, ir="train.optimizer.eps"),
                weight_decay=f.get("optimizer.weight_decay", float, 0.0, ir="train.optimizer.weight_decay"))
     return opt, f.get("optimizer.learning_rate", float, None, ir="train.optimizer.lr")
-
-
-def read_schedule(f: Fields, ls: str, lr: float | None, dataset_steps: int,
-                  warnings: list[str]) -> tuple[dict, int, float]:
-    """The lr schedule section `ls` (its rate wins over the optimizer's `lr`, None when unset), and
-    the step count: total_steps, or with -1 ("the dataset's") `dataset_steps` (epochs * training
-    samples // global batch; 0 when unknown)."""
-    if not f.has(ls):
-        return {"warmup_steps": 0, "decay": "constant"}, dataset_steps, 3e-4 if lr is None else lr
-    kind = f.get(f"{ls}.type", str, ir="train.schedule.decay")
-    if kind not in LR_SCHEDULES:
-        warnings.append(f"{ls}.type = {kind}: read as cosine decay")
-    peak = f.get(f"{ls}.learning_rate", float, 3e-4 if lr is None else lr, ir="train.optimizer.lr")
-    if lr is not None and peak != lr:
-        warnings.append(f"{ls}.learning_rate = {peak:g} overrides optimizer.learning_rate = {lr:g}, as in MindFormers")
-    steps = f.get(f"{ls}.total_steps", int, -1, ir="train.steps")
-    steps = dataset_steps if steps < 1 else steps
-    if f.has(f"{ls}.warmup_steps"):
-        warmup = f.get(f"{ls}.warmup_steps", int, ir="train.schedule.warmup_steps")
-    else:
-        ratio = f.get(f"{ls}.warmup_ratio", float, 0.0, ir="train.schedule.warmup_steps")
-        warmup = round(ratio * steps) if steps > 0 else 0
-        if ratio and steps <= 0:
-            warnings.append(f"{ls}.warmup_ratio = {ratio} of a dataset-sized run: the step count is unknown here; "
-                            "no warmup")
-    end = f.get(f"{ls}.lr_end", float, 0.0, ir="train.schedule.min_lr_ratio")
-    schedule = {"warmup_steps": warmup, "decay": LR_SCHEDULES.get(kind, "cosine"),
-                "min_lr_ratio": end / peak if peak else 0.0}
-    f.sources["train.optimizer.lr"] = f"{ls}.learning_rate"
-    return schedule, max(steps, 0), peak
 
 
 def _callbacks(f: Fields, warnings: list[str]) -> tuple[dict, int]:

@@ -15,7 +15,8 @@ LOADER = "BlendedMegatronDatasetDataLoader"
 # Loader settings whose value (None: any) changes nothing ms_llm's data order models: worker counts,
 # column plumbing, and the GPT sample options at their Megatron defaults.
 NEUTRAL = {"config.eod_mask_loss": (False,), "config.reset_position_ids": (False,),
-           "config.reset_attention_mask": (False,), "config.create_attention_mask": None, "config.create_compressed_eod_mask": (False,),
+           "config.reset_attention_mask": (False,), "config.create_attention_mask": None,
+           "config.create_compressed_eod_mask": (False,),
            "config.eod_pad_length": None, "datasets_type": ("GPTDataset",)}
 DATASET_NEUTRAL = ("input_columns", "construct_args_key", "drop_remainder", "num_parallel_workers",
                    "python_multiprocessing", "numa_enable", "prefetch_size")
@@ -28,9 +29,7 @@ def read_data(f: Fields, loader: str, seq_len: int, warnings: list[str]) -> tupl
         return {}, 0
     f.get(f"{loader}.type", str)
     dataset = loader.rsplit(".", 1)[0]
-    for key, values in NEUTRAL.items():
-        if f.has(f"{loader}.{key}") and (values is None or f.peek(f"{loader}.{key}") in values):
-            f.used.add(f"{loader}.{key}")
+    f.accept_usual(NEUTRAL, f"{loader}.")
     f.used.update(f"{dataset}.{key}" for key in DATASET_NEUTRAL if f.has(f"{dataset}.{key}"))
     if f.peek("train_dataset_task.dataset_config") == f.peek("train_dataset"):
         f.used.add("train_dataset_task.dataset_config")          # the usual YAML alias of train_dataset

@@ -76,12 +76,7 @@ def layout_of(f: Fields) -> Layout:
 def read_model(f: Fields, layout: Layout, warnings: list[str], mc: str = MC, given: ModelConfig | None = None) -> dict:
     """ModelConfig fields (as a dict) from the model section `mc`; `given` (--model) supplies the
     shape when the YAML leaves it to a Hugging Face folder (pretrained_model_dir)."""
-    for key, values in NEUTRAL.items():
-        path = f"{mc}.{key}"
-        if f.has(path) and (values is None or f.peek(path) in values):
-            f.used.add(path)
-        else:
-            f.used.discard(path)
+    f.accept_usual(NEUTRAL, f"{mc}.")
     if given is not None:
         return {k: v for k, v in to_dict(given, full=True).items() if k not in ("name", "dtype")}
     if not f.has(f"{mc}.hidden_size") and f.has("pretrained_model_dir"):

@@ -13,6 +13,7 @@ from pathlib import Path
 from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOptions, make_job
 from ms_llm.convert.mindformers_data import read_data
 from ms_llm.convert.mindformers_model import MCORE, read_dtypes, read_model
+from ms_llm.convert.mindformers_train import OPTIMIZERS, read_schedule
 
 SHARD_STRATEGIES = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 NEUTRAL = {"parallelism.context_parallel_method": ("colossal",), "parallelism.disable_gradient_division": (True,),
@@ -30,10 +31,7 @@ def is_pynative(data: dict) -> bool:
 def read(data: dict, source: str, options: ReadOptions) -> Converted:
     f = Fields(data, source)
     warnings: list[str] = []
-    for path, values in NEUTRAL.items():
-        if f.has(path) and f.raw(path) in values:
-            continue
-        f.used.discard(path)
+    f.accept_usual(NEUTRAL)
     model = read_model(f, MCORE, warnings, mc="model")
     par = "parallelism"
     tp = f.get(f"{par}.tensor_parallel", int, 1, ir="strategy.tp")
@@ -86,7 +84,6 @@ def _recompute(f: Fields, layers: int, warnings: list[str]) -> dict:
 
 
 def _train(f: Fields, dp: int, model: dict, warnings: list[str]) -> dict:
-    from ms_llm.convert.mindformers import OPTIMIZERS, read_schedule
     t = "training"
     local = f.get(f"{t}.local_batch_size", int, 1, ir="train.micro_batch_size")
     gbs = f.get(f"{t}.global_batch_size", int, local * dp, ir="train.global_batch_size")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ms_llm.config.job import JobConfig, dump_yaml
 from ms_llm.convert.common import Written
-from ms_llm.convert.mindformers import LR_SCHEDULES
+from ms_llm.convert.mindformers_train import LR_SCHEDULES
 from ms_llm.convert.mindformers_data import write_data
 
 SCHEDULERS = {"1f1b": "1f1b", "interleaved_1f1b": "1f1b", "gpipe": "gpipe", "zbv": "zero_bubble_v"}
