@@ -164,3 +164,98 @@ def test_cp2_sequence_parallel_flash_survives_the_round_trip():
     back = read(dump(conv, "mindformers").text, "back.yaml", "mindformers")
     s, m = back.job.strategy, back.job.model
     assert (s.cp, s.tp, s.sequence_parallel, m.flash_attention) == (2, 2, True, True)
+
+
+# ---- MindFormers 2.x: every pretraining config shipped in the mindformers 2.1.0 package ----------
+
+SHIPPED = Path(__file__).resolve().parents[1] / ".oracles" / "configs"
+PRETRAIN = sorted(SHIPPED.glob("*/*pretrain*.yaml"))
+# what the command line adds: the pynative layout's data_parallel_shard = -1 needs the device count,
+# the general templates keep the model shape in a Hugging Face folder (pretrained_model_dir)
+SHIPPED_OPTIONS = {"pretrain_deepseek3_1b_8p_pynative": ReadOptions(world_size=8),
+                   "pretrain_deepseek4_flash": ReadOptions(world_size=8),
+                   "pretrain_deepseek4_flash_reduction": ReadOptions(world_size=8),
+                   "pretrain_deepseek4_pro": ReadOptions(world_size=8),
+                   "pretrain_deepseek4_pro_reduction": ReadOptions(world_size=8)}
+# MindFormers' own LayerSetting refuses it: 45 layers over 8 stages with offset 0
+REFUSED = {"pretrain_telechat3_105b_a4b_4k": "model.model_config.offset: 0, but 45 layers over 8 pipeline chunks"}
+
+
+def _shipped_options(path: Path) -> ReadOptions:
+    if path.stem.startswith("llm_pretrain"):
+        from ms_llm.config.job import load_section
+        return ReadOptions(model=load_section("model", "llama2_7b"))
+    return SHIPPED_OPTIONS.get(path.stem, ReadOptions())
+
+
+def test_the_shipped_configs_are_there():
+    assert len(PRETRAIN) == 13, f"mindformers 2.1.0 ships 13 pretrain configs; .oracles/configs has {len(PRETRAIN)} " \
+                                "(run `make oracles`)"
+
+
+@pytest.mark.parametrize("path", PRETRAIN, ids=[p.stem for p in PRETRAIN])
+def test_every_shipped_pretrain_config_converts_or_names_the_key(path):
+    if path.stem in REFUSED:
+        with pytest.raises(ConversionError, match=REFUSED[path.stem]):
+            load(path, "mindformers", _shipped_options(path))
+        return
+    conv = load(path, "mindformers", _shipped_options(path))
+    back = read(dump(conv, "mindformers").text, "back.yaml", "mindformers")
+    assert back.job.strategy == conv.job.strategy and back.job.model == dataclasses.replace(
+        conv.job.model, name=back.job.model.name)
+    for w in conv.warnings:                      # every warning names the key it is about
+        assert w.split(" ")[0].rstrip(":").split("[")[0].replace("_", "").replace(".", "").isalnum(), w
+
+
+def test_qwen3_32b_2x_layout():
+    conv = load(SHIPPED / "qwen3" / "pretrain_qwen3_32b_4k.yaml", "mindformers")
+    m, s, t = conv.job.model, conv.job.strategy, conv.job.train
+    assert (m.num_layers, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.rope_theta, m.norm_eps) == \
+        (64, 64, 8, 25600, 1e6, 1e-6)
+    assert (s.dp, s.tp, s.pp, s.pipeline.layer_split, s.recompute.policy) == (1, 4, 4, (15, 15, 17, 17), "full")
+    assert (s.precision.param_dtype, s.precision.master_dtype) == ("bfloat16", "float32")      # params_dtype float32
+    assert t.data.paths == ("/path/to/wiki103-megatron_text_document",) and t.data.split == "1,0,0"
+    assert (t.global_batch_size, t.steps) == (4, 4000)            # 8000 samples / (1 * dp 1 * 4 micro) * 2 epochs
+    text = "\n".join(conv.warnings)
+    assert "model.model_config.qk_layernorm: Qwen3ForCausalLM normalizes q and k" in text
+    assert "model.model_config.head_dim = 128: not yet expressible" in text   # 64 heads * 128 > hidden 5120
+    assert "overrides optimizer.learning_rate" not in text        # 2.x gives the rate in lr_schedule only
+
+
+def test_moe_keys_are_named_one_by_one():
+    conv = load(SHIPPED / "qwen3_moe" / "pretrain_qwen3_30b_a3b_4k.yaml", "mindformers")
+    m, s = conv.job.model, conv.job.strategy
+    assert (m.num_experts, m.moe_top_k, m.ffn_hidden_size, s.ep) == (128, 8, 768, 1)
+    text = "\n".join(conv.warnings)
+    assert "parallel_config.expert_parallel = 4: experts spread over tensor-parallel ranks" in text
+    for key in ("norm_topk_prob", "routed_scaling_factor", "moe_router_load_balancing_type"):
+        assert f"model.model_config.{key} = " in text and "not yet expressible (model.moe)" in text
+    assert "model.model_config.head_dim = 128: not yet expressible" in text       # 2048 / 32 = 64 in the IR
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parallel_optimizer_level_round_trips_every_zero_stage(stage):
+    job = read(SEVEN_B, "7b.yaml").job
+    job = dataclasses.replace(job, strategy=dataclasses.replace(
+        job.strategy, zero=dataclasses.replace(job.strategy.zero, stage=stage)))
+    mf, warnings = _written(job, 8)
+    assert mf["parallel"]["parallel_optimizer_config"]["optimizer_level"] == f"level{stage}"
+    assert not any("zero" in w for w in warnings)
+    assert read(yaml.safe_dump(mf), "back.yaml").job.strategy.zero.stage == stage
+
+
+def test_gradient_accumulation_shard_is_level2_and_conflicts_name_the_key():
+    assert read(SEVEN_B.replace("gradient_accumulation_shard: False", "gradient_accumulation_shard: True"),
+                "7b.yaml").job.strategy.zero.stage == 2
+    text = SEVEN_B.replace("gradient_accumulation_shard: False",
+                           "gradient_accumulation_shard: True\n    optimizer_level: level3")
+    with pytest.raises(ConversionError, match="gradient_accumulation_shard: True needs optimizer_level level2"):
+        read(text, "7b.yaml")
+
+
+def test_pynative_layout_needs_the_world_size():
+    with pytest.raises(ConversionError, match=r"parallelism.data_parallel_shard: -1 .* --world-size"):
+        load(SHIPPED / "deepseek4" / "pretrain_deepseek4_flash.yaml", "mindformers")
+    s = load(SHIPPED / "deepseek4" / "pretrain_deepseek4_flash.yaml", "mindformers",
+             ReadOptions(world_size=8)).job.strategy
+    assert (s.dp, s.ep, s.zero.stage) == (8, 8, 3)                # FSDP-shaped: optim_grads_params

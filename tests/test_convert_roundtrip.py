@@ -17,7 +17,8 @@ from ms_llm.convert.megatron import parse_args
 from ms_llm.convert.shell import launch_command
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SUFFIX = {"ms_llm": ".yaml", "megatron": ".sh", "deepspeed": ".json", "mindformers": ".yaml", "torchtitan": ".toml"}
+SUFFIX = {"ms_llm": ".yaml", "megatron": ".sh", "deepspeed": ".json", "mindformers": ".yaml", "mindformers2": ".yaml",
+          "torchtitan": ".toml"}
 SOURCES = {
     "megatron_gpt3_175b.sh": ReadOptions(),
     "megatron_llama3_8b.sh": ReadOptions(),

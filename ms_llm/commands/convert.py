@@ -1,5 +1,6 @@
 """Convert a parallel-strategy config between Megatron-LM (launch script or argument list),
-DeepSpeed JSON, MindFormers YAML, torchtitan TOML (v0.2.x) and ms_llm job YAML.
+DeepSpeed JSON, MindFormers YAML (read: r1.x, 2.x and pynative layouts; write: --to mindformers for r1.x,
+--to mindformers2 for 2.x with use_legacy: False), torchtitan TOML (v0.2.x) and ms_llm job YAML.
 
 The conversion goes through ms_llm's strategy IR and is validated on the way. Everything the
 source says that the IR does not model, and everything the target cannot express, is listed as a
@@ -7,6 +8,7 @@ warning on stderr; --strict makes any of them an error.
 
 examples:
   ms-llm convert-strategy pretrain_llama2_70b.yaml --to megatron -o train_llama2_70b.sh
+  ms-llm convert-strategy pretrain_qwen3_32b_4k.yaml --to ms_llm -o qwen3_32b.yaml
   ms-llm convert-strategy ds_config.json --model llama2_7b --world-size 64 --to torchtitan
   ms-llm convert-strategy llama3_8b.toml --world-size 64 --to ms_llm
 """
@@ -34,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from ms_llm.convert import convert, format_for_output
     target = args.target_format or (format_for_output(args.output) if args.output else None)
     if target is None:
-        raise ConfigError("--to: give the output format (ms_llm, megatron, deepspeed, mindformers, torchtitan) or an "
-                          "--output file ending in .sh, .json or .toml")
+        raise ConfigError("--to: give the output format (ms_llm, megatron, deepspeed, mindformers, mindformers2, "
+                          "torchtitan) or an --output file ending in .sh, .json or .toml")
     text, warnings = convert(args.input, target, args.source_format, read_options(args), strict=args.strict)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)

@@ -17,17 +17,18 @@ from types import ModuleType
 
 from ms_llm.config.job import parse_yaml, read_text
 from ms_llm.config.schema import to_dict
-from ms_llm.convert import (deepspeed, megatron, megatron_script, mindformers, mindformers_yaml, msllm,
-                            torchtitan, torchtitan_toml)
+from ms_llm.convert import (deepspeed, megatron, megatron_script, mindformers, mindformers2_yaml, mindformers_pynative,
+                            mindformers_yaml, msllm, torchtitan, torchtitan_toml)
 from ms_llm.convert.common import (ConversionError, Converted, ReadOptions, Written, annotate, covered,
                                    flatten)
 from ms_llm.errors import MsLlmError, StrategyError
 from ms_llm.strategy.validate import validate
 
+# "mindformers" reads every MindFormers layout and writes r1.x; "mindformers2" writes 2.x (use_legacy: False).
 READERS: dict[str, ModuleType] = {"ms_llm": msllm, "megatron": megatron, "deepspeed": deepspeed,
-                                  "mindformers": mindformers, "torchtitan": torchtitan}
+                                  "mindformers": mindformers, "mindformers2": mindformers, "torchtitan": torchtitan}
 WRITERS: dict[str, ModuleType] = {**READERS, "megatron": megatron_script, "mindformers": mindformers_yaml,
-                                  "torchtitan": torchtitan_toml}
+                                  "mindformers2": mindformers2_yaml, "torchtitan": torchtitan_toml}
 FORMATS = tuple(READERS)
 SUFFIXES = {".json": "deepspeed", ".toml": "torchtitan", ".sh": "megatron", ".bash": "megatron",
             ".args": "megatron"}
@@ -54,7 +55,7 @@ def detect_format(text: str, source: str) -> str:
             data = None
         if isinstance(data, dict):
             if any(k in data for k in MINDFORMERS_KEYS) or isinstance(data.get("model"), dict) and \
-                    "model_config" in data["model"]:
+                    "model_config" in data["model"] or mindformers_pynative.is_pynative(data):
                 return "mindformers"
             if "model" in data and ("strategy" in data or "train" in data):
                 return "ms_llm"

@@ -84,6 +84,19 @@ class Fields:
     def has(self, path: str) -> bool:
         return self._lookup(path) is not MISSING
 
+    def peek(self, path: str, default: Any = None) -> Any:
+        """The value as parsed, without marking it used (to choose how to read a section)."""
+        value = self._lookup(path)
+        return default if value is MISSING else value
+
+    def accept_usual(self, usual: dict[str, tuple | None], prefix: str = "") -> None:
+        """Mark read the keys whose value is one of their usual ones (None: any value): settings that
+        say nothing the IR models. Any other value stays unread, so it is named in a warning."""
+        for key, values in usual.items():
+            path = prefix + key
+            if self.has(path) and (values is None or self.peek(path) in values):
+                self.used.add(path)
+
     def raw(self, path: str, default: Any = None, *, ir: str | None = None) -> Any:
         """The value as parsed, unchecked (for keys that take several types); marks it used."""
         value = self._lookup(path)

@@ -1,25 +1,36 @@
-"""MindFormers training YAML -> IR (mindformers_yaml.py writes it back).
+"""MindFormers training YAML -> IR (mindformers_yaml.py writes it back), in its three layouts:
+r1.x (LlamaConfig keys; MindFormers 2.x still builds these with use_legacy: True), 2.x
+(use_legacy: False, Hugging Face model keys: mindformers_model.py) and the pynative trainer's
+(training / parallelism sections: mindformers_pynative.py).
 
 Degrees come from `parallel_config` (dp * mp * cp * pp is the device count, as MindFormers
-requires in semi_auto_parallel), ZeRO from `parallel.enable_parallel_optimizer` (stage 1; stage 2
-with `gradient_accumulation_shard`), recompute from `recompute_config`, the model from
-`model.model_config` (its use_flash_attention is model.flash_attention). The global batch
-follows MindFormers' base_trainer rule: batch_size * dp * micro_batch_num *
+requires in semi_auto_parallel); ZeRO from `parallel.enable_parallel_optimizer` with MindSpore's
+`parallel_optimizer_config.optimizer_level` (level1/2/3 = stage 1/2/3; gradient_accumulation_shard
+is the older spelling of level2); recompute from `recompute_config`; the model from
+`model.model_config`; the data from the Megatron dataset section (mindformers_data.py). The
+global batch follows MindFormers' base_trainer rule: batch_size * dp * micro_batch_num *
 micro_batch_interleave_num with pipeline stages, batch_size * dp * interleave *
 gradient_accumulation_steps without. use_seq_parallel is sequence_parallel with context parallel
 as well (MindFormers' LLaMA then splits the residual stream over cp*mp).
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from ms_llm.convert.common import DTYPES, ConversionError, Converted, Fields, ReadOptions, make_job
 from ms_llm.config.job import parse_yaml
+from ms_llm.convert import mindformers_pynative
+from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOptions, make_job
+from ms_llm.convert.mindformers_data import read_data
+from ms_llm.convert.mindformers_model import MC, Layout, layout_of, mindformers_ffn, read_dtypes, read_model
+from ms_llm.convert.mindformers_train import OPTIMIZERS, read_schedule
+
+__all__ = ["read", "mindformers_ffn"]
 
 PARALLEL_MODES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
-SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zbv", "seqpipe": "1f1b", "seqvpp": "1f1b"}
-LR_SCHEDULES = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant"}
-OPTIMIZERS = ("AdamW", "AdamWeightDecay", "FP32StateAdamWeightDecay", "FusedAdamWeightDecay")
+SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zbv", "seqpipe": "1f1b", "seqvpp": "1f1b",
+             "seqsmartvpp": "1f1b"}
+OPTIMIZER_LEVELS = {"level1": 1, "level2": 2, "level3": 3}
 CHECKPOINT_CALLBACKS = ("CheckpointMonitor", "CheckpointMointor")   # the second is MindFormers' historical alias
 DEVICES = {"Ascend": "910b", "GPU": "h100", "CPU": "cpu"}
 # Keys whose usual values say nothing the IR models (how MindSpore runs, not how work is split).
@@ -29,31 +40,22 @@ NEUTRAL = {"use_parallel": (True,), "run_mode": ("train",), "parallel.gradients_
            "context.mode": (0,), "runner_config.sink_mode": (True,), "runner_config.sink_size": (1,),
            "micro_batch_interleave_num": (1,), "parallel_config.vocab_emb_dp": (False,),
            "trainer.type": ("CausalLanguageModelingTrainer",), "model.arch.type": ("LlamaForCausalLM",),
-           "model.model_config.type": ("LlamaConfig",),
            "runner_wrapper.type": ("MFTrainOneStepCell",), "do_eval": (False,),
-           "parallel_config.context_parallel_algo": ("colossalai_cp",)}
-
-
-def mindformers_ffn(hidden: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """The SwiGLU width MindFormers' LlamaFeedForward derives when intermediate_size is unset. It
-    differs from Meta's rule: the multiplier (plus 0.01) scales 4h before the 2/3."""
-    f = 4 * hidden
-    if ffn_dim_multiplier is not None:
-        f = int((ffn_dim_multiplier + 0.01) * f)
-    f = int(2 * f / 3)
-    return multiple_of * ((f + multiple_of - 1) // multiple_of)
+           "parallel_config.context_parallel_algo": ("colossalai_cp",), "use_legacy": (True, False),
+           "train_dataset.data_loader.datasets_type": ("GPTDataset",), "train_dataset_task.type":
+           ("CausalLanguageModelDataset",)}
 
 
 def read(text: str, source: str, options: ReadOptions) -> Converted:
     data = parse_yaml(text, source)
     if not isinstance(data, dict):
         raise ConversionError(f"{source}: expected a MindFormers YAML mapping (parallel_config, model, ...)")
+    if mindformers_pynative.is_pynative(data):
+        return mindformers_pynative.read(data, source, options)
     f = Fields(data, source)
     warnings: list[str] = []
-    for path, values in NEUTRAL.items():
-        if f.has(path) and f.raw(path) in values:
-            continue
-        f.used.discard(path)
+    f.accept_usual(NEUTRAL)
+    layout = layout_of(f)
     pc = "parallel_config"
     dp = f.get(f"{pc}.data_parallel", int, 1, ir="strategy.dp")
     tp = f.get(f"{pc}.model_parallel", int, 1, ir="strategy.tp")
@@ -74,24 +76,42 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if f.raw(f"{pc}.vocab_emb_dp", False) is True and tp > 1 and pp == 1:
         warnings.append(f"{pc}.vocab_emb_dp: a replicated embedding is not modelled; ms_llm splits the vocabulary "
                         "over model_parallel")
-    if cp > 1 and f.raw(f"{pc}.context_parallel_algo", "colossalai_cp") != "colossalai_cp":
-        warnings.append(f"{pc}.context_parallel_algo = {f.raw(pc + '.context_parallel_algo')}: read as ring "
-                        "context parallel")
-    model, mc = _model(f)
+    algo = f.raw(f"{pc}.context_parallel_algo", "colossalai_cp")
+    if algo != "colossalai_cp":
+        warnings.append(f"{pc}.context_parallel_algo = {algo}: not yet expressible "
+                        "(strategy.context_parallel.algorithm); read as ring context parallel")
+    model = read_model(f, layout, warnings, given=options.model)
     if cp > 1 and not model["flash_attention"]:
-        raise f.error(f"{pc}.context_parallel", f"needs {mc}.use_flash_attention: True (MindFormers refuses "
+        raise f.error(f"{pc}.context_parallel", f"needs {MC}.use_flash_attention: True (MindFormers refuses "
                                                  "context parallel without it)")
-    precision = _precision(f, mc, warnings)
+    ep = _expert_parallel(f, ep, dp * cp, model["num_experts"], warnings)
+    precision = _precision(f, layout, warnings)
     model["dtype"] = precision["param_dtype"]
     strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": sp,
-                "zero": _zero(f, warnings), "pipeline": _pipeline(f, mc, model["num_layers"], pp, warnings),
+                "zero": _zero(f, dp, warnings), "pipeline": _pipeline(f, model["num_layers"], pp, warnings),
                 "recompute": _recompute(f, warnings), "precision": precision}
-    train = _train(f, dp, pp, mc, warnings)
+    train = _train(f, dp, pp, warnings)
     device = options.device or DEVICES.get(f.get("context.device_target", str, "Ascend", ir="device"), "910b")
     name = f.get("trainer.model_name", str, Path(source).stem)
     model["name"] = name
     job = make_job(f, name=name, model=model, strategy=strategy, train=train, device=device, backend="mindspore")
     return Converted(job, world, warnings + f.unused(), f.sources)
+
+
+def _expert_parallel(f: Fields, ep: int, dp_cp: int, experts: int, warnings: list[str]) -> int:
+    """MindFormers carves experts out of dp * tp (expert tensor parallel 1); the IR carves them out
+    of dp * cp. An ep the IR cannot place is named and read as the largest degree it can."""
+    if ep == 1:
+        return 1
+    if not experts:
+        warnings.append(f"parallel_config.expert_parallel = {ep}: the model has no experts; read as 1")
+        return 1
+    fit = math.gcd(math.gcd(ep, dp_cp), experts)
+    if fit != ep:
+        warnings.append(f"parallel_config.expert_parallel = {ep}: experts spread over tensor-parallel ranks too "
+                        f"(MindFormers' expert tensor parallel 1) are not yet expressible; the IR carves ep out of "
+                        f"dp*cp = {dp_cp}: read as ep = {fit}")
+    return fit
 
 
 def _check_mode(f: Fields, tp: int, pp: int, warnings: list[str]) -> None:
@@ -110,66 +130,36 @@ def _check_mode(f: Fields, tp: int, pp: int, warnings: list[str]) -> None:
                         "parallel_config degrees are used as given")
 
 
-def _model(f: Fields) -> tuple[dict, str]:
-    mc = "model.model_config"
-    hidden = f.get(f"{mc}.hidden_size", int, ir="model.hidden_size")
-    heads = f.get(f"{mc}.num_heads", int, ir="model.num_heads")
-    kv = f.get(f"{mc}.n_kv_heads", int, None, ir="model.num_kv_heads") if f.raw(f"{mc}.n_kv_heads") is not None \
-        else heads
-    if f.raw(f"{mc}.intermediate_size") is not None:
-        ffn = f.get(f"{mc}.intermediate_size", int, ir="model.ffn_hidden_size")
-    else:
-        multiplier = f.raw(f"{mc}.ffn_dim_multiplier", ir="model.ffn_hidden_size")
-        multiple_of = f.get(f"{mc}.multiple_of", int, 256, ir="model.ffn_hidden_size")
-        if multiplier is not None:
-            multiplier = f.get(f"{mc}.ffn_dim_multiplier", float)
-        ffn = mindformers_ffn(hidden, multiple_of, multiplier)
-    seq = f.get(f"{mc}.seq_length", int, ir="train.seq_len")
-    experts = f.get(f"{mc}.moe_config.expert_num", int, 0, ir="model.num_experts") if f.has(f"{mc}.moe_config") \
-        else f.get("moe_config.expert_num", int, 0, ir="model.num_experts")
-    model = {"vocab_size": f.get(f"{mc}.vocab_size", int, ir="model.vocab_size"), "hidden_size": hidden,
-             "num_layers": f.get(f"{mc}.num_layers", int, ir="model.num_layers"), "num_heads": heads,
-             "num_kv_heads": kv, "ffn_hidden_size": ffn,
-             "max_seq_len": f.get(f"{mc}.max_position_embedding", int, seq, ir="model.max_seq_len"),
-             "rope_theta": f.get(f"{mc}.theta", float, 10000.0, ir="model.rope_theta"),
-             "norm_eps": f.get(f"{mc}.rms_norm_eps", float, 1e-5, ir="model.norm_eps"),
-             "tie_embeddings": f.get(f"{mc}.tie_word_embeddings", bool, False, ir="model.tie_embeddings"),
-             "flash_attention": f.get(f"{mc}.use_flash_attention", bool, False, ir="model.flash_attention"),
-             "num_experts": experts}
-    if experts:
-        key = f"{mc}.moe_config.num_experts_chosen" if f.has(f"{mc}.moe_config") else "moe_config.num_experts_chosen"
-        model["moe_top_k"] = f.get(key, int, 1, ir="model.moe_top_k")
-    return model, mc
-
-
-def _precision(f: Fields, mc: str, warnings: list[str]) -> dict:
-    compute = f.get(f"{mc}.compute_dtype", DTYPES, "float16", ir="strategy.precision.compute_dtype")
-    stored = f.get(f"{mc}.param_init_type", DTYPES, "float16", ir="strategy.precision.master_dtype")
+def _precision(f: Fields, layout: Layout, warnings: list[str]) -> dict:
+    compute, stored = read_dtypes(f, layout)
     if stored == "float32" and compute != "float32":
         prec = {"param_dtype": compute, "compute_dtype": compute, "master_dtype": "float32",
                 "grad_reduce_dtype": "float32"}
     else:
         prec = {"param_dtype": stored, "compute_dtype": compute, "master_dtype": stored, "grad_reduce_dtype": stored}
+    prec.update(read_loss_scale(f, warnings))
+    return prec
+
+
+def read_loss_scale(f: Fields, warnings: list[str]) -> dict:
+    """runner_wrapper.scale_sense: 1.0 (none), a number (static) or a loss-scale cell."""
     sense = f.raw("runner_wrapper.scale_sense", 1.0, ir="strategy.precision.loss_scale")
     if isinstance(sense, dict):
         kind = f.get("runner_wrapper.scale_sense.type", ("DynamicLossScaleUpdateCell", "FixedLossScaleUpdateCell"))
         value = f.get("runner_wrapper.scale_sense.loss_scale_value", float, 65536.0,
                       ir="strategy.precision.initial_loss_scale")
-        prec.update(loss_scale="dynamic" if kind.startswith("Dynamic") else "static", initial_loss_scale=value)
         for key, usual in (("scale_factor", 2), ("scale_window", 1000)):
-            value = f.raw(f"runner_wrapper.scale_sense.{key}", usual)
-            if value != usual:
-                warnings.append(f"runner_wrapper.scale_sense.{key} = {value}: the loss-scale update rule is not "
+            value_ = f.raw(f"runner_wrapper.scale_sense.{key}", usual)
+            if value_ != usual:
+                warnings.append(f"runner_wrapper.scale_sense.{key} = {value_}: the loss-scale update rule is not "
                                 f"modelled ({usual} assumed)")
-    elif isinstance(sense, (int, float)) and not isinstance(sense, bool):
-        if sense != 1.0:
-            prec.update(loss_scale="static", initial_loss_scale=float(sense))
-    else:
-        raise f.error("runner_wrapper.scale_sense", f"got {sense!r}; expected a number or a loss-scale cell mapping")
-    return prec
+        return {"loss_scale": "dynamic" if kind.startswith("Dynamic") else "static", "initial_loss_scale": value}
+    if isinstance(sense, (int, float)) and not isinstance(sense, bool):
+        return {"loss_scale": "static", "initial_loss_scale": float(sense)} if sense != 1.0 else {}
+    raise f.error("runner_wrapper.scale_sense", f"got {sense!r}; expected a number or a loss-scale cell mapping")
 
 
-def _zero(f: Fields, warnings: list[str]) -> dict:
+def _zero(f: Fields, dp: int, warnings: list[str]) -> dict:
     on = f.get("parallel.enable_parallel_optimizer", bool, False, ir="strategy.zero.stage")
     if f.raw("parallel_config.optimizer_shard") is True:
         warnings.append("parallel_config.optimizer_shard is deprecated; read as parallel.enable_parallel_optimizer")
@@ -177,19 +167,27 @@ def _zero(f: Fields, warnings: list[str]) -> dict:
     if not on:
         return {}
     poc = "parallel.parallel_optimizer_config"
-    zero = {"stage": 2 if f.get(f"{poc}.gradient_accumulation_shard", bool, False, ir="strategy.zero.stage") else 1}
+    level = f.get(f"{poc}.optimizer_level", tuple(OPTIMIZER_LEVELS), "level1", ir="strategy.zero.stage")
+    shard = f.get(f"{poc}.gradient_accumulation_shard", bool, False, ir="strategy.zero.stage")
+    if shard and f.has(f"{poc}.optimizer_level") and level != "level2":
+        raise f.error(f"{poc}.gradient_accumulation_shard", f"True needs optimizer_level level2, not {level} "
+                                                            "(MindSpore refuses the pair); drop one of them")
+    zero = {"stage": 2 if shard else OPTIMIZER_LEVELS[level]}
     size = f.get(f"{poc}.optimizer_weight_shard_size", int, -1, ir="strategy.zero.shard_size")
-    if size > 0:
+    if size > 0 and dp % size:
+        warnings.append(f"{poc}.optimizer_weight_shard_size = {size} does not divide data_parallel = {dp}: MindSpore "
+                        "then shards over the whole data-parallel group, and so does this conversion")
+    elif size > 0:
         zero["shard_size"] = size
     return zero
 
 
-def _pipeline(f: Fields, mc: str, layers: int, pp: int, warnings: list[str]) -> dict:
-    pc = "parallel.pipeline_config"
+def _pipeline(f: Fields, layers: int, pp: int, warnings: list[str]) -> dict:
+    pc, mc = "parallel.pipeline_config", MC
     vpp = f.get(f"{mc}.pp_interleave_num", int, 1, ir="strategy.pipeline.virtual_stages")
     interleave = f.get(f"{pc}.pipeline_interleave", bool, False, ir="strategy.pipeline.schedule")
     scheduler = f.get(f"{pc}.pipeline_scheduler", tuple(SCHEDULES), "1f1b", ir="strategy.pipeline.schedule")
-    if scheduler in ("seqpipe", "seqvpp"):
+    if scheduler.startswith("seq"):
         warnings.append(f"{pc}.pipeline_scheduler = {scheduler}: sequence-chunked pipelining is not modelled; "
                         "1F1B over whole sequences")
     if vpp > 1 and not interleave:
@@ -201,8 +199,11 @@ def _pipeline(f: Fields, mc: str, layers: int, pp: int, warnings: list[str]) -> 
         schedule = "interleaved_1f1b"
     pipe: dict = {"schedule": schedule, "virtual_stages": vpp}
     offset = f.raw(f"{mc}.offset", 0, ir="strategy.pipeline.layer_split")
+    chunks = pp * vpp
+    if offset in (0, None) and pp > 1 and layers % chunks:
+        raise f.error(f"{mc}.offset", f"0, but {layers} layers over {chunks} pipeline chunks leave {layers % chunks}; "
+                      f"give one offset per stage summing to {layers % chunks} (MindFormers refuses it too)")
     if offset not in (0, None) and pp > 1:
-        chunks = pp * vpp
         flat = [o for chunk in offset for o in chunk] if isinstance(offset, list) and offset and \
             isinstance(offset[0], list) else offset
         if not isinstance(flat, list) or len(flat) != chunks or not all(isinstance(o, int) for o in flat):
@@ -238,7 +239,7 @@ def _recompute(f: Fields, warnings: list[str]) -> dict:
     return {}
 
 
-def _train(f: Fields, dp: int, pp: int, mc: str, warnings: list[str]) -> dict:
+def _train(f: Fields, dp: int, pp: int, warnings: list[str]) -> dict:
     batch = f.get("runner_config.batch_size", int, 1, ir="train.micro_batch_size")
     interleave = f.get("micro_batch_interleave_num", int, 1)
     if interleave > 1:
@@ -253,16 +254,19 @@ def _train(f: Fields, dp: int, pp: int, mc: str, warnings: list[str]) -> dict:
     else:
         micro = gas
     f.sources["train.global_batch_size"] = "runner_config.batch_size"
-    train: dict = {"micro_batch_size": batch * interleave, "global_batch_size": batch * dp * micro * interleave,
-                   "seq_len": f.get(f"{mc}.seq_length", int), "seed": f.get("seed", int, 1234, ir="train.seed")}
+    gbs = batch * dp * micro * interleave
+    train: dict = {"micro_batch_size": batch * interleave, "global_batch_size": gbs,
+                   "seq_len": f.get(f"{MC}.seq_length", int, 4096), "seed": f.get("seed", int, 1234, ir="train.seed")}
+    train["data"], samples = read_data(f, "train_dataset.data_loader", train["seq_len"], warnings)
+    epochs = f.get("runner_config.epochs", int, 1, ir="train.steps")
     train["optimizer"], lr = _optimizer(f, warnings)
-    train["schedule"], steps, lr = _schedule(f, lr, warnings)
+    train["schedule"], steps, lr = read_schedule(f, "lr_schedule", lr, epochs * (samples // gbs), warnings)
     train["optimizer"]["lr"] = lr
     if steps:
         train["steps"] = steps
     else:
-        warnings.append("train.steps: MindFormers runs epochs over the dataset (lr_schedule.total_steps = -1); "
-                        "ms_llm's default step count is used")
+        warnings.append("train.steps: MindFormers runs epochs over the dataset (lr_schedule.total_steps = -1) and "
+                        "the dataset size is not in this file; ms_llm's default step count is used")
     train["checkpoint"], log_every = _callbacks(f, warnings)
     if log_every:
         train["log_every"] = log_every
@@ -277,7 +281,7 @@ def _optimizer(f: Fields, warnings: list[str]) -> tuple[dict, float]:
     opt: dict = {"grad_clip": f.get("runner_wrapper.max_grad_norm", float, 1.0, ir="train.optimizer.grad_clip")
                  if clip else 0.0}
     if not f.has("optimizer"):
-        return opt, 3e-4
+        return opt, None
     kind = f.get("optimizer.type", str, "AdamW", ir="train.optimizer.name")
     if kind not in OPTIMIZERS:
         warnings.append(f"optimizer.type = {kind}: read as AdamW")
@@ -291,33 +295,7 @@ def _optimizer(f: Fields, warnings: list[str]) -> tuple[dict, float]:
         b2 = f.get("optimizer.beta2", float, 0.999, ir="train.optimizer.beta2")
     opt.update(name="adamw", beta1=b1, beta2=b2, eps=f.get("optimizer.eps", float, 1e-8, ir="train.optimizer.eps"),
                weight_decay=f.get("optimizer.weight_decay", float, 0.0, ir="train.optimizer.weight_decay"))
-    return opt, f.get("optimizer.learning_rate", float, 3e-4, ir="train.optimizer.lr")
-
-
-def _schedule(f: Fields, lr: float, warnings: list[str]) -> tuple[dict, int, float]:
-    ls = "lr_schedule"
-    if not f.has(ls):
-        return {"warmup_steps": 0, "decay": "constant"}, 0, lr
-    kind = f.get(f"{ls}.type", str, ir="train.schedule.decay")
-    if kind not in LR_SCHEDULES:
-        warnings.append(f"{ls}.type = {kind}: read as cosine decay")
-    peak = f.get(f"{ls}.learning_rate", float, lr, ir="train.optimizer.lr")
-    if peak != lr:
-        warnings.append(f"{ls}.learning_rate = {peak:g} overrides optimizer.learning_rate = {lr:g}, as in MindFormers")
-    steps = f.get(f"{ls}.total_steps", int, -1, ir="train.steps")
-    if f.has(f"{ls}.warmup_steps"):
-        warmup = f.get(f"{ls}.warmup_steps", int, ir="train.schedule.warmup_steps")
-    else:
-        ratio = f.get(f"{ls}.warmup_ratio", float, 0.0, ir="train.schedule.warmup_steps")
-        warmup = round(ratio * steps) if steps > 0 else 0
-        if ratio and steps <= 0:
-            warnings.append(f"{ls}.warmup_ratio = {ratio} of a dataset-sized run: the step count is unknown here; "
-                            "no warmup")
-    end = f.get(f"{ls}.lr_end", float, 0.0, ir="train.schedule.min_lr_ratio")
-    schedule = {"warmup_steps": warmup, "decay": LR_SCHEDULES.get(kind, "cosine"),
-                "min_lr_ratio": end / peak if peak else 0.0}
-    f.sources["train.optimizer.lr"] = f"{ls}.learning_rate"
-    return schedule, max(steps, 0), peak
+    return opt, f.get("optimizer.learning_rate", float, None, ir="train.optimizer.lr")
 
 
 def _callbacks(f: Fields, warnings: list[str]) -> tuple[dict, int]:

@@ -1,18 +1,25 @@
-"""IR -> a MindFormers pretrain YAML in the layout of its configs/llama2/pretrain_*.yaml, which
-mindformers.read reads back to the same IR. Data, tokenizer and evaluation sections are left
-to the user (they are not part of a strategy)."""
+"""IR -> a MindFormers pretrain YAML, which mindformers.read reads back to the same IR, in either
+layout: r1.x (configs/llama2/pretrain_*.yaml: LlamaConfig keys, LlamaForCausalLM, which
+MindFormers 2.x still builds with use_legacy: True) or 2.x (use_legacy: False, Hugging Face
+model keys). MindFormers 2.x has no mcore LLaMA: its dense mcore model with configurable q/k norm
+and biases is TeleChat3ForCausalLM, which with qk_layernorm, attention_bias and add_bias_linear
+off is LLaMA's math (RMSNorm, SwiGLU, rotary, GQA), so a 2.x YAML names it. Megatron datasets
+(train.data.paths) become a BlendedMegatronDatasetDataLoader section; tokenizer and evaluation
+sections are left to the user."""
 from __future__ import annotations
 
 from ms_llm.config.job import JobConfig, dump_yaml
 from ms_llm.convert.common import Written
-from ms_llm.convert.mindformers import LR_SCHEDULES
+from ms_llm.convert.mindformers_train import LR_SCHEDULES
+from ms_llm.convert.mindformers_data import write_data
 
 SCHEDULERS = {"1f1b": "1f1b", "interleaved_1f1b": "1f1b", "gpipe": "gpipe", "zbv": "zero_bubble_v"}
 LR_TYPES = {decay: name for name, decay in LR_SCHEDULES.items()}
 TARGETS = {"910b": "Ascend", "cpu": "CPU"}
 
 
-def write(job: JobConfig, world_size: int) -> Written:
+def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
+    """The r1.x layout, or with `mcore` the 2.x one (mindformers2_yaml)."""
     m, s, t = job.model, job.strategy, job.train
     warnings: list[str] = []
     expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep",
@@ -26,13 +33,11 @@ def write(job: JobConfig, world_size: int) -> Written:
     parallel: dict = {"parallel_mode": 1, "gradients_mean": False, "enable_alltoall": s.ep > 1, "full_batch": True,
                       "search_mode": "sharding_propagation", "enable_parallel_optimizer": s.zero.stage > 0}
     if s.zero.stage:
-        poc: dict = {"gradient_accumulation_shard": s.zero.stage >= 2}
+        # MindSpore's optimizer_level: level1 / level2 / level3 = ZeRO stage 1 / 2 / 3 (mindformers.read maps back)
+        poc: dict = {"optimizer_level": f"level{s.zero.stage}"}
         if s.zero.shard_size not in (-1, s.dp):
             poc["optimizer_weight_shard_size"] = s.zero.shard_size
         parallel["parallel_optimizer_config"] = poc
-        if s.zero.stage == 3:
-            warnings.append("strategy.zero.stage = 3: MindSpore's parallel optimizer is written (it shards "
-                            "optimizer states, gradients with gradient_accumulation_shard, and weights)")
     pipe = s.pipeline
     if s.pp > 1:
         parallel["pipeline_config"] = {"pipeline_interleave": pipe.virtual_stages > 1,
@@ -54,36 +59,78 @@ def write(job: JobConfig, world_size: int) -> Written:
                                  "warmup_steps": t.schedule.warmup_steps, "total_steps": t.steps},
                  "use_parallel": True, "parallel": parallel, "parallel_config": parallel_config,
                  "micro_batch_interleave_num": 1,
-                 "recompute_config": _recompute(s, warnings),
+                 "recompute_config": _recompute(s, warnings, mcore),
                  "callbacks": _callbacks(job, warnings),
                  "context": {"mode": 0, "device_target": TARGETS.get(job.device, "GPU")},
-                 "model": {"model_config": _model_config(m, s, t, warnings), "arch": {"type": "LlamaForCausalLM"}},
+                 "model": {"model_config": _mcore_model_config(m, s, t, warnings)} if mcore else
+                 {"model_config": _model_config(m, s, t, warnings), "arch": {"type": "LlamaForCausalLM"}},
                  "runner_wrapper": _wrapper(s, t)}
+    if mcore:
+        out = {"use_legacy": False, **out}
+    if t.data.paths:
+        dataset = write_data(t.data, t.seq_len, t.steps * t.global_batch_size, t.seed)
+        out["train_dataset"] = dataset          # the same mapping twice: YAML writes an anchor, as MindFormers does
+        out["train_dataset_task"] = {"type": "CausalLanguageModelDataset", "dataset_config": dataset}
+        expressed |= {"train.data.paths", "train.data.weights", "train.data.split"}
     if t.optimizer.name != "adamw":
         warnings.append(f"train.optimizer.name = {t.optimizer.name}: MindFormers pretraining uses AdamW; AdamW written")
     if s.offload.optimizer or s.offload.params:
         warnings.append("strategy.offload: MindFormers' swap_config moves activations, not optimizer states or "
                         "parameters; not written")
-    if t.steps:
+    if t.steps and not t.data.paths:
         warnings.append(f"train.steps = {t.steps}: MindFormers runs epochs over the dataset; the step count is "
                         "written as lr_schedule.total_steps only")
-    header = (f"# {job.name}: {m.name} on {world_size} devices; written by ms-llm convert-strategy.\n"
-              "# Add train_dataset / processor sections for your data (not part of the strategy).\n")
+    header = (f"# {job.name}: {m.name} on {world_size} devices; MindFormers {'2.x' if mcore else 'r1.x'} layout, "
+              "written by ms-llm convert-strategy.\n")
     return Written(header + dump_yaml(out), expressed, warnings)
+
+
+def _stored_dtype(p, warnings: list[str]) -> str:
+    """The one parameter dtype MindFormers holds: float32 under mixed precision, else the master's."""
+    if p.master_dtype == "float32" and p.compute_dtype != "float32":
+        if p.grad_reduce_dtype != "float32":
+            warnings.append(f"strategy.precision.grad_reduce_dtype = {p.grad_reduce_dtype}: MindSpore reduces the "
+                            "gradients of float32 parameters in float32")
+        return "float32"
+    if p.param_dtype != p.master_dtype or p.grad_reduce_dtype != p.master_dtype:
+        warnings.append(f"strategy.precision: params {p.param_dtype}, master {p.master_dtype}, gradient reduce "
+                        f"{p.grad_reduce_dtype}: MindFormers holds one parameter dtype ({p.master_dtype} written)")
+    return p.master_dtype
+
+
+def _mcore_model_config(m, s, t, warnings: list[str]) -> dict:
+    p = s.precision
+    mc: dict = {"model_type": "telechat3", "architectures": ["TeleChat3ForCausalLM"], "vocab_size": m.vocab_size,
+                "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,
+                "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
+                "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "swiglu",
+                "max_position_embeddings": m.max_seq_len, "seq_length": t.seq_len, "rms_norm_eps": m.norm_eps,
+                "tie_word_embeddings": m.tie_embeddings, "rope_theta": m.rope_theta, "position_embedding_type": "rope",
+                "attention_bias": False, "add_bias_linear": False, "qk_layernorm": False,
+                "use_flash_attention": m.flash_attention or s.cp > 1, "params_dtype": _stored_dtype(p, warnings),
+                "compute_dtype": p.compute_dtype, **_pipeline_keys(m, s)}
+    if m.num_experts:
+        warnings.append(f"model.num_experts = {m.num_experts}: the 2.x layout's MoE keys are written with model.moe "
+                        "(a later round); a dense model is written, use the r1.x layout (--to mindformers) for MoE")
+    return mc
+
+
+def _pipeline_keys(m, s) -> dict:
+    """offset (layers per stage beyond the even share) and pp_interleave_num, as LayerSetting reads them."""
+    pipe = s.pipeline
+    out: dict = {"pp_interleave_num": pipe.virtual_stages} if pipe.virtual_stages > 1 else {}
+    if pipe.layer_split is None:
+        return {**out, "offset": 0}
+    base = m.num_layers // (s.pp * pipe.virtual_stages)
+    offsets = [n - base for n in pipe.layer_split]
+    offset = [offsets[v * s.pp:(v + 1) * s.pp] for v in range(pipe.virtual_stages)] \
+        if pipe.virtual_stages > 1 else offsets
+    return {**out, "offset": offset}
 
 
 def _model_config(m, s, t, warnings: list[str]) -> dict:
     p = s.precision
-    if p.master_dtype == "float32" and p.compute_dtype != "float32":
-        stored = "float32"
-        if p.grad_reduce_dtype != "float32":
-            warnings.append(f"strategy.precision.grad_reduce_dtype = {p.grad_reduce_dtype}: MindSpore reduces the "
-                            "gradients of float32 parameters in float32")
-    else:
-        stored = p.master_dtype
-        if p.param_dtype != p.master_dtype or p.grad_reduce_dtype != p.master_dtype:
-            warnings.append(f"strategy.precision: params {p.param_dtype}, master {p.master_dtype}, gradient reduce "
-                            f"{p.grad_reduce_dtype}: MindFormers holds one parameter dtype ({stored} written)")
+    stored = _stored_dtype(p, warnings)
     mc: dict = {"type": "LlamaConfig", "seq_length": t.seq_len, "hidden_size": m.hidden_size,
                 "num_layers": m.num_layers, "num_heads": m.num_heads, "n_kv_heads": m.num_kv_heads,
                 "vocab_size": m.vocab_size, "intermediate_size": m.ffn_hidden_size, "rms_norm_eps": m.norm_eps,
@@ -95,23 +142,17 @@ def _model_config(m, s, t, warnings: list[str]) -> dict:
                         "only with flash attention; use_flash_attention: True written")
     if m.num_experts:
         mc["moe_config"] = {"expert_num": m.num_experts, "num_experts_chosen": m.moe_top_k}
-    pipe = s.pipeline
-    if pipe.virtual_stages > 1:
-        mc["pp_interleave_num"] = pipe.virtual_stages
-    if pipe.layer_split is not None:
-        base = m.num_layers // (s.pp * pipe.virtual_stages)
-        offsets = [n - base for n in pipe.layer_split]
-        mc["offset"] = [offsets[v * s.pp:(v + 1) * s.pp] for v in range(pipe.virtual_stages)] \
-            if pipe.virtual_stages > 1 else offsets
-    else:
-        mc["offset"] = 0
-    return mc
+    return {**mc, **_pipeline_keys(m, s)}
 
 
-def _recompute(s, warnings: list[str]) -> dict:
+def _recompute(s, warnings: list[str], mcore: bool) -> dict:
+    """Full recompute of the first N layers of each stage is a count per stage (per chunk and stage
+    in 2.x, whose LayerSetting reads a (pp_interleave_num, pp) list)."""
     rc = s.recompute
     out = {"recompute": False, "select_recompute": False}
-    if rc.policy == "full":
+    if rc.policy == "full" and rc.num_layers != -1 and mcore:
+        out["recompute"] = [[rc.num_layers] * s.pp for _ in range(s.pipeline.virtual_stages)]
+    elif rc.policy == "full":
         out["recompute"] = True if rc.num_layers == -1 else [rc.num_layers] * s.pp
     elif rc.policy == "selective":
         out["select_recompute"] = True

@@ -1,0 +1,178 @@
+"""What convert-strategy writes is read by the peers' own config code, one subprocess per peer
+(PYTHONPATH=.oracles: megatron-core 0.16.1, deepspeed 0.19.8, mindformers 2.1.0):
+
+- Megatron-LM arguments -> megatron-core's TransformerConfig (its __post_init__ checks them);
+- DeepSpeed JSON -> DeepSpeedConfig with the job's data-parallel size (the batch triple, ZeRO);
+- MindFormers 2.x YAML -> MindFormerConfig, MindSpore's set_auto_parallel_context, MindFormers'
+  TransformerConfig and LayerSetting with the real degrees, and its model built (small models).
+
+Each peer must accept every file and read back the degrees, batch and layer placement we meant.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ms_llm.config.job import job_from_dict, load_job, load_section
+from ms_llm.convert import ReadOptions, dump, from_job, load
+from ms_llm.convert.megatron import parse_args
+from ms_llm.convert.shell import launch_command
+
+ROOT = Path(__file__).resolve().parents[1]
+ORACLES = ROOT / ".oracles"
+FIXTURES = Path(__file__).parent / "fixtures"
+EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml"))
+SOURCES = {"megatron_gpt3_175b.sh": ReadOptions(), "megatron_llama3_8b.sh": ReadOptions(),
+           "mindformers_llama2_70b.yaml": ReadOptions(), "torchtitan_llama3_8b.toml": ReadOptions(world_size=64),
+           "deepspeed_zero3_offload.json": ReadOptions(model=load_section("model", "llama2_7b"))}
+
+
+def _jobs() -> dict:
+    """Converted jobs: the peer fixtures, the shipped train configs and MindFormers examples."""
+    out = {name: load(FIXTURES / name, options=opts) for name, opts in SOURCES.items()}
+    for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
+        job = load_job(path)
+        out[path.stem] = from_job(job, None if job.strategy.dp > 0 else 1024, str(path))
+    out.update({path.stem: load(path) for path in EXAMPLES})
+    return out
+
+
+JOBS = _jobs()
+# Small jobs MindFormers builds: (strategy, world size)
+TINY = {"dp2_tp2_pp2_sp_zero3_uneven": ({"dp": 2, "tp": 2, "pp": 2, "sequence_parallel": True, "zero": {"stage": 3},
+                                         "recompute": {"policy": "full", "num_layers": 1},
+                                         "pipeline": {"layer_split": [1, 3]}}, 8),
+        "tp2_pp2_vpp2_zero2": ({"dp": 1, "tp": 2, "pp": 2, "zero": {"stage": 2},
+                                "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}, 4),
+        "dp2_cp2_flash_zero1": ({"dp": 2, "cp": 2, "zero": {"stage": 1}}, 4)}
+
+
+def _tiny(name: str):
+    strategy, world = TINY[name]
+    flash = strategy.get("cp", 1) > 1
+    job = job_from_dict({"name": name, "model": {**vars(load_section("model", "tiny")), "flash_attention": flash},
+                         "device": "910b", "backend": "mindspore", "strategy": strategy,
+                         "train": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 64, "steps": 10,
+                                   "data": {"paths": ["/data/a", "/data/b"], "weights": [0.3, 0.7]}}}, ROOT / "configs")
+    return from_job(job, world, name)
+
+
+def _run(cmd: list[str], cwd: Path, env: dict | None = None) -> None:
+    if not (ORACLES / "megatron").is_dir():
+        pytest.fail(".oracles/ is missing: run `make oracles` (installs the peers beside .venv)")
+    env = {**os.environ, "PYTHONPATH": str(ORACLES), "GLOG_v": "3", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+
+
+def _probe(script: str, cases: dict, tmp: Path) -> dict:
+    (tmp / "in.json").write_text(json.dumps(cases))
+    _run([sys.executable, str(Path(__file__).with_name(script)), str(tmp / "in.json"), str(tmp / "out.json")], tmp)
+    return json.loads((tmp / "out.json").read_text())
+
+
+# ---- Megatron-LM: megatron-core's TransformerConfig -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory) -> dict:
+    cases = {name: parse_args(launch_command(dump(conv, "megatron").text, "out.sh").args, "out.sh")
+             for name, conv in JOBS.items()}
+    return _probe("megatron_config_probe.py", cases, tmp_path_factory.mktemp("megatron"))
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_megatron_core_reads_our_arguments(name, megatron):
+    result = megatron[name]
+    assert "error" not in result, result
+    c, s, m = result["ok"], JOBS[name].job.strategy, JOBS[name].job.model
+    assert (c["tensor_model_parallel_size"], c["pipeline_model_parallel_size"], c["context_parallel_size"]) == \
+        (s.tp, s.pp, s.cp)
+    assert c["sequence_parallel"] == (s.sequence_parallel and s.tp > 1)
+    assert (c["virtual_pipeline_model_parallel_size"] or 1) == s.pipeline.virtual_stages
+    assert (c["num_layers"], c["hidden_size"], c["ffn_hidden_size"], c["kv_channels"]) == \
+        (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.head_dim)
+    assert (c["num_query_groups"] or m.num_heads) == m.num_kv_heads
+    assert c["gated_linear_unit"] and not c["add_bias_linear"] and c["normalization"] == "RMSNorm"
+    assert c["recompute_granularity"] == {"none": None, "selective": "selective", "full": "full"}[s.recompute.policy]
+
+
+# ---- DeepSpeed: DeepSpeedConfig with the job's data-parallel size ------------------------------------
+
+@pytest.fixture(scope="module")
+def deepspeed(tmp_path_factory) -> dict:
+    cases = {name: {"config": json.loads(dump(conv, "deepspeed").text), "dp": conv.job.strategy.dp}
+             for name, conv in JOBS.items()}
+    return _probe("deepspeed_config_probe.py", cases, tmp_path_factory.mktemp("deepspeed"))
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_deepspeed_reads_our_json(name, deepspeed):
+    result = deepspeed[name]
+    assert "error" not in result, result
+    c, s, t = result["ok"], JOBS[name].job.strategy, JOBS[name].job.train
+    assert (c["world_size"], c["train_batch_size"], c["micro_batch"]) == (s.dp, t.global_batch_size, t.micro_batch_size)
+    assert c["gradient_accumulation_steps"] == t.global_batch_size // (t.micro_batch_size * s.dp)
+    assert c["zero_stage"] == s.zero.stage and c["gradient_clipping"] == t.optimizer.grad_clip
+    assert c["offload_optimizer"] == s.offload.optimizer
+
+
+# ---- MindFormers 2.x: MindFormerConfig, MindSpore's context, TransformerConfig, LayerSetting, model ----
+
+@pytest.fixture(scope="module")
+def mindformers(tmp_path_factory) -> dict:
+    """One msrun worker (MindFormers' mcore models need mindspore.communication.init())."""
+    tmp = tmp_path_factory.mktemp("mindformers")
+    cases = []
+    for name in TINY:
+        (tmp / f"{name}.yaml").write_text(dump(_tiny(name), "mindformers2").text)
+        cases.append({"path": str(tmp / f"{name}.yaml"), "build": True})
+    (tmp / "r1.yaml").write_text(dump(_tiny("dp2_tp2_pp2_sp_zero3_uneven"), "mindformers").text)
+    cases += [{"path": str(tmp / "r1.yaml"), "build": False}] + [{"path": str(p), "build": False} for p in EXAMPLES]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    venv_bin = str(Path(sys.executable).parent)
+    _run([str(Path(venv_bin) / "msrun"), "--worker_num=1", "--local_worker_num=1", f"--master_port={port}",
+          f"--log_dir={tmp / 'log'}", "--join=True", str(Path(__file__).with_name("ms_mcore_probe.py")),
+          json.dumps(cases), str(tmp / "out.json")], tmp, {"PATH": venv_bin + os.pathsep + os.environ["PATH"]})
+    result = json.loads((tmp / "out.json").read_text())
+    assert result["mindformers"].startswith("2.1."), result["mindformers"]
+    return {Path(p).stem: v for p, v in result["yamls"].items()}
+
+
+def _expected_parameters(m) -> dict:
+    """MindFormers' TeleChat3 (mcore GPTModel) parameters for our LLaMA: fused qkv and gate/up."""
+    h, v, f, kv = m.hidden_size, m.vocab_size, m.ffn_hidden_size, m.kv_dim
+    out = {"model.embedding.word_embeddings.weight": [v, h], "model.decoder.final_layernorm.weight": [h],
+           "model.output_layer.weight": [v, h]}
+    for i in range(m.num_layers):
+        p = f"model.decoder.layers.{i}."
+        out.update({p + "input_layernorm.weight": [h], p + "self_attention.linear_qkv.weight": [h + 2 * kv, h],
+                    p + "self_attention.linear_proj.weight": [h, h], p + "pre_mlp_layernorm.weight": [h],
+                    p + "mlp.linear_fc1.weight": [2 * f, h], p + "mlp.linear_fc2.weight": [h, f]})
+    return out
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_mindformers_builds_the_2x_yaml_we_write(name, mindformers):
+    result, conv = mindformers[name], _tiny(name)
+    s, m = conv.job.strategy, conv.job.model
+    assert result["use_legacy"] is False and result["model"] == "TrainingTeleChat3ForCausalLM"
+    assert result["degrees"] == [s.dp, s.tp, s.pp, s.cp]
+    chunks = s.pp * s.pipeline.virtual_stages
+    split = list(s.pipeline.layer_split or [m.num_layers // chunks] * chunks)
+    assert result["layers_per_stage"] == [split[v * s.pp:(v + 1) * s.pp] for v in range(s.pipeline.virtual_stages)]
+    assert result["parameters"] == _expected_parameters(m)         # LLaMA: no q/k norm, no biases, GQA
+
+
+def test_mindformers_loads_the_examples_and_the_r1_layout(mindformers):
+    assert mindformers["r1"]["use_legacy"] is True
+    assert mindformers["mindformers_r1_llama2_7b"]["use_legacy"] is True
+    two = mindformers["mindformers2_llama2_7b"]
+    assert (two["use_legacy"], two["degrees"], two["layers_per_stage"]) == (False, [2, 2, 2, 1], [[15, 17]])
