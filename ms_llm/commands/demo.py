@@ -106,12 +106,12 @@ def plan_and_search(demo: Demo) -> None:
 
 def convert_peer_config(demo: Demo) -> None:
     demo.header("Convert a MindFormers config",
-                "the LLaMA-2-7B MindFormers YAML becomes an ms_llm job torchrun can run, and Megatron-LM "
-                "arguments; what a target cannot express is named")
-    source = CONFIGS / "examples" / "mindformers_llama2_7b.yaml"
+                "a MindFormers 2.x LLaMA-2-7B pretrain YAML becomes an ms_llm job (the torch backend's verdict "
+                "on H100 below) and Megatron-LM arguments; what a target cannot express is named")
+    source = CONFIGS / "examples" / "mindformers2_llama2_7b.yaml"
     demo.ms_llm("convert-strategy", str(source), "--to", "ms_llm", "-o", str(demo.out / "llama2_7b_from_mindformers.yaml"))
     demo.ms_llm("convert-strategy", str(source), "--to", "megatron", "-o", str(demo.out / "train_llama2_7b_megatron.sh"))
-    demo.ms_llm("train", str(demo.out / "llama2_7b_from_mindformers.yaml"), "--backend", "torch", "--dry-run")
+    demo.ms_llm("plan", str(demo.out / "llama2_7b_from_mindformers.yaml"), "--backend", "torch", "--device", "h100")
 
 
 def train_strategies(demo: Demo) -> dict[str, Path]:
