@@ -18,7 +18,7 @@ from typing import Union
 from ms_llm.config.model import DTYPE_BYTES, ModelConfig
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.devices import DEVICES, DeviceSpec
-from ms_llm.strategy.ir import ContextParallelSpec, ParallelStrategy
+from ms_llm.strategy.ir import CP_ALGORITHMS, ContextParallelSpec, ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan, pipeline_chunks, recompute_modes
 
 ADAM_STATE_BYTES = 8       # m and v in fp32
@@ -354,24 +354,25 @@ def _cp_volume(plan: CostShape, tokens: float, act: float, layer_passes: int) ->
     return 2 * per_token * tokens * (cp - 1) / cp * layer_passes, "4 all-to-alls per layer (fwd and bwd)"
 
 
-def cp_algorithm(plan: Union[ModelPlan, CostShape], device: DeviceSpec = DEVICES["h100"]) -> str:
+def cp_algorithm(plan: Union[ModelPlan, CostShape], device: DeviceSpec = DEVICES["h100"],
+                 backend_runs: tuple[str, ...] = CP_ALGORITHMS) -> str:
     """The strategy's context-parallel algorithm; 'auto' = the one of the lowest estimated step
-    time on `device` among those the model allows, ring on a tie (its K/V traffic hides under
-    attention compute, and its activations stay 1/cp)."""
+    time on `device` among those the model allows and the backend runs, the first of
+    `backend_runs` on a tie."""
     shape = _shape(plan)
     s = shape.strategy
     chosen = s.context_parallel.algorithm
     if chosen != "auto" or s.cp == 1:
-        return "ring" if chosen == "auto" else chosen
+        return backend_runs[0] if chosen == "auto" else chosen
     best = None
-    for algorithm in cp_algorithms(shape.model, s, shape.train):
+    for algorithm in (a for a in backend_runs if a in cp_algorithms(shape.model, s, shape.train)):
         priced = dataclasses.replace(shape, strategy=dataclasses.replace(
             s, context_parallel=ContextParallelSpec(algorithm=algorithm)))
         est = estimate(priced, device)
         key = (not est.fits, est.step_s, est.memory.total)
         if best is None or key < best[0]:
             best = (key, algorithm)
-    return best[1] if best else "ring"
+    return best[1] if best else backend_runs[0]
 
 
 def cp_algorithms(model: ModelConfig, s: ParallelStrategy, train: TrainConfig) -> tuple[str, ...]:
