@@ -4,7 +4,8 @@ Nothing here is a table of strategies. Every op's strategy is read off the plan'
 a Linear's input is its activation layout flattened to (tokens, in), its weight is the
 parameter's layout, a row-parallel output lands in the residual stream's layout (so
 sequence parallel turns the all-reduce into a reduce-scatter), attention ops take the
-q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence. For the
+q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence (context
+parallel: allgather or ulysses, MindFormers' colossalai_cp / ulysses_cp, _attention_core). For the
 cases MindFormers covers the results equal the strategies of MindFormers' own LLaMA, built and
 read by tests/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
 

@@ -150,27 +150,12 @@ def _reduce_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Blocks are computed in fp32 (scores, log-sum-exp, accumulators) whatever autocast says."""
+
     @staticmethod
     def forward(ctx, q, k, v, group):
-        me, n = dist.get_rank(group), dist.get_world_size(group)
-        heads, c, scale = q.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(n):
-            if step < n - 1:                      # the next block travels while this one computes
-                nxt, works = _ring_exchange(kv, group)
-            rows, cols, causal = _block_slices(me, (me - step) % n, c)
-            bo, bl = _block_forward(q[:, :, rows], _expand(kv[0][:, :, cols], heads),
-                                    _expand(kv[1][:, :, cols], heads), causal, scale)
-            new = torch.logaddexp(lse[:, :, rows], bl)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new).unsqueeze(-1)
-                               + bo * torch.exp(bl - new).unsqueeze(-1))
-            lse[:, :, rows] = new
-            if step < n - 1:
-                for w in works:
-                    w.wait()
-                kv = nxt
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(q, k, v, group)
         ctx.group = group
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -178,32 +163,62 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        me, n = dist.get_rank(group), dist.get_world_size(group)
-        heads, kv_heads, c, scale = q.shape[1], k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-        dout = dout.float()
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # travels with its block
-        for step in range(n):
-            if step < n - 1:
-                nxt, works = _ring_exchange(kv, group)
-            rows, cols, causal = _block_slices(me, (me - step) % n, c)
-            gq, gk, gv = _block_backward(q[:, :, rows], _expand(kv[0][:, :, cols], heads),
-                                         _expand(kv[1][:, :, cols], heads), dout[:, :, rows],
-                                         lse[:, :, rows], delta[:, :, rows], causal, scale)
-            dq[:, :, rows] += gq
-            dkv[0][:, :, cols] += _reduce_heads(gk, kv_heads)
-            dkv[1][:, :, cols] += _reduce_heads(gv, kv_heads)
-            dkv, dkv_works = _ring_exchange(dkv, group, tag=1)   # after the last hop each block is home
-            for w in dkv_works:
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.group)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _ring_forward(q, k, v, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp), fp32: the local queries against every rank's K/V block in turn."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    heads, c, scale = q.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v]).contiguous()
+    for step in range(n):
+        if step < n - 1:                      # the next block travels while this one computes
+            nxt, works = _ring_exchange(kv, group)
+        rows, cols, causal = _block_slices(me, (me - step) % n, c)
+        bo, bl = _block_forward(q[:, :, rows], _expand(kv[0][:, :, cols], heads),
+                                _expand(kv[1][:, :, cols], heads), causal, scale)
+        new = torch.logaddexp(lse[:, :, rows], bl)
+        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new).unsqueeze(-1)
+                           + bo * torch.exp(bl - new).unsqueeze(-1))
+        lse[:, :, rows] = new
+        if step < n - 1:
+            for w in works:
                 w.wait()
-            if step < n - 1:
-                for w in works:
-                    w.wait()
-                kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+            kv = nxt
+    return out, lse
+
+
+def _ring_backward(q, k, v, out, lse, dout, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), fp32: the ring again; each block's dK/dV travel with it and arrive home."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    heads, kv_heads, c, scale = q.shape[1], k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    dout = dout.float()
+    delta = (dout * out).sum(-1)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v]).contiguous()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # travels with its block
+    for step in range(n):
+        if step < n - 1:
+            nxt, works = _ring_exchange(kv, group)
+        rows, cols, causal = _block_slices(me, (me - step) % n, c)
+        gq, gk, gv = _block_backward(q[:, :, rows], _expand(kv[0][:, :, cols], heads),
+                                     _expand(kv[1][:, :, cols], heads), dout[:, :, rows],
+                                     lse[:, :, rows], delta[:, :, rows], causal, scale)
+        dq[:, :, rows] += gq
+        dkv[0][:, :, cols] += _reduce_heads(gk, kv_heads)
+        dkv[1][:, :, cols] += _reduce_heads(gv, kv_heads)
+        dkv, dkv_works = _ring_exchange(dkv, group, tag=1)   # after the last hop each block is home
+        for w in dkv_works:
+            w.wait()
+        if step < n - 1:
+            for w in works:
+                w.wait()
+            kv = nxt
+    return dq, dkv[0], dkv[1]
 
 
 # ---- the attention cores -------------------------------------------------------------------
