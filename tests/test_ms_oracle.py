@@ -33,6 +33,7 @@ import yaml
 from ms_llm.convert.common import ReadOptions
 from ms_llm.convert.mindformers import read
 from ms_llm.mindspore.lower import LayoutStrategy, OpShard, lower
+from ms_llm.strategy.ir import ContextParallelSpec
 from ms_llm.strategy.plan import plan
 
 pytestmark = pytest.mark.mindspore
@@ -67,7 +68,17 @@ CASES = {
     "dp2_mp2_cp2_sp_flash": ({"data_parallel": 2, "model_parallel": 2, "context_parallel": 2,
                               "use_seq_parallel": True, "vocab_emb_dp": False},
                              {"use_flash_attention": True, "fused_rms_norm": False}),
+    "dp2_mp2_cp2_ulysses_flash_gqa": ({"data_parallel": 2, "model_parallel": 2, "context_parallel": 2,
+                                       "context_parallel_algo": "ulysses_cp", "vocab_emb_dp": False},
+                                      {"n_kv_heads": 4, "use_flash_attention": True, "fused_rms_norm": False}),
+    "dp1_mp2_cp4_ulysses_flash": ({"data_parallel": 1, "model_parallel": 2, "context_parallel": 4,
+                                   "context_parallel_algo": "ulysses_cp", "vocab_emb_dp": True},
+                                  {"use_flash_attention": True}),
 }
+# MindFormers' context_parallel_algo -> strategy.context_parallel.algorithm (ms_llm/strategy/ir.py):
+# colossalai_cp (FlashAttention q split on the sequence over cp, k/v whole) is our allgather;
+# ulysses_cp (heads over cp*mp) our ulysses. Set here until the MindFormers converter reads it.
+MF_CP_ALGORITHM = {"colossalai_cp": "allgather", "ulysses_cp": "ulysses"}
 
 
 def _degrees(parallel: dict) -> tuple[int, int, int, int]:
@@ -281,6 +292,11 @@ CHOICES = (
            "context parallel: MindFormers' rope-slice primitives (neg, slice, concat) keep (dp, mp, 1, 1) while its "
            "own rotary add/mul split the sequence over cp, so q and k would be gathered over cp and split again; "
            "MindFormers is inconsistent here. Ours splits the sequence over cp in every rotary primitive."),
+    Choice(lambda dp, mp, cp, pc: cp > 1 and pc.get("context_parallel_algo") == "ulysses_cp",
+           ("model.layers.*.self_attn.o_proj.matmul",),
+           "ulysses_cp: MindFormers' wo writes its output reduce-scattered over dp*cp*mp (out (dp*cp*mp, 1)) "
+           "even without use_seq_parallel, and its residual add, (dp, cp, 1) as ours, gathers it over mp again; "
+           "ours writes the residual stream's layout directly: one all-reduce for a reduce-scatter + all-gather."),
     Choice(lambda dp, mp, cp, pc: pc.get("use_seq_parallel", False), ("model.norm.*",),
            "sequence parallel: MindFormers gathers the sequence before the final norm (dp, cp, 1); ours keeps the "
            "residual stream's sequence-parallel layout through the final norm and gathers before lm_head "
@@ -370,7 +386,9 @@ def ours_for(parallel: dict, model: dict) -> dict[str, OpShard]:
               "runner_config": {"batch_size": 1}}
     conv = read(yaml.safe_dump(source), "oracle.yaml", ReadOptions())
     job = conv.job
-    p = plan(job.model, job.strategy, job.train, conv.world_size)
+    algorithm = MF_CP_ALGORITHM[parallel.get("context_parallel_algo", "colossalai_cp")]
+    strategy = dataclasses.replace(job.strategy, context_parallel=ContextParallelSpec(algorithm=algorithm))
+    p = plan(job.model, strategy, job.train, conv.world_size)
     return {o.op: o for o in lower(p).ops}
 
 
@@ -429,6 +447,11 @@ def test_every_mindformers_layer_primitive_is_accounted_for(oracle):
         "attention.apply_rotary_emb.slice": "rope slice, compared where use_rope_slice is on",
         "feed_forward.w13_concat": "w1/w3 concatenated weights (qkv_concat)",
         "attention.flash_attention.flash_attention": "compared where use_flash_attention is on",
+        **{f"attention.{t}": "ulysses_cp writes its all-to-alls as reshape + transposes; ours leaves them to "
+                              "MindSpore's redistribution between the rotary output (sequence over cp) and the "
+                              "attention core (heads over cp*mp), whose strategies are compared"
+           for t in ("transpose_back", "transpose_ulysses", "transpose_a2a", "transpose_ulysses_merger_a2a",
+                     "transpose_ulysses_merger")},
     }
     for case, (parallel, model) in CASES.items():
         mdl = {**MODEL, **model}

@@ -20,9 +20,10 @@ from ms_llm.strategy import layout as L
 from ms_llm.strategy.ir import SCHEDULES as IR_SCHEDULES
 from ms_llm.strategy.plan import plan as make_plan
 from torch_backend import support
-from torch_backend.lower import SCHEDULES, TpStyle, lower
+from torch_backend.lower import SCHEDULES, ContextParallelPlan, TpStyle, lower
 from torch_backend.model import Transformer
 from torch_backend.parallelize.ac import _op
+from torch_backend.parallelize.cp import cp_positions
 from torch_backend.parallelize.tp import tp_styles
 from torch_backend.pipeline import cut_chunk
 
@@ -120,11 +121,33 @@ def test_recompute_and_selective_saves():
     ({"dp": 4, "zero": {"stage": 2, "engine": "native"}}, support.FSDP, ("dp_shard",), False),
     ({"dp": 2, "tp": 2, "zero": {"engine": "native"}}, support.REPLICATE, ("dp",), False),
     ({"dp": 4, "zero": {"stage": 1, "engine": "shared"}}, support.SHARED, (), False),
+    # cp ranks see different tokens of the same replica: gradients reduce over dp x cp
+    ({"dp": 1, "cp": 2, "zero": {"engine": "native"}}, support.DDP, ("dp_cp",), False),
+    ({"dp": 2, "cp": 2, "zero": {"stage": 3, "engine": "native"}}, support.FSDP, ("dp_shard_cp",), True),
+    ({"dp": 4, "cp": 2, "zero": {"stage": 3, "shard_size": 2, "engine": "native"}}, support.FSDP,
+     ("dp_replicate", "dp_shard_cp"), True),
 ])
 def test_data_parallel_plan(strategy, engine, axes, reshard):
-    world = strategy["dp"] * strategy.get("tp", 1)
+    world = strategy["dp"] * strategy.get("tp", 1) * strategy.get("cp", 1)
     dp = lower(plan_for(strategy, world), CPU).dp
     assert (dp.engine, dp.mesh_axes, dp.reshard_after_forward) == (engine, axes, reshard)
+
+
+@pytest.mark.parametrize("algorithm,balanced", [("ring", True), ("ulysses", False), ("allgather", True)])
+def test_context_parallel_plan(algorithm, balanced):
+    low = lower(plan_for({"cp": 2, "context_parallel": {"algorithm": algorithm}}, 2), CPU)
+    assert low.cp == ContextParallelPlan(2, algorithm, balanced)
+    assert lower(plan_for({}, 1), CPU).cp is None
+    assert lower(plan_for({"cp": 2}, 2), CPU).cp.algorithm in ("ring", "ulysses", "allgather")   # auto: priced
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_balanced_split_covers_the_sequence_with_equal_causal_work(cp):
+    seq = 32
+    held = [cp_positions(seq, cp, r, True) for r in range(cp)]
+    assert sorted(p for h in held for p in h) == list(range(seq))
+    assert len({sum(p + 1 for p in h) for h in held}) == 1               # keys each rank's queries see
+    assert cp_positions(8, 2, 0, True) == [0, 1, 6, 7] and cp_positions(8, 2, 1, False) == [4, 5, 6, 7]
 
 
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)])

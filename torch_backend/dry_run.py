@@ -84,6 +84,9 @@ def dry_run_text(plan: ModelPlan, low: TorchLowering) -> str:
         out += tp_lines(low)
     else:
         out.append("tensor parallel: none (tp = 1)")
+    if low.cp is not None:
+        split = "zigzag 2*cp chunks, rank i holds i and 2*cp-1-i" if low.cp.balanced else "contiguous"
+        out.append(f"context parallel: {low.cp.algorithm} over cp ({low.cp.degree} ranks; sequence split {split})")
     out.append("loss: " + ("loss_parallel (vocab-parallel cross entropy)" if low.loss_parallel else "cross entropy"))
     out += ["", "pipeline chunks of each pp rank (chunk i = PipelineStage i):"]
     out += stage_lines(low)

@@ -27,6 +27,7 @@ from typing import Literal, Optional
 
 from ms_llm.errors import StrategyError
 from ms_llm.machine import Machine
+from ms_llm.strategy.cost import cp_algorithm
 from ms_llm.strategy.layout import Placement, Replicate, Shard, TensorLayout
 from ms_llm.strategy.mesh import MeshSpec
 from ms_llm.strategy.plan import ChunkPlan, ModelPlan, RecomputeMode
@@ -78,6 +79,14 @@ class DataParallelPlan:
 
 
 @dataclass(frozen=True)
+class ContextParallelPlan:
+    """Attention across the cp group (torch_backend/parallelize/cp.py); 'auto' already resolved."""
+    degree: int
+    algorithm: str                 # ring | ulysses | allgather
+    balanced: bool                 # the 2*cp zigzag split (ring, allgather) or contiguous (ulysses)
+
+
+@dataclass(frozen=True)
 class TorchLowering:
     mesh: MeshSpec                              # init_device_mesh over these axes (size-1 included)
     stages: tuple[tuple[ChunkPlan, ...], ...]   # pp rank -> its chunks, in virtual order
@@ -90,6 +99,7 @@ class TorchLowering:
     schedule: Optional[str]                     # torch.distributed.pipelining class; None when pp = 1
     micro_batches: int
     compile: bool                               # torch.compile per decoder layer
+    cp: Optional[ContextParallelPlan]           # None when cp = 1
 
 
 def tp_placement(layout: TensorLayout) -> Placement:
@@ -134,16 +144,26 @@ def tp_plan(plan: ModelPlan) -> tuple[TpStyle, ...]:
 
 def data_parallel_plan(plan: ModelPlan, engine: str) -> DataParallelPlan:
     s, zero = plan.strategy, plan.zero
+    # cp ranks hold the same parameters and see different tokens: gradients reduce over dp x cp.
+    cp = "_cp" if s.cp > 1 else ""
     if engine in (support.DDP, support.ZERO_OPTIMIZER, support.REPLICATE):
-        axes: tuple[str, ...] = ("dp",)
+        axes: tuple[str, ...] = ("dp" + cp,)
     elif engine == support.FSDP:
         # HSDP when shard groups are replicated: a 2-D (replicate, shard) mesh.
-        axes = ("dp_replicate", "dp_shard") if zero.replicate_size > 1 else ("dp_shard",)
+        axes = ("dp_replicate", "dp_shard" + cp) if zero.replicate_size > 1 else ("dp_shard" + cp,)
     else:
         axes = ()
     return DataParallelPlan(engine, zero.stage, axes, reshard_after_forward=zero.stage == 3,
                             param_dtype=s.precision.param_dtype, reduce_dtype=s.precision.grad_reduce_dtype,
                             bucket_mb=s.zero.bucket_mb)
+
+
+def context_parallel_plan(plan: ModelPlan) -> Optional[ContextParallelPlan]:
+    s = plan.strategy
+    if s.cp == 1:
+        return None
+    algorithm = cp_algorithm(plan)
+    return ContextParallelPlan(s.cp, algorithm, balanced=algorithm != "ulysses")
 
 
 def lower(plan: ModelPlan, machine: Machine) -> TorchLowering:
@@ -162,4 +182,5 @@ def lower(plan: ModelPlan, machine: Machine) -> TorchLowering:
         schedule=SCHEDULES[s.pipeline.schedule] if s.pp > 1 else None,
         micro_batches=plan.micro_batches,
         compile=plan.train.compile,
+        cp=context_parallel_plan(plan),
     )

@@ -50,10 +50,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core: (B, nh, T, hs) queries, (B, nkv, T, hs) keys and values."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
+        # Context parallelism swaps in a core that attends across the cp group
+        # (torch_backend/parallelize/cp.py); q/k/v are this rank's tokens.
+        self.core = causal_attention
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.qkv_bias)
@@ -75,7 +83,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)                        # (B, nh, T, hs), (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, -1)                             # (B, T, nh*hs)
         return self.o_proj(y)
 

@@ -15,6 +15,7 @@ from torch import nn
 from ms_llm.config.train import OptimizerConfig
 from ms_llm.run import LossScaler, lr_at
 from torch_backend.apply import Lowered, cross_entropy, local_value
+from torch_backend.parallelize.cp import cp_positions
 
 
 def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list[nn.Parameter], dict]:
@@ -34,16 +35,30 @@ class TrainStep:
         self.optimizer = lowered.dp.make_optimizer(params, cls, kwargs)
         meshes, s = lowered.meshes, self.plan.strategy
         self.pp_group = meshes.group("pp") if s.pp > 1 else None
-        # The global loss: summed over the ranks that hold a loss once per data-parallel
-        # replica (last stage, tp rank 0), each weighted 1/dp.
-        holds = lowered.has_last and meshes.coord("tp") == 0 and meshes.coord("cp") == 0
-        self.loss_weight = (1.0 if holds else 0.0) / s.dp
+        # The global loss: summed over the ranks that hold a loss once per data-parallel replica
+        # and cp rank (last stage, tp rank 0), each weighted 1/(dp*cp): cp ranks hold equal
+        # numbers of tokens, so the mean of their means is the replica's mean.
+        holds = lowered.has_last and meshes.coord("tp") == 0
+        self.loss_weight = (1.0 if holds else 0.0) / (s.dp * s.cp)
+        # Context parallel: this rank's sequence positions (the same columns of every row).
+        self.positions = None
+        if lowered.lowering.cp is not None:
+            cp = lowered.lowering.cp
+            self.positions = torch.tensor(cp_positions(self.plan.train.seq_len, cp.degree, meshes.coord("cp"),
+                                                       cp.balanced), device=lowered.device)
         self.world = self.plan.world_size
         self.loss_scale = LossScaler.from_precision(s.precision)      # None without fp16 loss scaling
+
+    def context_share(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) -> (B, T / cp): this cp rank's columns (all of them without context parallel)."""
+        if self.positions is None:
+            return tokens, targets
+        return tokens[:, self.positions], targets[:, self.positions]
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of the local batch (B, T); return this rank's mean loss."""
         m, n = self.m, self.plan.micro_batches
+        tokens, targets = self.context_share(tokens, targets)
         if m.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (tokens,) if m.has_first else ()
@@ -91,7 +106,7 @@ class TrainStep:
         (the pipeline schedule's eval, vocab-parallel loss, autocast); the same on every rank."""
         m, n = self.m, self.plan.micro_batches
         batch = batch.to(m.device, non_blocking=True)
-        tokens, targets = batch[:, :-1], batch[:, 1:]
+        tokens, targets = self.context_share(batch[:, :-1], batch[:, 1:])
         with m.loss_context(), m.autocast():
             if m.schedule is not None:
                 losses: list[torch.Tensor] = []

@@ -57,9 +57,6 @@ def zero_engine(plan: ModelPlan, machine: Machine) -> str:
 
 def _lowering(plan: ModelPlan) -> list[str]:
     s, problems = plan.strategy, []
-    if s.cp > 1:
-        problems.append("strategy.cp: context parallel is not lowered by the torch backend yet; use cp: 1 "
-                        "(or --backend mindspore on Ascend)")
     if plan.model.num_experts:
         problems.append("model.num_experts: the torch model is dense; MoE is not lowered yet, use num_experts: 0")
     if plan.model.tie_embeddings and s.tp > 1:
@@ -82,7 +79,7 @@ def _engine(plan: ModelPlan) -> tuple[str, list[str]]:
     """(engine, why it cannot run): the choice is made even when refused, so every refusal
     that follows from it is reported at once."""
     s = plan.strategy
-    if s.dp == 1:
+    if s.dp * s.cp == 1:           # cp ranks see different tokens: their gradients are reduced too
         return NONE, []
     problem = _shared_problem(plan)
     if s.zero.engine == "shared" or (s.zero.engine == "auto" and problem is None):

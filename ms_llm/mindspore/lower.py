@@ -4,7 +4,8 @@ Nothing here is a table of strategies. Every op's strategy is read off the plan'
 a Linear's input is its activation layout flattened to (tokens, in), its weight is the
 parameter's layout, a row-parallel output lands in the residual stream's layout (so
 sequence parallel turns the all-reduce into a reduce-scatter), attention ops take the
-q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence. For the
+q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence (context
+parallel: allgather or ulysses, MindFormers' colossalai_cp / ulysses_cp, _attention_core). For the
 cases MindFormers covers the results equal the strategies of MindFormers' own LLaMA, built and
 read by tests/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
 
@@ -22,6 +23,8 @@ from typing import Optional, Union
 
 from ms_llm.errors import StrategyError
 from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
+from ms_llm.strategy.cost import cp_algorithm as priced_cp_algorithm
+from ms_llm.strategy.devices import DEVICES
 from ms_llm.strategy.plan import ModelPlan
 
 # Our pipeline schedule -> MindSpore pipeline_config (MindSpore allows only 1f1b without interleave).
@@ -167,15 +170,74 @@ def _norm_ops(prefix: str, x: TensorLayout, weight: TensorLayout) -> list[OpShar
             _op(prefix + "rsqrt", [x]), _op(prefix + "mul", [x, x]), _op(prefix + "mul2", [x, weight])]
 
 
+# Context-parallel algorithms this lowering emits, as MindFormers 2.1's LLaMA does for
+# context_parallel_algo colossalai_cp (allgather) and ulysses_cp (ulysses). MindFormers' ring
+# attention (use_ring_attention) is FlashAttentionScore's enable_ring_attention with no mask
+# input, which ms_llm's MindSpore model does not build.
+CP_ALGORITHMS = ("allgather", "ulysses")
+
+
+def _ulysses_fits(plan: ModelPlan) -> bool:
+    """MindFormers' ulysses_cp splits query and kv heads over mp*cp, repeating none."""
+    s, m = plan.strategy, plan.model
+    return m.num_heads % (s.tp * s.cp) == 0 and m.num_kv_heads % (s.tp * s.cp) == 0
+
+
+def cp_algorithm(plan: ModelPlan) -> str:
+    """The context-parallel algorithm lowered; 'auto' = the cost model's pick on a 910B among
+    those this lowering emits for the model."""
+    runs = CP_ALGORITHMS if _ulysses_fits(plan) else ("allgather",)
+    return priced_cp_algorithm(plan, DEVICES["910b"], runs)
+
+
+def cp_refusals(plan: ModelPlan) -> list[str]:
+    """Why this lowering cannot emit the plan's context parallelism (empty: it can)."""
+    s, algorithm = plan.strategy, plan.strategy.context_parallel.algorithm
+    field = "strategy.context_parallel.algorithm"
+    if algorithm == "ring":
+        return [f"{field}: MindSpore lowers {' or '.join(CP_ALGORITHMS)} (MindFormers colossalai_cp / "
+                "ulysses_cp), not ring: its ring attention is FlashAttentionScore's enable_ring_attention, "
+                "which ms_llm's MindSpore model does not build; use allgather or ulysses"]
+    if algorithm == "ulysses" and not _ulysses_fits(plan):
+        return [f"{field}: ulysses on MindSpore splits query and kv heads over tp*cp = {s.tp * s.cp}, "
+                f"model.num_kv_heads = {plan.model.num_kv_heads} does not divide (MindFormers' ulysses_cp asks "
+                "the same); use allgather"]
+    return []
+
+
+def _heads_over_cp(layout: TensorLayout) -> TensorLayout:
+    """(B, heads, T, hd) split on T over cp -> split on heads over cp (cp major, tp minor, as
+    MindFormers' (dp, 1, cp*mp)); MindSpore's redistribution between the two is Ulysses' all-to-all."""
+    placements = list(layout.placements)
+    placements[layout.mesh.names.index("cp")] = Shard(1)
+    return TensorLayout(layout.shape, layout.mesh, tuple(placements), layout.order)
+
+
+def _attention_core(plan: ModelPlan, qt: TensorLayout, kt: TensorLayout, vt: TensorLayout):
+    """(q, k, v, score) layouts around the attention core, (B, heads, T, hd) and (B, heads, T, T);
+    the core reads k and v whole along the sequence.
+
+    Context parallel, as MindFormers 2.1's LLaMA builds it for the same context_parallel_algo:
+      allgather (colossalai_cp): queries keep their cp split of the sequence, keys and values
+                   are whole along it (all-gathered over cp); score rows split like q.
+      ulysses (ulysses_cp): heads split over cp*tp, the sequence whole (FlashAttention
+                   (dp, 1, cp*mp) in BSH).
+    Without cp both are the plain layouts."""
+    b, nh, t, _ = qt.shape
+    if plan.strategy.cp > 1 and cp_algorithm(plan) == "ulysses":
+        qt, kt, vt = _heads_over_cp(qt), _heads_over_cp(kt), _heads_over_cp(vt)
+    score = TensorLayout((b, nh, t, t), qt.mesh, qt.placements, qt.order)    # query rows keep q's splits
+    return qt, kt, vt, score
+
+
 def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
     a, w = plan.activations, {n: p.layout for n, p in plan.params.items()}
     p = f"model.layers.{i}."
     hidden = a["hidden"]
     qt, kt, vt = (a[n].permute((0, 2, 1, 3)) for n in ("q", "k", "v"))      # (B, heads, T, hd)
-    b, nh, t, _ = qt.shape
-    score = TensorLayout((b, nh, t, t), qt.mesh, qt.placements, qt.order)    # query rows keep q's splits
-    k_all, v_all = kt.replicate_dim(2), vt.replicate_dim(2)                  # every key of the sequence
-    kv_tiled = kt.group_dims(((0,), (1,), (), (2, 3)))                       # (B, nkv, 1, T*hd)
+    q_core, k_core, v_core, score = _attention_core(plan, qt, kt, vt)
+    k_all, v_all = k_core.replicate_dim(2), v_core.replicate_dim(2)          # every key of the sequence
+    kv_tiled = k_core.group_dims(((0,), (1,), (), (2, 3)))                   # (B, nkv, 1, T*hd)
     tables = _select(qt, (2, 3))                                             # rotary cos/sin (T, hd)
     ops = _norm_ops(p + "input_layernorm.", hidden, w[p + "input_layernorm.weight"])
     for proj, out in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
@@ -191,7 +253,7 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
             _op(r + "split", [qt]), _op(r + "neg", [qt]), _op(r + "concat", [qt, qt]),
             _op(r + "mul_cos", [qt, tables]), _op(r + "mul_sin", [qt, tables]), _op(r + "add", [qt, qt]),
             _op(p + "self_attn.tile_kv", [kv_tiled]),
-            _op(p + "self_attn.batch_matmul_q_k", [qt, k_all]),
+            _op(p + "self_attn.batch_matmul_q_k", [q_core, k_all]),
             _op(p + "self_attn.mul", [score, None]),
             _op(p + "self_attn.add", [_select(score, (2, 3)), score]),
             _op(p + "self_attn.softmax", [score]),
@@ -203,7 +265,7 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
     if plan.model.flash_attention:
         # FlashAttentionScore (BNSD): q, k, v as the BatchMatMul path reads them (keys whole along the
         # sequence), k/v with their own kv heads (the kernel serves GQA), the mask split like score rows.
-        ops.append(_op(p + "self_attn.flash_attention", [qt, k_all, v_all, _one_head(score)]))
+        ops.append(_op(p + "self_attn.flash_attention", [q_core, k_all, v_all, _one_head(score)]))
     ops += _norm_ops(p + "post_attention_layernorm.", hidden, w[p + "post_attention_layernorm.weight"])
     mh = a["mlp_hidden"]
     ops += [_op(f"{p}mlp.{proj}.matmul", [_flat(a["mlp_input"]), w[f"{p}mlp.{proj}.weight"]])
@@ -237,6 +299,8 @@ def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strate
     """Everything MindSpore needs to run `plan` under auto-parallel."""
     if plan.model.num_experts:
         raise StrategyError("model.num_experts: the MindSpore lowering covers dense LLaMA layers; MoE is not lowered")
+    if plan.strategy.cp > 1 and cp_refusals(plan):
+        raise StrategyError(cp_refusals(plan))
     embed = plan.params["model.embed_tokens.weight"].layout
     ops = [_op("model.embed_tokens.gather", [embed, plan.activations["tokens"]])]
     if plan.model.flash_attention:      # the (1, 1, T, T) causal mask tiled to the batch, whole on every rank

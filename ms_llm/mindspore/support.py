@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ms_llm.errors import StrategyError
 from ms_llm.machine import Machine
-from ms_llm.mindspore.lower import SCHEDULES
+from ms_llm.mindspore.lower import SCHEDULES, cp_refusals
 from ms_llm.strategy.plan import ModelPlan
 
 NONE = "none"                              # dp = 1
@@ -65,6 +65,8 @@ def _auto_parallel_degrees(plan: ModelPlan) -> list[str]:
 
 def _model(plan: ModelPlan) -> list[str]:
     s, problems = plan.strategy, []
+    if s.cp > 1:
+        problems += cp_refusals(plan)
     if plan.model.num_experts:
         problems.append("model.num_experts: the MindSpore model and lowering are dense LLaMA; MoE is not "
                         "lowered, use num_experts: 0")

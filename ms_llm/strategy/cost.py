@@ -10,14 +10,15 @@ norm inputs/outputs only with sequence parallel, everything by cp.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Union
 
 from ms_llm.config.model import DTYPE_BYTES, ModelConfig
 from ms_llm.config.train import TrainConfig
-from ms_llm.strategy.devices import DeviceSpec
-from ms_llm.strategy.ir import ParallelStrategy
+from ms_llm.strategy.devices import DEVICES, DeviceSpec
+from ms_llm.strategy.ir import CP_ALGORITHMS, ContextParallelSpec, ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan, pipeline_chunks, recompute_modes
 
 ADAM_STATE_BYTES = 8       # m and v in fp32
@@ -209,7 +210,9 @@ def _activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     norm_io = 4 * h / (tp if s.sequence_parallel else 1)       # attn/mlp norm inputs and outputs
     if mode == "full":
         return act * h / (tp if s.sequence_parallel else 1)    # the layer input only
-    inside = (q + 2 * kv + q + 4 * f) / tp                     # q, k, v, attn out, gate/up/silu/product
+    # K/V as attention keeps them: all-gather context parallelism keeps the gathered K/V.
+    kv_kept = kv * s.cp if s.cp > 1 and cp_algorithm(plan) == "allgather" else kv
+    inside = (q + 2 * kv_kept + q + 4 * f) / tp                # q, k, v, attn out, gate/up/silu/product
     inside += (q + kv) / tp * m.qk_norm                        # q, k norm outputs (Qwen3)
     if mode == "selective":
         inside -= 2 * f / tp                                   # silu output and product are recomputed
@@ -322,9 +325,7 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
         vol["tp"] = per_layer * layers * mb * 2 * (s.tp - 1) / s.tp * a
         kind["tp"] = "all-gather + reduce-scatter (sequence parallel)" if s.sequence_parallel else "all-reduce"
     if s.cp > 1:
-        kv = tokens * m.kv_dim / s.tp * act
-        vol["cp"] = 3 * 2 * kv * (s.cp - 1) * layers * mb
-        kind["cp"] = "ring p2p of K/V (fwd) and dK/dV (bwd)"
+        vol["cp"], kind["cp"] = _cp_volume(plan, tokens, act, layers * mb)
     if s.pp > 1:
         boundary = tokens * m.hidden_size * act / (s.tp if s.sequence_parallel else 1)
         vol["pp"] = 2 * boundary * mb * s.pipeline.virtual_stages
@@ -334,6 +335,56 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
         vol["ep"] = 4 * tokens * m.moe_top_k * m.hidden_size * act * (s.ep - 1) / s.ep * moe_layers * mb
         kind["ep"] = "all-to-all dispatch/combine"
     return CommVolume(vol, kind)
+
+
+def _cp_volume(plan: CostShape, tokens: float, act: float, layer_passes: int) -> tuple[float, str]:
+    """Bytes a rank sends over cp for `layer_passes` layer forward+backward passes of `tokens`
+    local tokens, and what carries them."""
+    s, m = plan.strategy, plan.model
+    cp, algorithm = s.cp, cp_algorithm(plan)
+    kv = 2 * tokens * m.kv_dim / s.tp * act                # this rank's K and V
+    if algorithm == "ring":
+        # cp-1 hops of the local block forward; backward: K/V again and dK/dV (cp hops).
+        return 3 * kv * (cp - 1) * layer_passes, "ring p2p of K/V (fwd), K/V and dK/dV (bwd)"
+    if algorithm == "allgather":
+        return 2 * kv * (cp - 1) * layer_passes, "all-gather K/V (fwd), reduce-scatter dK/dV (bwd)"
+    # ulysses: q, k, v in and the output back, forward and backward; (cp-1)/cp of each leaves.
+    heads = m.num_heads // s.tp
+    kv_heads = m.num_kv_heads // s.tp
+    kv_heads = kv_heads if kv_heads % cp == 0 else heads    # GQA heads repeated when cp does not divide them
+    per_token = 2 * (heads + kv_heads) * m.head_dim * act
+    return 2 * per_token * tokens * (cp - 1) / cp * layer_passes, "4 all-to-alls per layer (fwd and bwd)"
+
+
+def cp_algorithm(plan: Union[ModelPlan, CostShape], device: DeviceSpec = DEVICES["h100"],
+                 backend_runs: tuple[str, ...] = CP_ALGORITHMS) -> str:
+    """The strategy's context-parallel algorithm; 'auto' = the one of the lowest estimated step
+    time on `device` among those the model allows and the backend runs, the first of
+    `backend_runs` on a tie."""
+    shape = _shape(plan)
+    s = shape.strategy
+    chosen = s.context_parallel.algorithm
+    if chosen != "auto" or s.cp == 1:
+        return backend_runs[0] if chosen == "auto" else chosen
+    best = None
+    for algorithm in (a for a in backend_runs if a in cp_algorithms(shape.model, s, shape.train)):
+        priced = dataclasses.replace(shape, strategy=dataclasses.replace(
+            s, context_parallel=ContextParallelSpec(algorithm=algorithm)))
+        est = estimate(priced, device)
+        key = (not est.fits, est.step_s, est.memory.total)
+        if best is None or key < best[0]:
+            best = (key, algorithm)
+    return best[1] if best else backend_runs[0]
+
+
+def cp_algorithms(model: ModelConfig, s: ParallelStrategy, train: TrainConfig) -> tuple[str, ...]:
+    """The algorithms validate() accepts for this model, strategy and sequence length."""
+    out = []
+    if train.seq_len % (2 * s.cp) == 0:
+        out += ["ring", "allgather"]
+    if train.seq_len % s.cp == 0 and model.num_heads % (s.tp * s.cp) == 0:
+        out.append("ulysses")
+    return tuple(out)
 
 
 def _group_bandwidth(plan: CostShape, axis: str, device: DeviceSpec) -> float:
@@ -372,7 +423,8 @@ def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec) -> StepEstim
         if axis == "dp_cp":
             overlap = 0.8 * compute * (1.0 if s.zero.stage == 3 else 2 / 3)   # hidden under backward
             seconds = max(0.0, seconds - overlap)
-        elif axis == "cp":
+        elif axis == "cp" and cp_algorithm(plan) == "ring":
+            # Each hop's transfer runs under the previous block's attention.
             seconds = max(0.0, seconds - 0.5 * compute * attention_share)
         exposed[axis] = seconds
     if s.offload.optimizer:

@@ -83,6 +83,31 @@ class OffloadSpec:
     params: bool = spec(False, "Keep sharded parameters in host memory between uses (ZeRO-3 only).")
 
 
+CpAlgorithm = Literal["auto", "ring", "ulysses", "allgather"]
+CP_ALGORITHMS: tuple[str, ...] = ("ring", "ulysses", "allgather")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextParallelSpec:
+    """How attention crosses the cp group; `strategy.cp` is the degree.
+
+    ring       K/V blocks pass around the group (p2p) while each rank keeps its queries; partial
+               results merge by log-sum-exp. The sequence is cut into 2*cp chunks, rank i holding
+               i and 2*cp-1-i, so causal work is balanced. Megatron cp_comm_type p2p, torchtitan;
+               MindFormers: FlashAttention with use_ring_attention (K/V kept sharded on the
+               sequence over cp, the primitive's enable_ring_attention).
+    ulysses    all-to-all from sequence-sharded to head-sharded around attention, and back
+               (DeepSpeed-Ulysses, Megatron a2a). MindFormers ulysses_cp: FlashAttention sharded
+               (dp, 1, cp*mp), heads over cp*tp, sequence whole.
+    allgather  each rank all-gathers K/V (KV memory O(sequence)) and attends its own queries
+               (Megatron all_gather). MindFormers colossalai_cp: FlashAttention q (dp, cp, mp),
+               k/v (dp, 1, mp); its 2.x parallel_core maps colossalai_cp to cp_comm_type
+               all_gather. MindFormers hybrid_cp (a2a+allgather) has no name here.
+    """
+    algorithm: CpAlgorithm = spec("auto", "ring | ulysses | allgather; 'auto' = the cost model picks "
+                                          "(ms_llm.strategy.cost.cp_algorithm).")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelStrategy:
     dp: int = spec(-1, "Data-parallel degree (replicate x shard); -1 = world / (tp * pp * cp).", ge=-1,
@@ -98,6 +123,8 @@ class ParallelStrategy:
     recompute: RecomputeSpec = field(default_factory=RecomputeSpec)
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
     offload: OffloadSpec = field(default_factory=OffloadSpec)
+    context_parallel: ContextParallelSpec = spec(default_factory=ContextParallelSpec,
+                                                 doc="Context-parallel algorithm (cp > 1).")
 
     def __post_init__(self) -> None:
         if self.dp == 0:

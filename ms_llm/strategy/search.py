@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import TrainConfig
 from ms_llm.errors import ConfigError, StrategyError
-from ms_llm.strategy.cost import StepEstimate, estimate, shape_of
+from ms_llm.strategy.cost import StepEstimate, cp_algorithm, estimate, shape_of
 from ms_llm.strategy.devices import DeviceSpec
-from ms_llm.strategy.ir import ParallelStrategy, PipelineSpec, RecomputeSpec
+from ms_llm.strategy.ir import ContextParallelSpec, ParallelStrategy, PipelineSpec, RecomputeSpec
 from ms_llm.strategy.validate import validate
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -132,6 +132,10 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
                                 except StrategyError:
                                     invalid += 1
                                     continue
+                                if cp > 1 and s.context_parallel.algorithm == "auto":
+                                    # The cost model prices ring / ulysses / allgather on this device.
+                                    algorithm = cp_algorithm(shape_of(model, s, t), device)
+                                    s = dataclasses.replace(s, context_parallel=ContextParallelSpec(algorithm=algorithm))
                                 for recompute in policies:
                                     # No rule involves a whole-model recompute policy: validate once.
                                     priced += 1
@@ -149,6 +153,7 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
 def describe(s: ParallelStrategy) -> dict[str, object]:
     """The searched degrees of a strategy, as table columns."""
     return {"dp": s.dp, "zero": s.zero.stage, "tp": s.tp, "sp": "y" if s.sequence_parallel else "-",
-            "pp": s.pp, "vpp": s.pipeline.virtual_stages, "mb": s.pipeline.micro_batches, "cp": s.cp,
+            "pp": s.pp, "vpp": s.pipeline.virtual_stages, "mb": s.pipeline.micro_batches,
+            "cp": s.cp if s.cp == 1 else f"{s.cp} {s.context_parallel.algorithm}",
             "recompute": s.recompute.policy}
 

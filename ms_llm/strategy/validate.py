@@ -33,6 +33,26 @@ def _divides(problems: list[str], field: str, value: int, what: str, n: int, fix
         problems.append(f"{field}: {what} = {value} is not divisible by {n}; {fix}")
 
 
+def _context_parallel(problems: list[str], model: ModelConfig, s: ParallelStrategy, train: TrainConfig) -> None:
+    """ring / allgather cut the sequence into 2*cp load-balanced chunks; ulysses cuts it into cp
+    and shards heads over tp*cp (K/V heads that cp does not divide are repeated to the query
+    heads before the all-to-all, as DeepSpeed-Ulysses does for GQA). 'auto' needs one of them."""
+    cp, algorithm = s.cp, s.context_parallel.algorithm
+    field = "strategy.context_parallel.algorithm"
+    if algorithm in ("ring", "allgather"):
+        _divides(problems, "strategy.cp", train.seq_len, "train.seq_len", 2 * cp,
+                 f"{algorithm} context parallel splits each sequence into 2*cp load-balanced chunks; "
+                 "change seq_len or cp")
+    elif algorithm == "ulysses":
+        _divides(problems, "strategy.cp", train.seq_len, "train.seq_len", cp, "change seq_len or cp")
+        _divides(problems, field, model.num_heads, "model.num_heads", s.tp * cp,
+                 f"ulysses shards heads over tp*cp = {s.tp}*{cp}; use ring, or tp*cp dividing the head count")
+    elif train.seq_len % (2 * cp) and (train.seq_len % cp or model.num_heads % (s.tp * cp)):
+        problems.append(f"strategy.cp: no context-parallel algorithm fits: train.seq_len = {train.seq_len} is not "
+                        f"divisible by 2*cp = {2 * cp} (ring, allgather), and ulysses needs seq_len and "
+                        f"model.num_heads = {model.num_heads} divisible by cp (heads by tp*cp); change seq_len or cp")
+
+
 def validate(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig,
              world_size: int | None = None) -> ParallelStrategy:
     """Return the resolved strategy, or raise StrategyError naming every broken rule."""
@@ -55,8 +75,7 @@ def validate(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig,
                         "set tp >= 2 or sequence_parallel: false")
     seq_split = cp * (tp if s.sequence_parallel else 1)
     if cp > 1:
-        _divides(problems, "strategy.cp", train.seq_len, "train.seq_len", 2 * cp,
-                 "context parallel splits each sequence into 2*cp load-balanced chunks; change seq_len or cp")
+        _context_parallel(problems, model, s, train)
     if seq_split > 1 and s.sequence_parallel:
         _divides(problems, "strategy.sequence_parallel", train.seq_len, "train.seq_len", seq_split,
                  "sequence parallel shards the sequence over cp*tp; change seq_len, tp or cp")

@@ -4,7 +4,8 @@ The order is fixed, as in torchtitan, because each step must see what the previo
 
   1. tensor / sequence parallel: parameters become DTensors sharded over tp;
   2. materialize + init: after TP so a rank allocates only its TP shard, and before FSDP
-     reshards the parameters;
+     reshards the parameters; then context parallel, which takes this rank's rotary rows from
+     the initialised tables and swaps the attention cores (no parameters of its own);
   3. activation checkpointing: hooks the TP-parallel layers, so recompute re-runs them;
   4. torch.compile per layer: after AC so the compiled region includes the recompute;
   5. data parallel / ZeRO (DDP, ZeroRedundancyOptimizer, FSDP2, or the shared engine):
@@ -19,6 +20,7 @@ from ms_llm.strategy.plan import ModelPlan
 from torch_backend.lower import TorchLowering
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize.ac import apply_ac
+from torch_backend.parallelize.cp import apply_cp
 from torch_backend.parallelize.dp import DataParallel
 from torch_backend.parallelize.tp import apply_tp
 from torch_backend.weights import materialize
@@ -37,6 +39,8 @@ def parallelize(parts: list[nn.Module], low: TorchLowering, plan: ModelPlan, mes
         if low.tp:
             apply_tp(part, low, meshes["tp"])
         materialize(part, plan, device, rank, plan.train.seed)
+        if low.cp is not None:
+            apply_cp(part, low.cp, meshes.group("cp"), plan.train.seq_len)
         apply_ac(part, low)
         if low.compile:
             apply_compile(part)

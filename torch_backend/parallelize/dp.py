@@ -101,6 +101,10 @@ class DDP(DataParallel):
         self.group, self.bucket_mb, self.grad_reduce_dtype = group, bucket_mb, grad_reduce_dtype
 
     def _wrap(self, part: nn.Module) -> nn.Module:
+        # Buffers outside the state dict are derived on each rank (under context parallel, the
+        # rotary rows of this rank's positions): DDP must not overwrite them with rank 0's.
+        derived = set(dict(part.named_buffers())) - set(part.state_dict())
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, sorted(derived))
         ddp = DistributedDataParallel(part, process_group=self.group, bucket_cap_mb=self.bucket_mb,
                                       gradient_as_bucket_view=True, forward_sync_buffers=False)
         if self.grad_reduce_dtype != "float32":
