@@ -52,7 +52,10 @@ def refused(support, plan, machine, match: str) -> list[str]:
 # (id, strategy, world, model overrides, message)
 TORCH_REFUSALS = [
     ("cp", {"cp": 2}, 2, {}, r"^strategy\.cp: .*use cp: 1"),
-    ("moe", {"dp": 1}, 1, {"num_experts": 4}, r"^model\.num_experts: .*num_experts: 0"),
+    ("moe-native", {"dp": 2, "ep": 2, "zero": {"engine": "native"}}, 2, {"num_experts": 4},
+     r"^strategy\.zero\.engine: MoE experts .*use engine shared"),
+    ("moe-sp", {"tp": 2, "sequence_parallel": True}, 2, {"num_experts": 4},
+     r"^strategy\.sequence_parallel: .*sequence_parallel: false with model\.moe"),
     ("tied-tp", {"tp": 2}, 2, {"tie_embeddings": True}, r"^model\.tie_embeddings: .*untie it or use tp: 1"),
     ("offload-params", {"dp": 2, "zero": {"stage": 3}, "offload": {"params": True}}, 2, {},
      r"^strategy\.offload\.params: .*set it false"),

@@ -69,19 +69,22 @@ class Experts(nn.Module):
 
 
 class AuxLoss(torch.autograd.Function):
-    """Identity on `output`; backward also sends `scale` into `aux` (the loss is not in the graph
-    of the model's output, so this is how its gradient reaches the router)."""
+    """Identity on `output`; backward also sends `moe.aux_scale` into `aux` (the loss is not in the
+    graph of the model's output, so this is how its gradient reaches the router), and records
+    the value in `moe.aux_trained`: once per backpropagated micro-batch, however often recompute
+    ran the forward."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, moe: "MoE") -> torch.Tensor:
         ctx.save_for_backward(aux)
-        ctx.scale = scale
+        ctx.moe = moe
         return output
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
+        ctx.moe.aux_trained.append(aux.detach().float())
+        return grad, torch.full_like(aux, ctx.moe.aux_scale), None
 
 
 def load_balancing_loss(probs: torch.Tensor, top: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -118,6 +121,35 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+class _CopyToTp(torch.autograd.Function):
+    """Identity forward; backward sums the partial input gradients of the tp ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTp(torch.autograd.Function):
+    """Forward sums the partial outputs of the tp ranks; backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts). Replaces the MLP of an MoE layer."""
 
@@ -132,8 +164,9 @@ class MoE(nn.Module):
                                if m.shared_experts else None)
         self.ep_group: Optional[dist.ProcessGroup] = None      # set by torch_backend.parallelize.ep
         self.tp_group: Optional[dist.ProcessGroup] = None      # experts' own tensor parallelism
-        self.aux_scale = 1.0                                   # gradient weight of the aux losses (the step's)
-        self.last_aux = torch.zeros(())                        # coefficient-weighted aux losses of the last forward
+        self.aux_scale = 1.0                   # gradient weight of the aux losses (TrainStep: loss scale / micro-batches)
+        self.last_aux = torch.zeros((), device="cpu")        # coefficient-weighted aux losses of the last forward
+        self.aux_trained: list[torch.Tensor] = []     # their values, per micro-batch backpropagated since taken
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, H) -> router logits (N, E), weights (N, k) in x's dtype, expert ids (N, k)."""
@@ -163,8 +196,15 @@ class MoE(nn.Module):
         aux = self.aux_coeff * load_balancing_loss(probs, top, self.num_experts) + self.z_coeff * z_loss(logits)
         self.last_aux = aux.detach()
         if torch.is_grad_enabled() and (self.aux_coeff or self.z_coeff):
-            y = AuxLoss.apply(y, aux, self.aux_scale)
+            y = AuxLoss.apply(y, aux, self)
         return y
+
+    def take_aux(self, micro_batches: int) -> torch.Tensor:
+        """Sum of the aux losses of the step's last `micro_batches` backward passes; resets. (The
+        last ones: torch's pipeline stages also run a backward on placeholder data to infer
+        gradient shapes, in their first step.)"""
+        taken, self.aux_trained = self.aux_trained[-micro_batches:], []
+        return torch.stack(taken).sum() if taken else torch.zeros(())
 
     def capacity_mask(self, flat: torch.Tensor, order: torch.Tensor) -> Optional[torch.Tensor]:
         """Which sorted copies an expert takes: all (None) when dropless, else the first
@@ -179,13 +219,17 @@ class MoE(nn.Module):
         return position < capacity
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by global expert (counts per expert) -> their expert outputs, same order."""
+        """Rows sorted by global expert (counts per expert) -> their expert outputs, same order.
+        Under tp, rows are replicated and each rank computes a partial sum over its width slice
+        (Megatron's copy-to / reduce-from tensor-parallel region around column / row parallel)."""
+        if self.tp_group is not None:
+            rows = _CopyToTp.apply(rows, self.tp_group)
         if self.ep_group is None:
             out = self.experts(rows, counts.tolist())
         else:
             out = self.dispatch_and_run(rows, counts)
         if self.tp_group is not None:
-            dist.all_reduce(out, group=self.tp_group)      # row-parallel down_proj: sum the partial outputs
+            out = _ReduceFromTp.apply(out, self.tp_group)
         return out
 
     def dispatch_and_run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
