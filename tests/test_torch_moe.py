@@ -1,6 +1,5 @@
 """The torch MoE layer: logits equal transformers' MixtralForCausalLM, the Hub checkpoint layout
 round-trips through export, and the router's losses equal a hand computation."""
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +7,7 @@ import torch
 from safetensors.numpy import load_file
 
 from ckpt_helpers import plan_for
-from ms_llm.checkpoint import Checkpoint, CheckpointWriter, SaveItem, param_pieces, run_config
+from ms_llm.checkpoint import CheckpointWriter, SaveItem, param_pieces, run_config
 from ms_llm.checkpoint.hf import export_hf
 from ms_llm.checkpoint.hf_moe import mixtral_names
 from ms_llm.config.model import ModelConfig, MoEConfig

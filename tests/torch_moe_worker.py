@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import save_file
 
 from ms_llm.config.job import job_from_dict
-from ms_llm.data import GlobalBatchSampler, load_tokens
+from ms_llm.data import GlobalBatchSampler
 from ms_llm.machine import Machine
 from ms_llm.strategy.plan import plan as make_plan
 from torch_backend.apply import apply
@@ -27,7 +27,7 @@ from torch_backend.lower import lower
 from torch_backend.mesh import build_meshes
 from torch_backend.step import TrainStep
 from torch_backend.weights import canonical_name
-from torch_matrix_worker import FP32, full
+from torch_matrix_worker import FP32, full, main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = yaml.safe_load((ROOT / "configs" / "models" / "tiny_moe.yaml").read_text())
@@ -95,15 +95,5 @@ def run_case(case: str, tokens, out: Path) -> None:
     dist.barrier()
 
 
-def main(argv: list[str]) -> None:
-    tokens_path, out, cases = argv[0], Path(argv[1]), argv[2:]
-    dist.init_process_group("gloo")
-    tokens = load_tokens(Path(tokens_path))
-    for case in cases:
-        run_case(case, tokens, out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(sys.argv[1:], run_case)
