@@ -119,3 +119,28 @@ def test_yaml_is_read_safely(tmp_path):
     (tmp_path / "evil.yaml").write_text("model: !!python/object/apply:os.system ['echo hacked']\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_job(tmp_path / "evil.yaml")
+
+
+@pytest.mark.parametrize("moe,message", [
+    ({"num_experts": 4, "top_k": 5}, r"^model\.moe\.top_k: 5 exceeds model\.moe\.num_experts=4$"),
+    ({"num_experts": 4, "capacity_factor": 0}, r"^model\.moe\.capacity_factor: got 0.0; use a positive factor"),
+    ({"num_experts": 4, "first_dense_layers": 2}, r"^model\.moe\.first_dense_layers: 2 leaves no MoE layer"),
+    ({"num_experts": 0}, r"^model\.moe\.num_experts: got 0; must be >= 1$"),
+    ({"num_experts": 4, "topk": 2}, r"^model\.moe\.topk: unknown key; did you mean 'top_k'\?$"),
+])
+def test_moe_config_errors_name_the_field(moe, message):
+    tiny = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 64}
+    with pytest.raises(ConfigError, match=message):
+        from_dict(ModelConfig, {**tiny, "moe": moe}, "model")
+
+
+def test_moe_shorthand_and_layers():
+    """num_experts / moe_top_k (what the converters write) make the moe section and mirror it."""
+    tiny = {"vocab_size": 64, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 64}
+    short = from_dict(ModelConfig, {**tiny, "num_experts": 8, "moe_top_k": 1}, "model")
+    assert short.moe.num_experts == 8 and short.moe.top_k == 1
+    full = from_dict(ModelConfig, {**tiny, "moe": {"num_experts": 8, "layer_freq": 2, "first_dense_layers": 1}})
+    assert full.num_experts == 8 and full.moe_layers == (2,)
+    assert from_dict(ModelConfig, to_dict(full)) == full
+    with pytest.raises(ConfigError, match=r"^model\.num_experts: 4 disagrees with model\.moe \(8\)"):
+        from_dict(ModelConfig, {**tiny, "num_experts": 4, "moe": {"num_experts": 8}}, "model")

@@ -40,7 +40,10 @@ def _model(name):
 
 
 @pytest.mark.parametrize("name,strategy,train,world", CASES + [
-    ("moe", {"ep": 4, "tp": 2, "zero": {"stage": 1}}, {"global_batch_size": 16, "seq_len": 128}, 8)])
+    ("moe", {"ep": 4, "tp": 2, "zero": {"stage": 1}}, {"global_batch_size": 16, "seq_len": 128}, 8),
+    ("deepseek_moe_16b", {"ep": 8, "pp": 4, "zero": {"stage": 3}}, {"global_batch_size": 64, "seq_len": 4096}, 32),
+    ("mixtral_8x7b", {"ep": 4, "tp": 2, "pp": 2, "zero": {"stage": 1}}, {"global_batch_size": 64, "seq_len": 4096},
+     16)])
 def test_shape_of_equals_the_plan(name, strategy, train, world):
     model = _model(name)
     s = from_dict(ParallelStrategy, strategy, "strategy")
@@ -76,3 +79,20 @@ def test_interleaved_in_flight_never_exceeds_the_micro_batches():
     more = dataclasses.replace(s, pipeline=dataclasses.replace(s.pipeline, micro_batches=64))
     in_flight = memory(plan(model, more, TrainConfig(global_batch_size=64, seq_len=1024))).in_flight_micro_batches
     assert in_flight == pytest.approx(8 * (1 + 7 / 40))
+
+
+def test_expert_parallel_trades_expert_memory_for_all_to_all():
+    """Mixtral on 16 H100s (dp 16): ep 8 keeps 1/8 of the experts per rank (not ZeRO-sharded: they
+    are replicated over edp), and pays 4 x tokens x top_k x hidden x (ep-1)/ep per MoE layer."""
+    model = load_section("model", "mixtral_8x7b")
+    t = TrainConfig(global_batch_size=32, micro_batch_size=1, seq_len=4096)
+    shapes = {ep: shape_of(model, validate(model, from_dict(ParallelStrategy, {"dp": 16, "ep": ep,
+                                                                           "zero": {"stage": 1}}), t, 16), t)
+              for ep in (1, 8)}
+    experts = {ep: shapes[ep].stages[0].expert_params for ep in shapes}
+    assert experts[1] == 32 * 3 * 8 * 4096 * 14336 and experts[8] == experts[1] // 8
+    assert memory(shapes[8]).params < memory(shapes[1]).params
+    assert "ep" not in communication(shapes[1]).bytes_by_axis
+    tokens = 4096                                     # one micro-batch of one sequence per rank
+    want = 4 * tokens * 2 * 4096 * 2 * 7 / 8 * 32 * 2    # bf16, 32 MoE layers, 2 micro-batches
+    assert communication(shapes[8]).bytes_by_axis["ep"] == pytest.approx(want)

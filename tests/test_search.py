@@ -101,3 +101,16 @@ def test_no_strategy_fits_and_bad_world_size():
     assert result.ranked == () and result.too_big > 0
     with pytest.raises(ConfigError, match="--world-size"):
         search(model, TrainConfig(), 0, get_device("h100"))
+
+
+def test_moe_search_varies_expert_parallel():
+    """Mixtral on 64 H100s: ep is a searched degree (dividing dp*cp and the 8 experts), every
+    candidate plans, and at least one ranked strategy splits the experts."""
+    model = load_section("model", "mixtral_8x7b")
+    train = TrainConfig(global_batch_size=256, seq_len=4096)
+    space = SearchSpace(micro_batch_sizes=(1,), zero_stages=(1,), schedules=("1f1b",), recompute=("full",))
+    result = search(model, train, 64, get_device("h100"), space=space)
+    eps = {c.strategy.ep for c in result.ranked}
+    assert eps <= {1, 2, 4, 8} and max(eps) > 1
+    best = result.ranked[0]
+    plan(model, best.strategy, best.train, 64)

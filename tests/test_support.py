@@ -51,7 +51,11 @@ def refused(support, plan, machine, match: str) -> list[str]:
 
 # (id, strategy, world, model overrides, message)
 TORCH_REFUSALS = [
-    ("moe", {"dp": 1}, 1, {"num_experts": 4}, r"^model\.num_experts: .*num_experts: 0"),
+    ("moe-native", {"dp": 2, "ep": 2, "zero": {"engine": "native"}}, 2, {"num_experts": 4},
+     r"^strategy\.zero\.engine: MoE experts .*use engine shared"),
+    ("moe-sp", {"tp": 2, "sequence_parallel": True}, 2, {"num_experts": 4},
+     r"^strategy\.sequence_parallel: .*sequence_parallel: false with model\.moe"),
+    ("moe-cp", {"cp": 2}, 2, {"num_experts": 4}, r"^strategy\.cp: .*use cp: 1 with MoE"),
     ("tied-tp", {"tp": 2}, 2, {"tie_embeddings": True}, r"^model\.tie_embeddings: .*untie it or use tp: 1"),
     ("offload-params", {"dp": 2, "zero": {"stage": 3}, "offload": {"params": True}}, 2, {},
      r"^strategy\.offload\.params: .*set it false"),
@@ -135,7 +139,7 @@ MS_REFUSALS = [
      r"^strategy\.precision\.grad_reduce_dtype: .*set float32"),
     ("offload", {"dp": 2, "zero": {"stage": 1}, "offload": {"optimizer": True}, "precision": FP32}, 2, {},
      [CPU, ASCEND], r"^strategy\.offload: the MindSpore backend does not offload"),
-    ("moe", {"dp": 1, "precision": FP32}, 1, {"num_experts": 4}, [CPU, ASCEND], r"^model\.num_experts: .*dense"),
+    ("moe", {"dp": 1, "precision": FP32}, 1, {"num_experts": 4}, [CPU, ASCEND], r"^model\.moe: .*--backend torch"),
     ("zero-bubble", {"pp": 2, "pipeline": {"schedule": "zero_bubble"}, "precision": FP32}, 2, {}, [ASCEND],
      r"^strategy\.pipeline\.schedule: MindSpore has no 'zero_bubble' scheduler"),
     ("shared-with-tp", {"dp": 2, "tp": 2, "zero": {"stage": 1, "engine": "shared"}}, 4, {}, [ASCEND],

@@ -47,7 +47,7 @@ CATALOGUE = [
     ("zero-shard-divides", {"dp": 6, "zero": {"stage": 3, "shard_size": 4}}, {}, {"global_batch_size": 12}, 6, r"zero\.shard_size: 4 does not divide dp = 6"),
     ("zero-shard-too-big", {"dp": 2, "zero": {"stage": 3, "shard_size": 4}}, {}, {}, 2, r"zero\.shard_size: 4 exceeds dp = 2"),
     ("ep-dense", {"ep": 2, "dp": 2}, {}, {}, 2, r"strategy\.ep: 2 but the model is dense"),
-    ("ep-experts", {"ep": 4, "dp": 4}, {"num_experts": 6}, {}, 4, r"model\.num_experts = 6 is not divisible by 4"),
+    ("ep-experts", {"ep": 4, "dp": 4}, {"num_experts": 6}, {}, 4, r"model\.moe\.num_experts = 6 is not divisible by 4"),
     ("ep-dp-cp", {"ep": 4, "dp": 2}, {"num_experts": 8}, {}, 2, r"strategy\.ep: 4 must divide dp\*cp = 2"),
     ("recompute-layers-without-policy", {"dp": 1, "recompute": {"num_layers": 2}}, {}, {}, 1, r"recompute\.num_layers: set but policy is 'none'"),
     ("recompute-too-many-layers", {"pp": 2, "dp": 1, "recompute": {"policy": "full", "num_layers": 6}}, {}, {}, 2, r"recompute\.num_layers: 6 exceeds the 4 layers of a stage"),

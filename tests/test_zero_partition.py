@@ -5,7 +5,6 @@ import pytest
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import OptimizerConfig, TrainConfig
-from ms_llm.errors import StrategyError
 from ms_llm.strategy import cost
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import plan
@@ -174,8 +173,11 @@ def test_planned_bytes_match_the_cost_formula(stage, dtype, optimizer):
         assert got[key] == pytest.approx(want, rel=0.02, abs=0), key
 
 
-def test_moe_is_refused_with_the_field_to_change():
+def test_moe_partitions_the_dense_parameters_and_leaves_the_experts_to_their_group():
     moe = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden_size=64,
                       num_experts=4, dtype="float32")
-    with pytest.raises(StrategyError, match="strategy.zero.engine"):
-        zero_plan(make({"dp": 2, "zero": {"stage": 1}}, 2, model=moe))
+    p = make({"dp": 2, "ep": 2, "zero": {"stage": 3}}, 2, model=moe)
+    names = {s.name for b in zero_plan(p).buckets for s in b.slots}
+    experts = {n for n, q in p.params.items() if q.kind.startswith("expert")}
+    assert len(experts) == 3 and not names & experts
+    assert names == set(p.params) - experts

@@ -190,13 +190,14 @@ def run_case(case: str, tokens: np.ndarray, out: Path) -> None:
     dist.barrier()
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], run=None) -> None:
+    """TOKENS OUT case...: each case through `run` (default run_case; the MoE worker passes its own)."""
     tokens_path, out, cases = argv[0], Path(argv[1]), argv[2:]
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     tokens = load_tokens(Path(tokens_path))
     for case in cases:
-        run_case(case, tokens, out)
+        (run or run_case)(case, tokens, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -36,7 +36,7 @@ from torch_backend import support
 StyleKind = Literal["colwise", "rowwise", "sequence", "prepare_input"]
 
 # Which activation of the plan a block (by its attribute name) takes as input.
-BLOCK_INPUT = {"self_attn": "attn_input", "mlp": "mlp_input"}
+BLOCK_INPUT = {"self_attn": "attn_input", "mlp": "mlp_input", "shared_experts": "mlp_input"}
 # The last dimension, whatever the rank of the tensor: where column / row parallel split features.
 FEATURES = Shard(-1)
 # Each schedule of the IR (ms_llm.strategy.ir.SCHEDULES) -> the torch.distributed.pipelining class that runs it.
@@ -100,6 +100,7 @@ class TorchLowering:
     micro_batches: int
     compile: bool                               # torch.compile per decoder layer
     cp: Optional[ContextParallelPlan]           # None when cp = 1
+    expert_mesh: Optional[MeshSpec] = None      # MoE: pp x edp x ep x tp, the expert groups
 
 
 def tp_placement(layout: TensorLayout) -> Placement:
@@ -128,6 +129,8 @@ def tp_plan(plan: ModelPlan) -> tuple[TpStyle, ...]:
             styles[fqn] = TpStyle(fqn, "colwise", Replicate(), FEATURES, True)
         elif p.kind == "row" and weight == Shard(1):
             styles[fqn] = TpStyle(fqn, "rowwise", FEATURES, hidden, True)
+        elif p.kind in ("expert_column", "expert_row", "router"):
+            continue       # torch_backend.parallelize.ep: the MoE layer splits its experts itself
         elif p.kind == "norm" and weight == Replicate():
             if hidden != Replicate():
                 styles[fqn] = TpStyle(fqn, "sequence", hidden, hidden, False)
@@ -183,4 +186,5 @@ def lower(plan: ModelPlan, machine: Machine) -> TorchLowering:
         micro_batches=plan.micro_batches,
         compile=plan.train.compile,
         cp=context_parallel_plan(plan),
+        expert_mesh=plan.expert_mesh,
     )

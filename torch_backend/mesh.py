@@ -8,6 +8,7 @@ themselves rather than slice them back out of the root.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -21,6 +22,7 @@ class Meshes:
     spec: MeshSpec
     world: DeviceMesh
     derived: dict[str, DeviceMesh] = field(default_factory=dict)
+    expert: Optional[DeviceMesh] = None     # pp x edp x ep x tp (ms_llm.strategy.mesh.EXPERT_AXES), MoE only
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(name, str) and name in self.derived:
@@ -37,12 +39,19 @@ class Meshes:
     def group(self, name: str) -> dist.ProcessGroup:
         return self[name].get_group()
 
+    def expert_group(self, name: str) -> dist.ProcessGroup:
+        """'ep' (ranks splitting the experts) or 'edp' (ranks holding the same experts)."""
+        return self.expert[name].get_group()
 
-def build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
+
+def build_meshes(spec: MeshSpec, device_type: str, expert: Optional[MeshSpec] = None) -> Meshes:
     """init_device_mesh over the plan's axes (size-1 axes included, so every name exists),
-    then flatten each derived axis of DERIVED_AXES."""
+    then flatten each derived axis of DERIVED_AXES. `expert`: the plan's expert mesh, the same
+    ranks in the same order with dp*cp read as (edp, ep), ep innermost (Megatron's expert groups)."""
     world = init_device_mesh(device_type, spec.shape, mesh_dim_names=spec.names)
     meshes = Meshes(spec, world)
+    if expert is not None:
+        meshes.expert = init_device_mesh(device_type, expert.shape, mesh_dim_names=expert.names)
     for name, axes in DERIVED_AXES.items():
         if all(a in spec.names for a in axes):
             meshes.derived[name] = world[axes]._flatten(name)

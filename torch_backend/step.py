@@ -15,6 +15,7 @@ from torch import nn
 from ms_llm.config.train import OptimizerConfig
 from ms_llm.run import LossScaler, lr_at
 from torch_backend.apply import Lowered, cross_entropy, local_value
+from torch_backend.moe import MoE
 from torch_backend.parallelize.cp import cp_positions
 
 
@@ -46,6 +47,9 @@ class TrainStep:
             cp = lowered.lowering.cp
             self.positions = torch.tensor(cp_positions(self.plan.train.seq_len, cp.degree, meshes.coord("cp"),
                                                        cp.balanced), device=lowered.device)
+        # MoE router losses: every stage's layers add theirs, once per data-parallel replica.
+        self.moe = [mod for part in lowered.parts for mod in part.modules() if isinstance(mod, MoE)]
+        self.aux_weight = (1.0 if meshes.coord("tp") == 0 and meshes.coord("cp") == 0 else 0.0) / s.dp
         self.world = self.plan.world_size
         self.loss_scale = LossScaler.from_precision(s.precision)      # None without fp16 loss scaling
 
@@ -59,6 +63,8 @@ class TrainStep:
         """Accumulate gradients of the local batch (B, T); return this rank's mean loss."""
         m, n = self.m, self.plan.micro_batches
         tokens, targets = self.context_share(tokens, targets)
+        for moe in self.moe:      # a schedule divides every gradient by n itself; the loop below does not
+            moe.aux_scale = (1.0 if self.loss_scale is None else self.loss_scale.scale) / (1 if m.schedule else n)
         if m.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (tokens,) if m.has_first else ()
@@ -85,19 +91,24 @@ class TrainStep:
         loss scaling a skipped step's norm is the non-finite one."""
         batch = batch.to(self.m.device, non_blocking=True)
         loss = self.forward_backward(batch[:, :-1], batch[:, 1:])
+        n = self.plan.micro_batches
+        aux = sum((moe.take_aux(n) for moe in self.moe), torch.zeros(())) / n
         self.m.dp.reduce_grads(self.m.parts)
         scale = None if self.loss_scale is None else self.loss_scale.scale
         grad_norm = self.m.dp.step(self.optimizer, self.params, lr_at(step, self.plan.train),
                                    self.plan.train.optimizer.grad_clip, self.pp_group, scale)
         if self.loss_scale is not None:
             self.loss_scale.update(bool(torch.isfinite(grad_norm)), step + 1)
-        return self.global_mean(loss), grad_norm
+        return self.global_mean(loss, aux.to(loss.device)), grad_norm
 
-    def global_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """This rank's mean loss -> the global batch's, the same on every rank."""
+    def global_mean(self, loss: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's mean loss (plus its MoE router losses, `aux`) -> the global batch's, the
+        same on every rank."""
         if self.world > 1:
-            loss = loss * self.loss_weight
+            loss = loss * self.loss_weight + (0.0 if aux is None else aux * self.aux_weight)
             dist.all_reduce(loss)
+        elif aux is not None:
+            loss = loss + aux
         return loss
 
     @torch.no_grad()

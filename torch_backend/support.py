@@ -57,8 +57,12 @@ def zero_engine(plan: ModelPlan, machine: Machine) -> str:
 
 def _lowering(plan: ModelPlan) -> list[str]:
     s, problems = plan.strategy, []
-    if plan.model.num_experts:
-        problems.append("model.num_experts: the torch model is dense; MoE is not lowered yet, use num_experts: 0")
+    if plan.model.moe is not None and s.sequence_parallel:
+        problems.append("strategy.sequence_parallel: the torch MoE layer routes the whole sequence of each rank; "
+                        "use sequence_parallel: false with model.moe")
+    if plan.model.moe is not None and s.cp > 1:
+        problems.append("strategy.cp: context parallel is not combined with model.moe on the torch backend yet; "
+                        "use cp: 1 with MoE models")
     if plan.model.tie_embeddings and s.tp > 1:
         problems.append("model.tie_embeddings: a tied embedding cannot be both the vocab-parallel embedding "
                         "and head in the torch backend; untie it or use tp: 1")
@@ -82,6 +86,12 @@ def _engine(plan: ModelPlan) -> tuple[str, list[str]]:
     if s.dp * s.cp == 1:           # cp ranks see different tokens: their gradients are reduced too
         return NONE, []
     problem = _shared_problem(plan)
+    if plan.model.moe is not None and s.zero.engine == "native":
+        # native engines would average different ranks' experts together.
+        return _native(plan)[0], ["strategy.zero.engine: MoE experts are reduced over their expert-data-parallel "
+                                  "group by the shared engine only; use engine shared (or auto)"]
+    if plan.model.moe is not None:
+        return SHARED, [f"{problem}; MoE runs on the shared engine"] if problem else []
     if s.zero.engine == "shared" or (s.zero.engine == "auto" and problem is None):
         return SHARED, [f"{problem}; use strategy.zero.engine: native (or auto)"] if problem else []
     return _native(plan)

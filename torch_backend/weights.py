@@ -28,7 +28,7 @@ def materialize(part: nn.Module, plan: ModelPlan, device: torch.device, rank: in
         part.lm_head.weight = part.model.embed_tokens.weight   # to_empty from meta unties them
     stage_rank = plan.stage_rank(rank)
     for name, p in part.named_parameters():
-        full = torch.from_numpy(init_param(name, tuple(p.shape), seed))
+        full = torch.from_numpy(init_param(name, plan.params[name].shape, seed))
         if isinstance(p, DTensor):
             offsets, sizes = plan.params[name].layout.shard_box(stage_rank)
             local = p.to_local()
@@ -36,6 +36,9 @@ def materialize(part: nn.Module, plan: ModelPlan, device: torch.device, rank: in
                 raise StrategyError(f"{name}: the torch lowering holds a {tuple(local.shape)} shard where the plan "
                                     f"says {tuple(sizes)}; the tensor-parallel styles and the plan disagree")
             local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+        elif p.shape != full.shape:                 # experts, plain tensors: this rank's ep (and tp) slice
+            offsets, sizes = plan.params[name].layout.shard_box(stage_rank)
+            p.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
         else:
             p.copy_(full)
     cos, sin = rotary_tables(plan.model, device)

@@ -45,7 +45,7 @@ def build_trainer(run: RunFolder, device):
     # Lower the plan (pure data: mesh, pipeline chunks, TP/SP styles, AC, engine, schedule), then
     # build it on this rank (torch_backend/parallelize, in its fixed order).
     low = lower(plan, Machine("cuda" if device.type == "cuda" else "cpu"))
-    lowered = apply(low, plan, build_meshes(low.mesh, device.type), device, rank)
+    lowered = apply(low, plan, build_meshes(low.mesh, device.type, low.expert_mesh), device, rank)
     step_fn = TrainStep(lowered)
     if rank == 0:
         print(f"lowered: {plan.mesh.describe()} | data parallel: {lowered.dp.name} (ZeRO {plan.zero.stage}) | "

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ms_llm.checkpoint.boxes import Region
+from ms_llm.checkpoint.hf_moe import is_mixtral, mixtral_config, mixtral_names
 from ms_llm.checkpoint.format import Index, ShardEntry, TensorEntry, split_optim_name
 from ms_llm.checkpoint.hf_config import hf_config, model_from_hf_config
 from ms_llm.checkpoint.reader import Checkpoint
@@ -42,18 +43,19 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
     """Write the model weights of checkpoint `src` as a Hugging Face folder `out`."""
     ckpt = Checkpoint.open(src)
     model = ckpt.model_config()
-    if model.num_experts:
-        raise CheckpointError(f"{ckpt.folder}: a mixture-of-experts model has no LlamaForCausalLM layout; "
-                              "Hugging Face export covers dense LLaMA / Qwen2 / Qwen3 models")
+    if model.moe is not None and not is_mixtral(model):
+        raise CheckpointError(f"{ckpt.folder}: this mixture-of-experts model (shared or leading dense experts) has no "
+                              "MixtralForCausalLM layout; Hugging Face export covers LLaMA and Mixtral models")
     hf_config(model, "float32")                  # refuses a model no transformers class computes, before writing
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in ckpt.names() if split_optim_name(n) is None]
-    out_dtype = dtype or ckpt.entry(names[0]).dtype
+    sources = hf_tensors(ckpt, model)
+    names = list(sources)
+    out_dtype = dtype or ckpt.entry(sources[names[0]][0]).dtype
     groups: list[list[str]] = [[]]
     size = 0
     for name in names:
-        nbytes = math.prod(ckpt.entry(name).shape) * storage_dtype(out_dtype).itemsize
+        nbytes = math.prod(hf_shape(ckpt, *sources[name])) * storage_dtype(out_dtype).itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -62,17 +64,47 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
     weight_map, total = {}, 0
     for i, group in enumerate(groups):
         fname = SINGLE_NAME if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        entries = [(n, out_dtype, ckpt.entry(n).shape) for n in group]
+        entries = [(n, out_dtype, hf_shape(ckpt, *sources[n])) for n in group]
         total += write_file(str(confined(out, fname, "an export file")), entries,
-                            lambda n: convert_dtype(ckpt.read_full(n), ckpt.entry(n).dtype, out_dtype),
-                            {"format": "pt"})
+                            lambda n: convert_dtype(hf_read(ckpt, *sources[n]), ckpt.entry(sources[n][0]).dtype,
+                                                    out_dtype), {"format": "pt"})
         weight_map.update({n: fname for n in group})
     if len(groups) > 1:
         confined(out, INDEX_NAME, "an export file").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    confined(out, "config.json", "an export file").write_text(json.dumps(hf_config(model, out_dtype), indent=2))
+    config = hf_config(model, out_dtype)
+    if model.moe is not None:
+        config = mixtral_config(model, out_dtype, config)
+    confined(out, "config.json", "an export file").write_text(json.dumps(config, indent=2))
     ckpt.close()
     return out
+
+
+def hf_tensors(ckpt: Checkpoint, model: ModelConfig) -> dict[str, tuple[str, Optional[int]]]:
+    """Hub name -> (canonical tensor, expert index or None) of every model weight."""
+    out: dict[str, tuple[str, Optional[int]]] = {}
+    for name in ckpt.names():
+        if split_optim_name(name) is not None:
+            continue
+        hub = mixtral_names(name, model.num_experts) if model.moe is not None else None
+        if hub is None or len(hub) == 1:
+            out[(hub or [name])[0]] = (name, None)
+        else:
+            out.update({h: (name, e) for e, h in enumerate(hub)})
+    return out
+
+
+def hf_shape(ckpt: Checkpoint, name: str, expert: Optional[int]) -> tuple[int, ...]:
+    shape = tuple(ckpt.entry(name).shape)
+    return shape if expert is None else shape[1:]
+
+
+def hf_read(ckpt: Checkpoint, name: str, expert: Optional[int]) -> np.ndarray:
+    """The full tensor, or one expert's slice of a stacked one."""
+    if expert is None:
+        return ckpt.read_full(name)
+    shape = ckpt.entry(name).shape
+    return ckpt.read(name, Region((expert,) + (0,) * (len(shape) - 1), (1,) + tuple(shape[1:])))[0]
 
 
 def hf_source(folder: str | Path) -> Checkpoint:

@@ -50,6 +50,42 @@ MAX_PARAMS = 10 ** 15            # checked on the derived total: 1000x the large
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Sparse mixture-of-experts feed-forward (Mixtral, DeepSeek): a softmax router picks top_k of
+    num_experts SwiGLU experts per token; optional always-on shared experts run beside them."""
+    num_experts: int = spec(doc="Routed experts per MoE layer.", ge=1, le=MAX_HEADS)
+    top_k: int = spec(2, "Experts each token is routed to.", ge=1, le=MAX_HEADS)
+    expert_ffn_hidden_size: int = spec(-1, "SwiGLU inner width of one expert; -1 = model.ffn_hidden_size "
+                                           "(Mixtral), smaller for fine-grained experts (DeepSeek).",
+                                       ge=-1, le=MAX_WIDTH)
+    shared_experts: int = spec(0, "Always-on experts beside the routed ones, run as one SwiGLU MLP of "
+                                  "shared_experts x expert width (DeepSeek); 0 = none.", ge=0, le=MAX_HEADS)
+    normalize_top_k: bool = spec(True, "Renormalise the top_k routing weights to sum to 1 (Mixtral); false "
+                                       "keeps the raw softmax probabilities (DeepSeek-V2, Qwen2-MoE).")
+    capacity_factor: float = spec(-1.0, "Tokens an expert takes per step = capacity_factor x tokens x top_k / "
+                                        "num_experts, the rest dropped (GShard); -1 = dropless.",
+                                  ge=-1.0, le=1024.0)
+    aux_loss_coeff: float = spec(0.01, "Load-balancing loss weight (Switch: num_experts x sum_e f_e P_e, "
+                                       "1.0 when balanced), per MoE layer.", ge=0.0, le=1e3)
+    z_loss_coeff: float = spec(0.0, "Router z-loss weight (ST-MoE: mean logsumexp(router logits)^2).",
+                               ge=0.0, le=1e3)
+    layer_freq: int = spec(1, "Every layer_freq-th layer (index % layer_freq == 0) is MoE; 1 = all.",
+                           ge=1, le=MAX_LAYERS)
+    first_dense_layers: int = spec(0, "Leading layers that stay dense (DeepSeek's first_k_dense_replace).",
+                                   ge=0, le=MAX_LAYERS)
+
+    def __post_init__(self) -> None:
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model.moe.top_k: {self.top_k} exceeds model.moe.num_experts={self.num_experts}")
+        if self.expert_ffn_hidden_size == 0:
+            raise ConfigError("model.moe.expert_ffn_hidden_size: got 0; use a width >= 1, or -1 for "
+                              "model.ffn_hidden_size")
+        if self.capacity_factor != -1.0 and self.capacity_factor <= 0:
+            raise ConfigError(f"model.moe.capacity_factor: got {self.capacity_factor}; use a positive factor, "
+                              "or -1 for a dropless router")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = spec("model", "Flavor name, used in run folders and tables.")
     vocab_size: int = spec(doc="Embedding rows and lm_head outputs.", ge=2, le=1 << 24)
@@ -70,8 +106,10 @@ class ModelConfig:
     norm_eps: float = spec(1e-5, "RMSNorm epsilon.", ge=0.0, le=1.0)
     tie_embeddings: bool = spec(False, "Share embed_tokens and lm_head weights.")
     dtype: DType = spec("bfloat16", "Parameter dtype on the device.")
-    num_experts: int = spec(0, "Routed experts per MoE layer; 0 means a dense SwiGLU MLP.", ge=0, le=MAX_HEADS)
-    moe_top_k: int = spec(2, "Experts each token is routed to (MoE only).", ge=1, le=MAX_HEADS)
+    moe: Optional[MoEConfig] = spec(None, "Mixture-of-experts feed-forward; null = every layer dense.")
+    num_experts: int = spec(0, "Mirror of moe.num_experts (0 = dense), the shorthand the converters write; "
+                               "given alone it makes a moe section with moe_top_k.", ge=0, le=MAX_HEADS)
+    moe_top_k: int = spec(2, "Mirror of moe.top_k, with num_experts.", ge=1, le=MAX_HEADS)
     flash_attention: bool = spec(False, "Fused attention kernel where the backend has one (MindSpore: "
                                         "FlashAttentionScore on Ascend); the same math as plain attention.")
 
@@ -92,11 +130,41 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"model.num_kv_heads: {self.num_kv_heads} must divide "
                               f"model.num_heads={self.num_heads} (each kv head serves a group of query heads)")
-        if self.num_experts and self.moe_top_k > self.num_experts:
-            raise ConfigError(f"model.moe_top_k: {self.moe_top_k} exceeds model.num_experts={self.num_experts}")
+        self._sync_moe()
         if self.num_params() > MAX_PARAMS:
             raise ConfigError(f"model: {self.num_params():.3g} parameters is more than {MAX_PARAMS:.0e}; check "
                               "hidden_size, ffn_hidden_size, num_layers, vocab_size and num_experts")
+
+    def _sync_moe(self) -> None:
+        """moe is the truth; num_experts / moe_top_k mirror it (or, given alone, make it)."""
+        if self.moe is None:
+            if self.num_experts:
+                object.__setattr__(self, "moe", MoEConfig(num_experts=self.num_experts, top_k=self.moe_top_k))
+            return
+        for mirror, value, default in (("num_experts", self.moe.num_experts, 0), ("moe_top_k", self.moe.top_k, 2)):
+            if getattr(self, mirror) not in (default, value):
+                raise ConfigError(f"model.{mirror}: {getattr(self, mirror)} disagrees with model.moe ({value}); "
+                                  f"leave {mirror} out")
+            object.__setattr__(self, mirror, value)
+        if self.moe.first_dense_layers >= self.num_layers:
+            raise ConfigError(f"model.moe.first_dense_layers: {self.moe.first_dense_layers} leaves no MoE layer "
+                              f"in {self.num_layers}; use fewer, or moe: null for a dense model")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """DeepSeek's and Megatron's rule: past the leading dense layers, every layer_freq-th."""
+        m = self.moe
+        return m is not None and layer >= m.first_dense_layers and layer % m.layer_freq == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """One expert's SwiGLU width (0 for a dense model)."""
+        if self.moe is None:
+            return 0
+        return self.ffn_hidden_size if self.moe.expert_ffn_hidden_size == -1 else self.moe.expert_ffn_hidden_size
 
     @property
     def q_dim(self) -> int:
@@ -107,28 +175,32 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def layer_param_count(self) -> int:
-        """Parameters of one decoder layer: attention (+ q/k/v biases, q/k norms), MLP (or experts +
-        router), two norms."""
-        h, f = self.hidden_size, self.ffn_hidden_size
+    def layer_param_count(self, layer: int | None = None) -> int:
+        """Parameters of one decoder layer: attention (+ q/k/v biases, q/k norms), MLP (or router +
+        experts + shared experts), two norms. `layer` None: the largest layer (an MoE one when the
+        model has any)."""
+        h = self.hidden_size
         attn = 2 * h * self.q_dim + 2 * h * self.kv_dim
         attn += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        mlp = 3 * h * f
-        if self.num_experts:
-            mlp = self.num_experts * mlp + self.num_experts * h
+        moe = self.moe is not None and (self.is_moe_layer(layer) if layer is not None else True)
+        if not moe:
+            return attn + 3 * h * self.ffn_hidden_size + 2 * h
+        m, fe = self.moe, self.expert_ffn_size
+        mlp = m.num_experts * h + (m.num_experts + m.shared_experts) * 3 * h * fe
         return attn + mlp + 2 * h
 
     def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_embeddings else embed
-        return embed + self.num_layers * self.layer_param_count() + self.hidden_size + head
+        layers = sum(self.layer_param_count(i) for i in range(self.num_layers))
+        return embed + layers + self.hidden_size + head
 
     def active_params(self) -> int:
         """Parameters touched per token (for FLOPs): only top_k experts of an MoE layer."""
-        if not self.num_experts:
+        if self.moe is None:
             return self.num_params()
-        dense_experts = self.num_experts - self.moe_top_k
-        return self.num_params() - self.num_layers * dense_experts * 3 * self.hidden_size * self.ffn_hidden_size
+        idle = (self.moe.num_experts - self.moe.top_k) * 3 * self.hidden_size * self.expert_ffn_size
+        return self.num_params() - len(self.moe_layers) * idle
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus causal attention scores (PaLM's 12*L*h*s, halved)."""

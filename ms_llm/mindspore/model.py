@@ -181,11 +181,12 @@ class Attention(nn.Cell):
 
 
 class MLP(nn.Cell):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
-        self.up_proj = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
-        self.down_proj = Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        width = width or cfg.ffn_hidden_size          # MoE shared experts: their own width
+        self.gate_proj = Linear(cfg.hidden_size, width)
+        self.up_proj = Linear(cfg.hidden_size, width)
+        self.down_proj = Linear(width, cfg.hidden_size)
         self.sigmoid = ops.Sigmoid()        # silu = x * sigmoid(x): mint silu is not on every target
         self.silu_mul = ops.Mul()
         self.mul = ops.Mul()
@@ -196,12 +197,14 @@ class MLP(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        from ms_llm.mindspore.moe import MoE       # moe.py builds on this module's Linear and MLP
+
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.add = ops.Add()
 
     def construct(self, x, cos, sin, mask):
@@ -215,7 +218,7 @@ class Backbone(nn.Cell):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.CellList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.CellList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
@@ -224,8 +227,6 @@ class Transformer(nn.Cell):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.num_experts:
-            raise ValueError("model.num_experts: the MindSpore model is dense; MoE layers are not built yet")
         self.cfg = cfg
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)

@@ -67,9 +67,9 @@ def _model(plan: ModelPlan) -> list[str]:
     s, problems = plan.strategy, []
     if s.cp > 1:
         problems += cp_refusals(plan)
-    if plan.model.num_experts:
-        problems.append("model.num_experts: the MindSpore model and lowering are dense LLaMA; MoE is not "
-                        "lowered, use num_experts: 0")
+    if plan.model.moe is not None:
+        problems.append("model.moe: the MindSpore model builds MoE layers but its lowering and trainer are dense "
+                        "only; train MoE with --backend torch, or set moe: null")
     if s.pp > 1 and s.pipeline.schedule not in SCHEDULES:
         problems.append(f"strategy.pipeline.schedule: MindSpore has no {s.pipeline.schedule!r} scheduler; "
                         f"use one of {', '.join(SCHEDULES)}")

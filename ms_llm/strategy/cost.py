@@ -11,6 +11,7 @@ norm inputs/outputs only with sequence parallel, everything by cp.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Union
@@ -101,6 +102,8 @@ class StageShape:
     recompute: tuple[tuple[str, int], ...]        # (mode, layers) for each recompute mode present
     has_head: bool
     params: int                                   # parameters on one device (after tp / ep, before ZeRO)
+    moe_layers: int = 0                           # of `layers`, those with routed experts
+    expert_params: int = 0                        # of `params`, routed experts: replicated over edp, not ZeRO's
 
 
 @dataclass(frozen=True)
@@ -120,32 +123,37 @@ class CostShape:
         return sum(n for st in self.stages for m, n in st.recompute if m == mode)
 
 
-def _stage_shape(layers: list[int], modes: tuple[str, ...], has_head: bool, params: int) -> StageShape:
+def _stage_shape(layers: list[int], modes: tuple[str, ...], has_head: bool, params: int, moe_layers: int = 0,
+                 expert_params: int = 0) -> StageShape:
     counts = Counter(modes[l] for l in layers)
-    return StageShape(len(layers), tuple(sorted(counts.items())), has_head, params)
+    return StageShape(len(layers), tuple(sorted(counts.items())), has_head, params, moe_layers, expert_params)
 
 
 def cost_shape(plan: ModelPlan) -> CostShape:
     stages = []
     for st in range(plan.strategy.pp):
         chunks = plan.chunks_of_stage(st)
-        stages.append(_stage_shape([l for c in chunks for l in c.layers], plan.recompute,
-                                   any(c.has_head for c in chunks), plan.local_param_count(st)))
+        layers = [l for c in chunks for l in c.layers]
+        experts = sum(math.prod(p.layout.local_shape()) for p in plan.params_of_stage(st)
+                      if p.kind in ("expert_column", "expert_row"))
+        stages.append(_stage_shape(layers, plan.recompute, any(c.has_head for c in chunks),
+                                   plan.local_param_count(st), sum(map(plan.model.is_moe_layer, layers)), experts))
     return CostShape(plan.model, plan.strategy, plan.train, plan.world_size, plan.micro_batches,
                      ZeroGroups(plan.zero.group_size, plan.zero.replicate_size), tuple(stages))
 
 
-def _local_layer_params(m: ModelConfig, s: ParallelStrategy) -> int:
-    """Parameters of one decoder layer on one device, as plan.py lays them out: tp splits
-    q/k/v/o, their biases and the MLP, ep splits the experts, norms (q/k norms too) and the
-    router are replicated."""
+def _local_layer_params(m: ModelConfig, s: ParallelStrategy, moe: bool) -> tuple[int, int]:
+    """(parameters, of which routed experts) of one decoder layer on one device, as plan.py lays
+    them out: tp splits q/k/v/o, their biases, the MLP, the shared experts and each expert's width,
+    ep splits the experts, norms (q/k norms too) and the router are replicated."""
     h, f, q, kv, tp = m.hidden_size, m.ffn_hidden_size, m.q_dim, m.kv_dim, s.tp
     attn = (2 * q * h + 2 * kv * h + (q + 2 * kv) * m.qkv_bias) // tp + 2 * m.head_dim * m.qk_norm
-    if m.num_experts:
-        mlp = 3 * (m.num_experts // s.ep) * (f // tp) * h + m.num_experts * h
-    else:
-        mlp = 3 * (f // tp) * h
-    return attn + mlp + 2 * h
+    if not moe:
+        return attn + 3 * (f // tp) * h + 2 * h, 0
+    fe = m.expert_ffn_size
+    experts = 3 * (m.moe.num_experts // s.ep) * (fe // tp) * h
+    shared = 3 * (m.moe.shared_experts * fe // tp) * h
+    return attn + experts + shared + m.moe.num_experts * h + 2 * h, experts
 
 
 # (layers, pp, virtual stages, schedule, layer split, recompute) -> per stage:
@@ -153,9 +161,9 @@ def _local_layer_params(m: ModelConfig, s: ParallelStrategy) -> int:
 _STRUCTURE_CACHE: dict[tuple, tuple[tuple[int, tuple, bool, bool], ...]] = {}
 
 
-def _stage_structure(model: ModelConfig, s: ParallelStrategy) -> tuple[tuple[int, tuple, bool, bool], ...]:
-    key = (model.num_layers, s.pp, s.pipeline.virtual_stages, s.pipeline.schedule, s.pipeline.layer_split,
-           s.recompute.policy, s.recompute.num_layers)
+def _stage_structure(model: ModelConfig, s: ParallelStrategy) -> tuple[tuple[int, tuple, bool, bool, int], ...]:
+    key = (model.num_layers, model.moe_layers, s.pp, s.pipeline.virtual_stages, s.pipeline.schedule,
+           s.pipeline.layer_split, s.recompute.policy, s.recompute.num_layers)
     hit = _STRUCTURE_CACHE.get(key)
     if hit is None:
         chunks = pipeline_chunks(model, s)
@@ -165,7 +173,8 @@ def _stage_structure(model: ModelConfig, s: ParallelStrategy) -> tuple[tuple[int
             mine = [c for c in chunks if c.stage == st]
             layers = [l for c in mine for l in c.layers]
             counts = tuple(sorted(Counter(modes[l] for l in layers).items()))
-            stages.append((len(layers), counts, any(c.has_embedding for c in mine), any(c.has_head for c in mine)))
+            stages.append((len(layers), counts, any(c.has_embedding for c in mine), any(c.has_head for c in mine),
+                           sum(map(model.is_moe_layer, layers))))
         hit = tuple(stages)
         if len(_STRUCTURE_CACHE) > 4096:
             _STRUCTURE_CACHE.clear()
@@ -176,11 +185,13 @@ def _stage_structure(model: ModelConfig, s: ParallelStrategy) -> tuple[tuple[int
 def shape_of(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig) -> CostShape:
     """CostShape of a resolved strategy (validate.validate's output) without planning every tensor."""
     s = strategy
-    layer = _local_layer_params(model, s)
+    dense, _ = _local_layer_params(model, s, False)
+    moe, experts = _local_layer_params(model, s, True) if model.moe is not None else (0, 0)
     embed = model.vocab_size // s.tp * model.hidden_size
     head = model.hidden_size + (0 if model.tie_embeddings else embed)
-    stages = tuple(StageShape(n, counts, has_head, n * layer + embed * has_embed + head * has_head)
-                   for n, counts, has_embed, has_head in _stage_structure(model, s))
+    stages = tuple(StageShape(n, counts, has_head, (n - k) * dense + k * moe + embed * has_embed + head * has_head,
+                              k, k * experts)
+                   for n, counts, has_embed, has_head, k in _stage_structure(model, s))
     group = s.dp_shard * s.cp if s.zero.stage else 1
     return CostShape(model, s, train, s.world_size(), s.pipeline.micro_batches,
                      ZeroGroups(group, s.dp_replicate), stages)
@@ -204,15 +215,19 @@ def _activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     m, s = plan.model, plan.strategy
     tp = s.tp
     h, f, q, kv = m.hidden_size, m.ffn_hidden_size, m.q_dim, m.kv_dim
-    if m.num_experts:
-        f = f * m.moe_top_k
+    dispatch = 0.0
+    if m.moe is not None:
+        # An MoE layer (the largest): top_k expert MLPs per token plus the shared experts, and the
+        # token copies sorted by expert, sent and received (dispatch and combine buffers).
+        f = m.moe.top_k * m.expert_ffn_size + m.moe.shared_experts * m.expert_ffn_size
+        dispatch = 4 * m.moe.top_k * h
     act = DTYPE_BYTES[s.precision.compute_dtype]
     norm_io = 4 * h / (tp if s.sequence_parallel else 1)       # attn/mlp norm inputs and outputs
     if mode == "full":
         return act * h / (tp if s.sequence_parallel else 1)    # the layer input only
     # K/V as attention keeps them: all-gather context parallelism keeps the gathered K/V.
     kv_kept = kv * s.cp if s.cp > 1 and cp_algorithm(plan) == "allgather" else kv
-    inside = (q + 2 * kv_kept + q + 4 * f) / tp                # q, k, v, attn out, gate/up/silu/product
+    inside = (q + 2 * kv_kept + q + 4 * f + dispatch) / tp     # q, k, v, attn out, gate/up/silu/product
     inside += (q + kv) / tp * m.qk_norm                        # q, k norm outputs (Qwen3)
     if mode == "selective":
         inside -= 2 * f / tp                                   # silu output and product are recomputed
@@ -255,19 +270,24 @@ def memory(plan: Union[ModelPlan, CostShape]) -> MemoryBreakdown:
 def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]) -> MemoryBreakdown:
     s, m, t = plan.strategy, plan.model, plan.train
     st = plan.stages[stage]
-    psi = st.params
+    psi = st.params - st.expert_params
     pbytes = DTYPE_BYTES[s.precision.param_dtype]
     nd = plan.zero.group_size
     params, grads, optim = zero_model_state_bytes(psi, s.zero.stage, nd, _optimizer_bytes_per_param(plan),
                                                   pbytes, pbytes)
+    # Routed experts: split over ep already, replicated over edp with whole optimizer states.
+    params += st.expert_params * pbytes
+    grads += st.expert_params * pbytes
+    optim += st.expert_params * _optimizer_bytes_per_param(plan)
     host = 0.0
     if s.offload.optimizer:
         host += optim
         optim = 0.0
     gather = 0.0
     if s.zero.stage == 3:
-        # One layer unsharded for compute plus the next one prefetched.
-        gather = 2 * m.layer_param_count() / s.tp * pbytes
+        # One layer's dense parameters unsharded for compute plus the next one's prefetched (experts stay put).
+        experts = 3 * m.moe.num_experts * m.hidden_size * m.expert_ffn_size if st.moe_layers else 0
+        gather = 2 * (m.layer_param_count() - experts) / s.tp * pbytes
         if s.offload.params:
             host += params
             params = 0.0
@@ -330,9 +350,10 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
         boundary = tokens * m.hidden_size * act / (s.tp if s.sequence_parallel else 1)
         vol["pp"] = 2 * boundary * mb * s.pipeline.virtual_stages
         kind["pp"] = "p2p send/recv of activations and their gradients"
-    if s.ep > 1 and m.num_experts:
-        moe_layers = layers
-        vol["ep"] = 4 * tokens * m.moe_top_k * m.hidden_size * act * (s.ep - 1) / s.ep * moe_layers * mb
+    if s.ep > 1 and m.moe is not None:
+        # Each token copy goes to its expert's rank and back, forward and again in backward.
+        moe_layers = max(st.moe_layers for st in plan.stages)
+        vol["ep"] = 4 * tokens * m.moe.top_k * m.hidden_size * act * (s.ep - 1) / s.ep * moe_layers * mb
         kind["ep"] = "all-to-all dispatch/combine"
     return CommVolume(vol, kind)
 

@@ -287,12 +287,16 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
             add(p + "self_attn.q_norm.weight", (model.head_dim,), "head_norm", layer, c)
             add(p + "self_attn.k_norm.weight", (model.head_dim,), "head_norm", layer, c)
         add(p + "self_attn.o_proj.weight", (h, q), "row", layer, c, tp_dim=1)
-        if model.num_experts:
-            e = model.num_experts
+        if model.is_moe_layer(layer):
+            e, fe, fs = model.num_experts, model.expert_ffn_size, model.moe.shared_experts * model.expert_ffn_size
             add(p + "mlp.gate.weight", (e, h), "router", layer, c)
-            add(p + "mlp.experts.gate_proj.weight", (e, f, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
-            add(p + "mlp.experts.up_proj.weight", (e, f, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
-            add(p + "mlp.experts.down_proj.weight", (e, h, f), "expert_row", layer, c, tp_dim=2, ep_dim=0)
+            add(p + "mlp.experts.gate_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
+            add(p + "mlp.experts.up_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
+            add(p + "mlp.experts.down_proj.weight", (e, h, fe), "expert_row", layer, c, tp_dim=2, ep_dim=0)
+            if fs:
+                add(p + "mlp.shared_experts.gate_proj.weight", (fs, h), "column", layer, c, tp_dim=0)
+                add(p + "mlp.shared_experts.up_proj.weight", (fs, h), "column", layer, c, tp_dim=0)
+                add(p + "mlp.shared_experts.down_proj.weight", (h, fs), "row", layer, c, tp_dim=1)
         else:
             add(p + "mlp.gate_proj.weight", (f, h), "column", layer, c, tp_dim=0)
             add(p + "mlp.up_proj.weight", (f, h), "column", layer, c, tp_dim=0)

@@ -14,6 +14,7 @@ cost model's step time. Two prunings keep it fast and lose nothing the ranking w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
     max_virtual_stages: int = 8
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
+    max_ep: int = 64                          # MoE: expert-parallel degrees tried (dividing dp*cp and the experts)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
         for cp in (d for d in _divisors(world_size // tp) if d <= space.max_cp):
             for pp in (d for d in _divisors(world_size // (tp * cp)) if d <= model.num_layers):
                 dp = world_size // (tp * cp * pp)
-                for mbs in space.micro_batch_sizes:
+                for ep, mbs in itertools.product(_expert_degrees(model, dp * cp, base.ep, space),
+                                                 space.micro_batch_sizes):
                     if train.global_batch_size % (mbs * dp):
                         continue
                     t = dataclasses.replace(train, micro_batch_size=mbs)
@@ -124,7 +127,7 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for zero in zeros.values():
                                 enumerated += 1
-                                s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=base.ep, sequence_parallel=sp,
+                                s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp,
                                                      zero=zero, pipeline=pipe, recompute=policies[0],
                                                      precision=base.precision, offload=base.offload)
                                 try:
@@ -150,10 +153,18 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
     return SearchResult(tuple(found), enumerated, priced, invalid, too_big, time.perf_counter() - start)
 
 
+def _expert_degrees(model: ModelConfig, dp_cp: int, base: int, space: SearchSpace) -> list[int]:
+    """ep values to try: the base's for a dense model, else every divisor of dp*cp that divides
+    the expert count (ep = 1 included: no all-to-all, all experts on every rank)."""
+    if model.moe is None:
+        return [base]
+    return [e for e in _divisors(dp_cp) if e <= space.max_ep and model.moe.num_experts % e == 0]
+
+
 def describe(s: ParallelStrategy) -> dict[str, object]:
     """The searched degrees of a strategy, as table columns."""
     return {"dp": s.dp, "zero": s.zero.stage, "tp": s.tp, "sp": "y" if s.sequence_parallel else "-",
             "pp": s.pp, "vpp": s.pipeline.virtual_stages, "mb": s.pipeline.micro_batches,
             "cp": s.cp if s.cp == 1 else f"{s.cp} {s.context_parallel.algorithm}",
-            "recompute": s.recompute.policy}
+            "ep": s.ep, "recompute": s.recompute.policy}
 

@@ -141,11 +141,13 @@ def validate(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig,
         problems.append(f"strategy.zero.shard_size: {zero.shard_size} exceeds dp = {dp}")
 
     # Experts.
-    if model.num_experts == 0 and ep > 1:
-        problems.append(f"strategy.ep: {ep} but the model is dense (model.num_experts = 0); use ep = 1")
-    if model.num_experts:
-        _divides(problems, "strategy.ep", model.num_experts, "model.num_experts", ep,
+    if model.moe is None and ep > 1:
+        problems.append(f"strategy.ep: {ep} but the model is dense (no model.moe); use ep = 1")
+    if model.moe is not None:
+        _divides(problems, "strategy.ep", model.moe.num_experts, "model.moe.num_experts", ep,
                  "choose ep dividing the expert count")
+        _divides(problems, "strategy.tp", model.expert_ffn_size, "the expert width (model.moe.expert_ffn_hidden_size)",
+                 tp, "choose tp dividing the expert MLP width")
     if ep > 1 and (dp * cp) % ep:
         problems.append(f"strategy.ep: {ep} must divide dp*cp = {dp * cp} (expert ranks are carved out of the "
                         "data/context-parallel group)")

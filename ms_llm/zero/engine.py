@@ -270,9 +270,10 @@ class ZeroEngine:
             self.comm.all_reduce(total, self.groups["world"])
         return math.sqrt(self.ops.item(total))
 
-    def step(self, lr: float, loss_scale: Optional[float] = None) -> Optional[float]:
+    def step(self, lr: float, loss_scale: Optional[float] = None, extra_sq_norm: float = 0.0) -> Optional[float]:
         """Clip, update the owned segments, bring parameters up to date. Returns the gradient
-        norm before clipping when clipping or loss scaling is on.
+        norm before clipping when clipping or loss scaling is on. `extra_sq_norm`: the squared
+        global norm of gradients kept outside the partition (MoE experts), counted in it.
 
         `loss_scale`: the gradients are that multiple of the true ones (fp16 loss scaling,
         ms_llm.run.loss_scale). They are divided back (after the cast to the master dtype, where
@@ -282,7 +283,7 @@ class ZeroEngine:
         grads = {b.index: self._grad(b) for b in self.buckets}
         norm = None
         if cfg.grad_clip > 0 or loss_scale is not None:
-            norm = self.grad_norm(grads) / (loss_scale or 1.0)
+            norm = math.sqrt(self.grad_norm(grads) ** 2 + extra_sq_norm) / (loss_scale or 1.0)
         if loss_scale is not None and not math.isfinite(norm):
             for b in self.buckets:
                 self._drop_grads(b)

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ms_llm.config.model import DTYPE_BYTES
-from ms_llm.errors import StrategyError
 from ms_llm.strategy.layout import Shard, TensorLayout
 from ms_llm.strategy.mesh import MeshSpec, rank_groups
 from ms_llm.strategy.plan import ModelPlan, ZeroPartition, zero_layout
 
 ALIGN_BYTES = 64            # each rank segment starts on a 64-byte boundary of its bucket
 DP_AXES = ("dp_replicate", "dp_shard", "cp")   # ranks holding the same parameters
+EXPERT_KINDS = ("expert_column", "expert_row")  # MoE routed experts: outside the partition
 
 
 @dataclass(frozen=True)
@@ -139,12 +139,11 @@ def zero_dim(entry_layout: TensorLayout, zero_layout: TensorLayout, axes: tuple[
 
 def entries_from_plan(plan: ModelPlan) -> list[ParamEntry]:
     """Parameters in model order (embedding, layers, final norm, head) with their units."""
-    if plan.model.num_experts:
-        raise StrategyError("strategy.zero.engine: the shared ZeRO engine does not partition MoE expert "
-                            "parameters yet; set strategy.zero.engine: native for MoE models")
     dtype = plan.strategy.precision.param_dtype
     out = []
     for p in plan.params.values():
+        if p.kind in EXPERT_KINDS:
+            continue        # split over ep, replicated over edp: reduced by the backend's expert path
         if p.layer is not None:
             unit, module = f"layer.{p.layer}", f"model.layers.{p.layer}"
         elif p.kind == "embedding":

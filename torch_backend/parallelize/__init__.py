@@ -2,7 +2,8 @@
 
 The order is fixed, as in torchtitan, because each step must see what the previous made:
 
-  1. tensor / sequence parallel: parameters become DTensors sharded over tp;
+  1. tensor / sequence parallel: parameters become DTensors sharded over tp; expert
+     parallel: MoE layers keep their local experts (plain tensors) and get their groups;
   2. materialize + init: after TP so a rank allocates only its TP shard, and before FSDP
      reshards the parameters; then context parallel, which takes this rank's rotary rows from
      the initialised tables and swaps the attention cores (no parameters of its own);
@@ -22,6 +23,7 @@ from torch_backend.mesh import Meshes
 from torch_backend.parallelize.ac import apply_ac
 from torch_backend.parallelize.cp import apply_cp
 from torch_backend.parallelize.dp import DataParallel
+from torch_backend.parallelize.ep import apply_ep
 from torch_backend.parallelize.tp import apply_tp
 from torch_backend.weights import materialize
 
@@ -38,6 +40,8 @@ def parallelize(parts: list[nn.Module], low: TorchLowering, plan: ModelPlan, mes
     for part in parts:
         if low.tp:
             apply_tp(part, low, meshes["tp"])
+        if plan.model.moe is not None:
+            apply_ep(part, plan, meshes)
         materialize(part, plan, device, rank, plan.train.seed)
         if low.cp is not None:
             apply_cp(part, low.cp, meshes.group("cp"), plan.train.seq_len)

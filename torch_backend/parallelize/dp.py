@@ -39,6 +39,7 @@ from torch_backend import support
 from torch_backend.clip import clip_grad_norm
 from torch_backend.lower import DataParallelPlan
 from torch_backend.mesh import Meshes
+from torch_backend.parallelize.ep import ExpertGrads, expert_params
 from torch_backend.parallelize.precision import DTYPES
 
 
@@ -164,7 +165,7 @@ class SharedZero(DataParallel):
     runs the optimizer on the owned shards itself (torch_backend.zero.ZeroDataParallel)."""
     name = support.SHARED
 
-    def __init__(self, plan: ModelPlan, device: torch.device):
+    def __init__(self, plan: ModelPlan, device: torch.device, meshes: Meshes):
         from ms_llm.zero import zero_plan
         from ms_llm.zero.engine import EngineConfig
 
@@ -175,12 +176,15 @@ class SharedZero(DataParallel):
         plan = dataclasses.replace(plan, strategy=held)
         self.plan, self.device = plan, device
         self.zplan, self.config = zero_plan(plan), EngineConfig.from_job(plan.strategy, plan.train)
-        self.engine = None
+        self.meshes, self.engine, self.experts = meshes, None, None
 
     def wrap(self, parts):
         from torch_backend.zero import ZeroDataParallel
 
         self.engine = ZeroDataParallel(parts, self.zplan, dist.get_rank(), self.config, self.device)
+        experts = expert_params(parts, self.plan)     # outside the partition: reduced over their own group
+        if experts:
+            self.experts = ExpertGrads(experts, self.plan, self.meshes)
         return parts
 
     def sync(self, part, last):
@@ -193,6 +197,8 @@ class SharedZero(DataParallel):
             self.engine.engine.finish_backward()
 
     def make_optimizer(self, params, cls, kwargs):
+        if self.experts is not None:
+            self.experts.make_optimizer(cls, kwargs)
         return None              # the engine owns the optimizer states of its shards
 
     def gather_params(self):
@@ -201,7 +207,10 @@ class SharedZero(DataParallel):
             self.engine.engine.gather.gather_all()
 
     def step(self, optimizer, params, lr, grad_clip, pp_group, loss_scale=None):
-        norm = self.engine.step(lr, loss_scale)
+        extra = self.experts.reduce() if self.experts is not None else 0.0
+        norm = self.engine.step(lr, loss_scale, extra)
+        if self.experts is not None:
+            self.experts.step(lr, norm, self.config.grad_clip, loss_scale)
         return torch.tensor(float("nan") if norm is None else norm)
 
 
@@ -217,7 +226,7 @@ def _mesh(meshes: Meshes, axes: tuple[str, ...]) -> DeviceMesh:
 def build_data_parallel(dp: DataParallelPlan, plan: ModelPlan, meshes: Meshes, device: torch.device) -> DataParallel:
     """The engine the lowering names, over the mesh axes it names."""
     if dp.engine == SharedZero.name:
-        return SharedZero(plan, device)
+        return SharedZero(plan, device, meshes)
     if dp.engine == DDP.name:
         return DDP(_mesh(meshes, dp.mesh_axes).get_group(), dp.bucket_mb, dp.reduce_dtype)
     if dp.engine == ZeroOptimizer.name:

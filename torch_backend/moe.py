@@ -1,0 +1,253 @@
+"""Sparse mixture-of-experts feed-forward (Mixtral, DeepSeekMoE), parameter for parameter the
+plan's MoE layer: router `mlp.gate.weight` (E, H), routed experts stacked as
+`mlp.experts.{gate,up,down}_proj.weight` (E, F, H) / (E, H, F), and optional shared experts
+`mlp.shared_experts.*` (a SwiGLU MLP of shared_experts x F, DeepSeek's layout).
+
+Routing is Mixtral's: softmax over the router logits in fp32, top_k, optionally renormalised.
+Dispatch sorts the token copies by expert, runs each local expert on its contiguous rows and
+scatters the weighted outputs back (dropless, or capped at capacity_factor). Under expert
+parallelism (an `ep` group) the experts are split over the group, and the sorted rows travel
+to the rank holding their expert by all-to-all and back (Megatron's all-to-all token
+dispatcher); under the experts' own tensor parallelism each rank holds a slice of every local
+expert's width and the combined output is summed over `tp`.
+
+The auxiliary losses (load balancing, router z-loss) do not travel with the output: a
+pass-through autograd function adds their gradient in backward (Megatron's
+MoEAuxLossAutoScaler), so every schedule (micro-batches, pipeline, recompute) trains on
+them unchanged; the last values are kept on the module for reporting.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ms_llm.config.model import ModelConfig
+
+
+class StackedLinear(nn.Module):
+    """`weight` (E, out, in): one nn.Linear weight per expert, stacked along dim 0."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+
+
+class SwiGLU(nn.Module):
+    """gate/up/down projections; the same math as torch_backend.model.MLP at a given width."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """The routed experts, stacked. Holds all E experts until expert parallelism slices dim 0."""
+
+    def __init__(self, experts: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = StackedLinear(experts, width, hidden)
+        self.up_proj = StackedLinear(experts, width, hidden)
+        self.down_proj = StackedLinear(experts, hidden, width)
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows (N, H) sorted by local expert, counts[e] rows each -> (N, H)."""
+        out = []
+        for e, chunk in enumerate(rows.split(counts)):
+            h = F.silu(chunk @ self.gate_proj.weight[e].t()) * (chunk @ self.up_proj.weight[e].t())
+            out.append(h @ self.down_proj.weight[e].t())
+        return torch.cat(out) if out else rows[:0]
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on `output`; backward also sends `moe.aux_scale` into `aux` (the loss is not in the
+    graph of the model's output, so this is how its gradient reaches the router), and records
+    the value in `moe.aux_trained`: once per backpropagated micro-batch, however often recompute
+    ran the forward."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, moe: "MoE") -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.moe = moe
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        ctx.moe.aux_trained.append(aux.detach().float())
+        return grad, torch.full_like(aux, ctx.moe.aux_scale), None
+
+
+def load_balancing_loss(probs: torch.Tensor, top: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch Transformer's loss, top-k form (Megatron's): E * sum_e f_e * P_e, with f_e the share of
+    the N*k token copies routed to e and P_e the mean router probability of e; 1.0 when balanced.
+    probs (N, E) fp32, top (N, k) expert ids."""
+    f = torch.bincount(top.flatten(), minlength=num_experts).float() / top.numel()
+    return num_experts * (f * probs.mean(0)).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows x[sum(send[:r]) : ...] go to rank r of `group`; returns the rows received, by source.
+    Differentiable: backward is the reverse all-to-all."""
+    return _AllToAll.apply(x, send, recv, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+class _CopyToTp(torch.autograd.Function):
+    """Identity forward; backward sums the partial input gradients of the tp ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTp(torch.autograd.Function):
+    """Forward sums the partial outputs of the tp ranks; backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts). Replaces the MLP of an MoE layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.num_experts, self.top_k, self.normalize = m.num_experts, m.top_k, m.normalize_top_k
+        self.capacity_factor, self.aux_coeff, self.z_coeff = m.capacity_factor, m.aux_loss_coeff, m.z_loss_coeff
+        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)
+        self.experts = Experts(m.num_experts, cfg.hidden_size, cfg.expert_ffn_size)
+        self.shared_experts = (SwiGLU(cfg.hidden_size, m.shared_experts * cfg.expert_ffn_size)
+                               if m.shared_experts else None)
+        self.ep_group: Optional[dist.ProcessGroup] = None      # set by torch_backend.parallelize.ep
+        self.tp_group: Optional[dist.ProcessGroup] = None      # experts' own tensor parallelism
+        self.aux_scale = 1.0                   # gradient weight of the aux losses (TrainStep: loss scale / micro-batches)
+        self.last_aux = torch.zeros((), device="cpu")        # coefficient-weighted aux losses of the last forward
+        self.aux_trained: list[torch.Tensor] = []     # their values, per micro-batch backpropagated since taken
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, H) -> router logits (N, E), weights (N, k) in x's dtype, expert ids (N, k)."""
+        logits = self.gate(x)
+        probs = F.softmax(logits.float(), dim=-1)
+        weights, top = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, probs, weights.to(x.dtype), top
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        tokens = x.reshape(-1, H)                                              # (N, H)
+        logits, probs, weights, top = self.route(tokens)
+        flat = top.flatten()                                                   # (N*k,) expert of each copy
+        order = torch.argsort(flat, stable=True)                               # copies grouped by expert
+        keep = self.capacity_mask(flat, order)
+        if keep is not None:
+            order = order[keep]
+        counts = torch.bincount(flat[order], minlength=self.num_experts)
+        rows = tokens[order // self.top_k]                                     # (M, H) sorted by expert
+        out = self.run_experts(rows, counts) * weights.flatten()[order, None]
+        y = torch.zeros_like(tokens).index_add_(0, order // self.top_k, out)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(tokens)
+        y = y.view(B, T, H)
+        aux = self.aux_coeff * load_balancing_loss(probs, top, self.num_experts) + self.z_coeff * z_loss(logits)
+        self.last_aux = aux.detach()
+        if torch.is_grad_enabled() and (self.aux_coeff or self.z_coeff):
+            y = AuxLoss.apply(y, aux, self)
+        return y
+
+    def take_aux(self, micro_batches: int) -> torch.Tensor:
+        """Sum of the aux losses of the step's last `micro_batches` backward passes; resets. (The
+        last ones: torch's pipeline stages also run a backward on placeholder data to infer
+        gradient shapes, in their first step.)"""
+        taken, self.aux_trained = self.aux_trained[-micro_batches:], []
+        return torch.stack(taken).sum() if taken else torch.zeros(())
+
+    def capacity_mask(self, flat: torch.Tensor, order: torch.Tensor) -> Optional[torch.Tensor]:
+        """Which sorted copies an expert takes: all (None) when dropless, else the first
+        ceil(capacity_factor * N*k / E) per expert in token order (GShard)."""
+        if self.capacity_factor < 0:
+            return None
+        capacity = math.ceil(self.capacity_factor * flat.numel() / self.num_experts)
+        sorted_experts = flat[order]
+        counts = torch.bincount(sorted_experts, minlength=self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
+        return position < capacity
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert (counts per expert) -> their expert outputs, same order.
+        Under tp, rows are replicated and each rank computes a partial sum over its width slice
+        (Megatron's copy-to / reduce-from tensor-parallel region around column / row parallel)."""
+        if self.tp_group is not None:
+            rows = _CopyToTp.apply(rows, self.tp_group)
+        if self.ep_group is None:
+            out = self.experts(rows, counts.tolist())
+        else:
+            out = self.dispatch_and_run(rows, counts)
+        if self.tp_group is not None:
+            out = _ReduceFromTp.apply(out, self.tp_group)
+        return out
+
+    def dispatch_and_run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """All-to-all the rows to the ranks holding their experts, run, and send the results back."""
+        group = self.ep_group
+        ep = dist.get_world_size(group)
+        local = self.num_experts // ep
+        # counts_in[s, e]: rows rank s sends to this rank's local expert e.
+        counts_in = torch.empty(ep * local, dtype=counts.dtype, device=counts.device)
+        dist.all_to_all_single(counts_in, counts, group=group)
+        counts_in = counts_in.view(ep, local)
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = counts_in.sum(1).tolist()
+        received = all_to_all(rows, send, recv, group)                        # grouped by (source, expert)
+        # Regroup by (expert, source) so each local expert's rows are contiguous, and back after.
+        chunk_expert = torch.arange(local, device=rows.device).repeat(ep)     # expert of each (s, e) chunk
+        by_chunk = torch.repeat_interleave(chunk_expert, counts_in.flatten())
+        regroup = torch.argsort(by_chunk, stable=True)
+        out = self.experts(received[regroup], counts_in.sum(0).tolist())
+        restored = torch.empty_like(out).index_copy_(0, regroup, out)
+        return all_to_all(restored, recv, send, group)
