@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the embedded default job")
     d.set_defaults(func=cmd_demo)
 
-    from ms_llm.commands import checkpoint, convert, estimate, interval, prepare_data, search
+    from ms_llm.commands import checkpoint, convert, estimate, interval, prepare_data, report, search
     for name, module, summary in (
             ("convert-strategy", convert, "convert strategy configs between Megatron-LM, DeepSpeed, MindFormers, "
                                           "torchtitan and ms_llm"),
@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("convert-checkpoint", checkpoint, "export / import Hugging Face, MindSpore, DCP; reshard"),
             ("ckpt-interval", interval, "checkpoint interval minimising expected lost time per hour"),
             ("prepare-data", prepare_data, "tokenize text (JSONL, text, Parquet, HF datasets, MindRecord) into an "
-                                           "indexed dataset; train a BPE tokenizer")):
+                                           "indexed dataset; train a BPE tokenizer"),
+            ("report", report, "loss and throughput plots and summary.md of one or more run folders")):
         c = sub.add_parser(name, help=summary, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(c)
