@@ -125,6 +125,7 @@ def plot_loss(plt, runs: list[Run], path: Path) -> Path:
             ax.axvline(step, color="red", linestyle="--", linewidth=1.0,
                        label=None if "failure" in marked else "failure (rank lost)")
             marked.add("failure")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("loss")
@@ -145,6 +146,7 @@ def plot_throughput(plt, runs: list[Run], path: Path) -> Path:
                 ax.axvline(step, color=f"C{i}", linestyle=":", linewidth=1.0)
     rate_ax.set_ylabel("tokens/s (whole job)")
     mem_ax.set_ylabel("peak memory GB (rank 0)")
+    mem_ax.xaxis.get_major_locator().set_params(integer=True)
     mem_ax.set_xlabel("step")
     rate_ax.set_title("throughput and memory")
     for ax in (rate_ax, mem_ax):
