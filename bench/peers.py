@@ -2,24 +2,28 @@
 
     .venv/bin/python bench/peers.py [--repeats 6] [--steps 2]
 
-Both sides: configs/models/tiny.yaml's shape, fp32, AdamW + clipping, the same global batch of 8 x 128
+Every side: configs/models/tiny.yaml, fp32, AdamW + clipping, the same global batch of 8 x 128
 tokens from the same sampler, FSDP over 2 ranks (gloo, one thread each). ms_llm runs its own step
 (torch_backend TrainStep) twice: strategy zero stage 3 on torch's FSDP2 (engine native) and on
-ms_llm's shared ZeRO-3 engine. torchtitan (0.3.0, from .oracles) runs its own Llama3Model built
-like its flavors, its parallelize_llama (FSDP2 per block, then the root) and its clip_grad_norm_.
-The three take turns a few steps at a time (order rotating) so machine noise hits all alike; the
-median of the per-turn time ratios torchtitan / ms_llm is the tokens/s ratio (>1: ms_llm faster).
+ms_llm's shared ZeRO-3 engine. torchtitan (0.3.0, from .oracles) shards the model with its own
+apply_fsdp_to_decoder, the FSDP step of its parallelize_llama, and clips with its own
+clip_grad_norm_. The sides take turns a few steps at a time (order rotating) so machine noise hits
+all alike; the median of the per-turn time ratios torchtitan / side is printed (>1: faster than
+torchtitan).
 
-Why not torchtitan's own trainer (torchtitan.train): on a CPU-only machine it cannot start.
-torchtitan.tools.utils.get_device_info() falls back to "cuda" when torch sees no accelerator, and
-Trainer.__init__ calls torch.cuda.set_device, which a CPU build of torch fails with
-"AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'" (its process group would
-also be nccl); here it stops even earlier, importing torchtitan.components.dataloader
-("ModuleNotFoundError: No module named 'torchdata'", not a dependency we install). So the bench
-applies torchtitan's parallelize function to its own model instead, and points the one module
-that builds meshes (torchtitan.distributed.parallel_dims, device_type "cuda") at "cpu".
-Its language-model attention is FlexAttention (0.3.0 refuses SDPA for LMs), run eagerly here:
-part of any difference is that kernel, not the framework around it.
+Why not torchtitan's own trainer, or its own model: on this CPU-only machine neither starts.
+- `torchrun -m torchtitan.train --module llama3 --config llama3_debugmodel` stops importing
+  torchtitan.components.dataloader: "ModuleNotFoundError: No module named 'torchdata'". Past that,
+  torchtitan.tools.utils.get_device_info() falls back to "cuda" when torch sees no accelerator and
+  Trainer.__init__ calls torch.cuda.set_device, which a CPU build of torch fails with
+  "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'" (its process group would be
+  nccl, its meshes cuda).
+- `torchtitan.models.llama3` (Llama3Model, parallelize_llama) imports its MoE token dispatcher,
+  which imports triton: "ModuleNotFoundError: No module named 'triton'" (triton ships only with
+  CUDA builds of torch).
+So torchtitan's FSDP application runs on ms_llm's Transformer, seen under its Decoder's names, with
+FSDP2's sum-then-divide reduction switched on (gloo has no PREMUL_SUM, which torchtitan's gradient
+divide factor of 1 asks for).
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLES = ROOT / ".oracles"
@@ -66,65 +72,65 @@ def ours(world: int, rank: int, engine: str):
     return lambda k, batch: step(k, batch)[0]
 
 
-def titan_model_config(m):
-    """torchtitan's Llama3Model.Config for ms_llm's model shape, built the way its flavors are
-    (torchtitan/models/llama3/__init__.py, _debugmodel)."""
-    import torchtitan.models.llama3 as titan
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import Llama3Model
-    return Llama3Model.Config(
-        dim=m.hidden_size, vocab_size=m.vocab_size,
-        tok_embeddings=Embedding.Config(num_embeddings=m.vocab_size, embedding_dim=m.hidden_size,
-                                        param_init=titan._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=m.hidden_size, param_init=titan._NORM_INIT),
-        lm_head=Linear.Config(in_features=m.hidden_size, out_features=m.vocab_size,
-                              param_init=titan._output_linear_init(m.hidden_size)),
-        layers=titan._build_llama3_layers(
-            n_layers=m.num_layers, dim=m.hidden_size, n_heads=m.num_heads, n_kv_heads=m.num_kv_heads,
-            hidden_dim=m.ffn_hidden_size, attn_backend="flex",
-            rope=ComplexRoPE.Config(dim=m.hidden_size // m.num_heads, max_seq_len=SEQ, theta=m.rope_theta)))
-
-
 def torchtitan(world: int, tc, m):
-    """torchtitan's model on the meta device, its parallelize_llama (FSDP over dp_shard), then
-    materialised and initialised as its Trainer does; its clip_grad_norm_; the same AdamW."""
+    """ms_llm's Transformer (torchtitan's own model cannot be imported here, see the module
+    docstring) sharded by torchtitan's apply_fsdp_to_decoder as its parallelize_llama calls it
+    (fp32 MixedPrecisionPolicy, per-block fully_shard with its reshard policy, then the root, its
+    gradient division turned off), its clip_grad_norm_, the same AdamW and learning rate."""
     import torch
-    import torchtitan.distributed.parallel_dims as titan_dims
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.utils import clip_grad_norm_
-    from torchtitan.models.llama3 import parallelize_llama
 
     from ms_llm.run import lr_at
     from torch_backend.apply import cross_entropy
+    from torch_backend.model import Transformer
     from torch_backend.step import optimizer_args
 
-    titan_dims.device_type = "cpu"                 # its accelerator probe says "cuda" on a CPU machine
-    parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend="partial_dtensor")
-    dims = titan_dims.ParallelDims.from_config(parallelism, world)
-    dims.build_mesh()
-    with torch.device("meta"):
-        model = titan_model_config(m).build()
-    training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32", seq_len=SEQ)
-    parallelize_llama(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                      compile_config=CompileConfig(enable=False), ac_config=None, dump_folder=str(ROOT / ".tmp"))
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_states()
-    cls, params, kwargs = optimizer_args(tc.optimizer, list(model.parameters()))
+    model = Transformer(m)
+    model.init_weights(tc.seed)
+    view = DecoderView(model)
+    apply_fsdp_to_decoder(view, init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)),
+                          param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+    # Its gradient divide factor of 1 makes FSDP2 reduce-scatter with PREMUL_SUM, which gloo lacks
+    # ("RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"); FSDP2's own switch for such
+    # backends sends SUM and divides after (by 1): the same gradients.
+    for module in view.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    cls, params, kwargs = optimizer_args(tc.optimizer, list(view.parameters()))
     opt = cls(params, **kwargs)
-    positions = torch.arange(SEQ).expand(GLOBAL_BATCH // world, SEQ)     # one document per row
-    masks = model.get_attention_masks(positions=positions)
 
     def step(k: int, batch):
         for g in opt.param_groups:
             g["lr"] = lr_at(k, tc)
-        loss = cross_entropy(model(batch[:, :-1], positions=positions, attention_masks=masks), batch[:, 1:])
-        loss.backward()
-        clip_grad_norm_(model.parameters(), tc.optimizer.grad_clip)
+        loss = cross_entropy(view(batch[:, :-1]), batch[:, 1:])
+        # torchtitan turns FSDP's gradient averaging off and scales the loss by the global token
+        # count instead: a rank's mean loss over world ranks gives the same gradient.
+        (loss / world).backward()
+        clip_grad_norm_(list(view.parameters()), tc.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
     return step
+
+
+class DecoderView(nn.Module):
+    """ms_llm's Transformer under the names torchtitan's Decoder uses (tok_embeddings, layers, norm,
+    lm_head), which apply_fsdp_to_decoder reads; the names are plain attributes, so every
+    parameter keeps one path (inner.*)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.inner = model
+        for name, module in (("tok_embeddings", model.model.embed_tokens), ("layers", model.model.layers),
+                             ("norm", model.model.norm), ("lm_head", model.lm_head)):
+            object.__setattr__(self, name, module)
+        object.__setattr__(self, "enable_weight_tying", False)
+
+    def forward(self, tokens):
+        return self.inner(tokens)
 
 
 def worker(args) -> None:
@@ -196,8 +202,8 @@ def main() -> None:
     for name in SIDES:
         r = res[name]
         print(f"{name:<14} {r['tokens_per_s']:>10,.0f} {r['ratio']:>14.3f} {r['last_loss']:>10.4f}")
-    print("torchtitan: its parallelize_llama on its own Llama3Model (its trainer cannot start on a CPU-only "
-          "machine: see bench/peers.py --help)")
+    print("torchtitan: its apply_fsdp_to_decoder and clip_grad_norm_ on the same model (its trainer and its "
+          "Llama3Model cannot be imported on a CPU-only machine: bench/peers.py --help says why)")
 
 
 if __name__ == "__main__":
