@@ -86,10 +86,8 @@ def plain_fsdp2(job, device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ms_llm.run import lr_at
-    from torch_backend.apply import cross_entropy
+    from bench._plain import plain_step
     from torch_backend.model import Transformer
-    from torch_backend.step import optimizer_args
 
     tc = job.train
     model = Transformer(job.model)
@@ -100,19 +98,7 @@ def plain_fsdp2(job, device):
     for layer in model.model.layers.values():
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    cls, params, kwargs = optimizer_args(tc.optimizer, list(model.parameters()))
-    opt = cls(params, **kwargs)
-
-    def step(k: int, batch):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(k, tc)
-        loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optimizer.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+    return plain_step(model, tc)
 
 
 def ms_llm_step(job, device):

@@ -83,10 +83,8 @@ def torchtitan(world: int, tc, m):
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.utils import clip_grad_norm_
 
-    from ms_llm.run import lr_at
-    from torch_backend.apply import cross_entropy
+    from bench._plain import plain_step
     from torch_backend.model import Transformer
-    from torch_backend.step import optimizer_args
 
     model = Transformer(m)
     model.init_weights(tc.seed)
@@ -99,21 +97,9 @@ def torchtitan(world: int, tc, m):
     for module in view.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
-    cls, params, kwargs = optimizer_args(tc.optimizer, list(view.parameters()))
-    opt = cls(params, **kwargs)
-
-    def step(k: int, batch):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(k, tc)
-        loss = cross_entropy(view(batch[:, :-1]), batch[:, 1:])
-        # torchtitan turns FSDP's gradient averaging off and scales the loss by the global token
-        # count instead: a rank's mean loss over world ranks gives the same gradient.
-        (loss / world).backward()
-        clip_grad_norm_(list(view.parameters()), tc.optimizer.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+    # torchtitan turns FSDP's gradient averaging off and scales the loss by the global token count
+    # instead: a rank's mean loss over the rank count gives the same gradient.
+    return plain_step(view, tc, clip=clip_grad_norm_, loss_divisor=world)
 
 
 class DecoderView(nn.Module):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ms_llm.commands import add_input_arguments, read_options, table
-from ms_llm.errors import ConfigError
+from ms_llm.commands.plots import pyplot, save
 
 GB = 1e9
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "zero3_gather")
@@ -99,12 +99,7 @@ def plot(rows: list[Row], path: str) -> None:
     """Stacked bar per strategy, one colour per memory component, device capacity as a dashed
     line. Each bar's total and step time sit above the higher of the bar and its capacity line,
     and long strategy names wrap, so no two labels overlap."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'ms_llm[plot]'") from None
+    plt = pyplot("--plot", "plot")
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(rows) + 3), 4.8))
     bottoms = [0.0] * len(rows)
     x = range(len(rows))
@@ -126,13 +121,7 @@ def plot(rows: list[Row], path: str) -> None:
     ax.set_title("memory per device and step time")
     ax.set_ylim(0, 1.2 * top)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise ConfigError(f"--plot: cannot write {path} ({exc.strerror})") from None
-    finally:
-        plt.close(fig)
+    save(plt, fig, path, "--plot")
 
 
 def _wrap(label: str, width: int = 20) -> str:

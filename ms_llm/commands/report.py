@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ms_llm.commands.plots import pyplot, save
 from ms_llm.errors import ConfigError
 
 
@@ -88,22 +89,12 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--output: cannot create {out} ({exc.strerror})") from None
-    plt = _pyplot()
+    plt = pyplot("report", "report")
     files = [plot_loss(plt, runs, out / "loss.png"), plot_throughput(plt, runs, out / "throughput.png")]
     (out / "summary.md").write_text(summary(runs, files))
     for path in files + [out / "summary.md"]:
         print(f"wrote {path}")
     return 0
-
-
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("report needs matplotlib: pip install 'ms_llm[report]'") from None
-    return plt
 
 
 def plot_loss(plt, runs: list[Run], path: Path) -> Path:
@@ -131,7 +122,7 @@ def plot_loss(plt, runs: list[Run], path: Path) -> Path:
     ax.set_title("loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, plt, path)
+    return save(plt, fig, path, "report", dpi=110)
 
 
 def plot_throughput(plt, runs: list[Run], path: Path) -> Path:
@@ -153,18 +144,7 @@ def plot_throughput(plt, runs: list[Run], path: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     rate_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, plt, path)
-
-
-def _save(fig, plt, path: Path) -> Path:
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {path} ({exc.strerror})") from None
-    finally:
-        plt.close(fig)
-    return path
+    return save(plt, fig, path, "report", dpi=110)
 
 
 def summary(runs: list[Run], files: list[Path]) -> str:
