@@ -27,5 +27,5 @@ def plain_step(model, tc, clip: Optional[Callable] = None, loss_divisor: float =
         clip(list(model.parameters()), tc.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
     return step
