@@ -4,7 +4,6 @@ plot, one throughput plot, summary.md; and a folder that is not a run, refused i
 import math
 
 import matplotlib.image
-import pytest
 
 from ms_llm.cli import main
 from ms_llm.commands.report import read_run

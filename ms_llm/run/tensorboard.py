@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import TextIO
 
 HINT = "TensorBoard events: not written (tensorboardX is not installed; pip install 'ms_llm[report]')"
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu",
