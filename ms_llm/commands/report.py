@@ -112,10 +112,10 @@ def plot_loss(plt, runs: list[Run], path: Path) -> Path:
             ax.axvline(step, color=colour, linestyle=":", linewidth=1.2,
                        label=None if ("resume", i) in marked else f"{r.label} resumed from checkpoint")
             marked.add(("resume", i))
-        for step, _ in r.failures:
+        for step, kind in r.failures:
             ax.axvline(step, color="red", linestyle="--", linewidth=1.0,
-                       label=None if "failure" in marked else "failure (rank lost)")
-            marked.add("failure")
+                       label=None if ("failure", kind) in marked else f"failure ({kind})")
+            marked.add(("failure", kind))
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
