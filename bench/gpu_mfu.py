@@ -1,6 +1,7 @@
 """ms_llm's torch backend against a plain FSDP2 loop on one GPU: a 1B-8B LLaMA in bf16, tokens/s and MFU, in one run.
 
-    .venv/bin/python bench/gpu_mfu.py [--model llama3_1b] [--seq 4096] [--batch 2] [--steps 5] [--repeats 4]
+    .venv/bin/python bench/gpu_mfu.py [--model llama3_1b] [--seq 4096] [--batch 2] [--recompute none]
+    .venv/bin/python bench/gpu_mfu.py --model llama3_8b --device h200 --batch 1 --recompute full
 
 Both sides train the same model (same initial weights, same random batches) with bf16 compute,
 fp32 master weights and reductions, AdamW and gradient clipping: ms_llm through its own step
@@ -12,9 +13,11 @@ warm-up turn and then timed turns of a few steps, and the median turn is its ste
 tokens/s x the model's training FLOPs per token (ms_llm.config.ModelConfig.flops_per_token) / the
 GPU's dense bf16 peak (ms_llm.strategy.devices).
 
-The cost model checks that the model fits the GPU before anything touches it (an 8B model with
-fp32 master weights and AdamW states needs ~130 GB: an H200, not an H100). Without a CUDA device the
-bench says so in one line and measures nothing.
+With --recompute full both sides keep only each decoder layer's input (ms_llm: strategy recompute
+full; the plain loop: torch's composable checkpoint on each layer, before fully_shard). The cost
+model checks that the model fits the GPU before anything touches it (an 8B model with fp32 master
+weights and AdamW states needs ~130 GB: an H200 with full recompute, not an H100). Without a CUDA
+device the bench says so in one line and measures nothing.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
     p.add_argument("--steps", type=int, default=5, help="steps per turn (default 5)")
     p.add_argument("--repeats", type=int, default=4, help="timed turns of each side, after one warm-up turn (default 4)")
+    p.add_argument("--recompute", choices=("none", "full"), default="none",
+                   help="activation recompute on both sides (default none)")
     p.add_argument("--device", choices=sorted(set(GPUS.values())), default=None,
                    help="the GPU's peak FLOP/s and memory for MFU and the fit check; default: from its name")
     args = p.parse_args(argv)
@@ -61,7 +66,7 @@ def job_for(args: argparse.Namespace, device: str):
 
     job = job_from_dict({
         "name": "gpu_mfu", "device": device, "model": LLAMA3_1B if args.model == "llama3_1b" else args.model,
-        "strategy": {"dp": 1, "precision": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16",
+        "strategy": {"dp": 1, "recompute": {"policy": args.recompute}, "precision": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16",
                                             "master_dtype": "float32"}},
         "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch, "seq_len": args.seq,
                   "steps": 1000, "optimizer": {"name": "adamw", "lr": 1e-4, "grad_clip": 1.0},
@@ -74,15 +79,16 @@ def job_for(args: argparse.Namespace, device: str):
     spec = get_device(device)
     need = estimate(plan(job.model, job.strategy, job.train, 1), spec).memory.total
     if need > spec.memory_bytes:
-        raise ConfigError(f"--model/--seq/--batch: {job.model.name} needs ~{need / 1e9:.0f} GB by ms_llm's cost model, "
+        raise ConfigError(f"--model/--seq/--batch/--recompute: {job.model.name} needs ~{need / 1e9:.0f} GB by ms_llm's cost model, "
                           f"more than one {spec.memory_bytes / 1e9:.0f} GB {device}; pick a smaller model, --seq or "
-                          "--batch")
+                          "--batch, or --recompute full")
     return job
 
 
 def plain_fsdp2(job, device):
     """The loop anyone would write: the model in fp32, FSDP2 with bf16 compute, AdamW, clip."""
     import torch
+    from torch.distributed._composable import checkpoint
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -96,6 +102,8 @@ def plain_fsdp2(job, device):
     mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers.values():
+        if job.strategy.recompute.policy == "full":
+            checkpoint(layer, preserve_rng_state=False)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return plain_step(model, tc)
@@ -176,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = measure(job, args)
     print(f"gpu_mfu: {job.model.name} ({job.model.num_params() / 1e9:.2f}B params) on one {name}, bf16 compute / "
-          f"fp32 master, batch {args.batch} x {args.seq} tokens, AdamW + clip; {args.repeats} turns of {args.steps} "
-          "steps each, median turn")
+          f"fp32 master, batch {args.batch} x {args.seq} tokens, recompute {args.recompute}, AdamW + clip; "
+          f"{args.repeats} turns of {args.steps} steps each, median turn")
     base = res["plain FSDP2"]["tokens_per_s"]
     print(f"{'side':<12} {'tokens/s':>10} {'MFU':>7} {'vs plain FSDP2':>15} {'peak GiB':>9} {'last loss':>10}")
     for side in ("ms_llm", "plain FSDP2"):
