@@ -99,7 +99,7 @@ def test_events_hold_the_scalars_of_metrics_jsonl_once_per_step_across_a_resume(
     assert "train/grad_norm" in events and 1 not in [s for s, _ in events["train/grad_norm"]]   # NaN left out
     assert events["events/resumed_step"] == [[2, 2.0]]
     assert events["events/stall_s"] == [[2, pytest.approx(0.01)]]     # the checkpoint event at its step
-    assert [s for s, _ in events["events/steps"]] == [4, 5]          # `done` at each launch's last step
+    assert events["events/steps"] == [[5, 5.0]]      # the first launch's `done` (step 4) was replayed, so purged
 
 
 def test_without_tensorboardx_a_launch_logs_metrics_and_says_once_how_to_get_events(tmp_path):
