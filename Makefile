@@ -47,8 +47,15 @@ test: install oracles
 test-fast: install oracles
 	$(PY) -m pytest -q -m "not slow" tests
 
-bench: install
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+# Every bench/ script (bench/_*.py are helpers), each one's output appended to the results file under
+# the machine and the date; the file replaces bench/results/latest.md only when every bench ran.
+BENCH_RESULTS := bench/results/latest.md
+bench: install oracles
+	@mkdir -p $(dir $(BENCH_RESULTS))
+	@printf '# Benchmark results\n\nWritten by `make bench`: each section is one bench/ script run on this machine, its ratios measured side by side in one run.\n\n' > $(BENCH_RESULTS).tmp
+	@for b in bench/[!_]*.py; do echo "== $$b"; $(PY) bench/_results.py $(BENCH_RESULTS).tmp $$b || exit 1; done
+	@mv $(BENCH_RESULTS).tmp $(BENCH_RESULTS)
+	@echo "wrote $(BENCH_RESULTS)"
 
 clean:
 	rm -rf .tmp runs build *.egg-info

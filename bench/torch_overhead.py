@@ -27,18 +27,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
+from bench._plain import plain_step  # noqa: E402
 from ms_llm.config.job import job_from_dict  # noqa: E402
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
 from ms_llm.machine import Machine  # noqa: E402
 from torch_backend.launch import torchrun  # noqa: E402
-from ms_llm.run import lr_at  # noqa: E402
 from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
 from torch_backend.dist import init_distributed, shutdown  # noqa: E402
-from torch_backend.apply import apply, cross_entropy  # noqa: E402
+from torch_backend.apply import apply  # noqa: E402
 from torch_backend.lower import lower  # noqa: E402
 from torch_backend.mesh import build_meshes  # noqa: E402
 from torch_backend.model import Transformer  # noqa: E402
-from torch_backend.step import TrainStep, optimizer_args  # noqa: E402
+from torch_backend.step import TrainStep  # noqa: E402
 
 GLOBAL_BATCH, SEQ = 8, 128
 
@@ -55,24 +55,9 @@ def job_for(world: int, engine: str):
 
 def plain_step_fn(job, world: int):
     """The loop anyone would write: model, DDP when distributed, AdamW, clip, step."""
-    tc = job.train
     model = Transformer(job.model)
-    model.init_weights(tc.seed)
-    if world > 1:
-        model = DistributedDataParallel(model)
-    cls, params, kwargs = optimizer_args(tc.optimizer, list(model.parameters()))
-    opt = cls(params, **kwargs)
-
-    def step(k: int, batch: torch.Tensor) -> torch.Tensor:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(k, tc)
-        loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optimizer.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+    model.init_weights(job.train.seed)
+    return plain_step(DistributedDataParallel(model) if world > 1 else model, job.train)
 
 
 def measure(repeats: int, steps: int, tokens_path: str, engine: str) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ms_llm.commands import add_input_arguments, read_options, table
-from ms_llm.errors import ConfigError
+from ms_llm.commands.plots import pyplot, save
 
 GB = 1e9
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "zero3_gather")
@@ -96,33 +96,39 @@ def _json(r: Row) -> dict:
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Stacked bar per strategy, one colour per memory component, device capacity as a line."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'ms_llm[plot]'") from None
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(rows) + 3), 4.5))
+    """Stacked bar per strategy, one colour per memory component, device capacity as a dashed
+    line. Each bar's total and step time sit above the higher of the bar and its capacity line,
+    and long strategy names wrap, so no two labels overlap."""
+    plt = pyplot("--plot", "plot")
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(rows) + 3), 4.8))
     bottoms = [0.0] * len(rows)
     x = range(len(rows))
     for name in COMPONENTS:
         values = [r.estimate.memory.components()[name] / GB for r in rows]
         if any(values):
-            ax.bar(x, values, bottom=bottoms, label=name.replace("_", " "))
+            ax.bar(x, values, bottom=bottoms, width=0.7, label=name.replace("_", " "))
             bottoms = [b + v for b, v in zip(bottoms, values)]
+    capacity = [r.device.memory_bytes / GB for r in rows]
+    top = max(max(bottoms), max(capacity))
     for i, r in enumerate(rows):
-        ax.hlines(r.device.memory_bytes / GB, i - 0.45, i + 0.45, colors="black", linestyles="dashed")
-        ax.annotate(f"{r.estimate.step_s:.2f} s/step", (i, bottoms[i]), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), [f"{r.label}\n{r.world_size} x {r.device_key}" for r in rows], fontsize=8)
+        ax.hlines(capacity[i], i - 0.45, i + 0.45, colors="black", linestyles="dashed",
+                  label="device capacity" if i == 0 else None)
+        ax.annotate(f"{bottoms[i]:.3g} GB\n{r.estimate.step_s:.2f} s/step", (i, max(bottoms[i], capacity[i])),
+                    xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [f"{_wrap(r.label)}\n{r.world_size} x {r.device_key}" for r in rows],
+                  fontsize=8)
     ax.set_ylabel("GB per device (busiest stage)")
-    ax.set_title("memory per device; dashed: device capacity")
-    ax.set_ylim(0, 1.12 * max(max(bottoms), max(r.device.memory_bytes / GB for r in rows)))
+    ax.set_title("memory per device and step time")
+    ax.set_ylim(0, 1.2 * top)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise ConfigError(f"--plot: cannot write {path} ({exc.strerror})") from None
-    finally:
-        plt.close(fig)
+    save(plt, fig, path, "--plot")
+
+
+def _wrap(label: str, width: int = 20) -> str:
+    """A file stem on lines of at most `width` characters, broken after underscores where it can."""
+    lines = [""]
+    for part in label.replace("_", "_ ").split(" "):
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(line[i:i + width] for line in lines for i in range(0, len(line), width))

@@ -1,4 +1,5 @@
-"""Progress lines, metrics.jsonl and the tokens/s and MFU of a step, identical for both backends."""
+"""Progress lines, metrics.jsonl (and its TensorBoard events) and the tokens/s and MFU of a step,
+identical for both backends."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ms_llm.config.job import JobConfig
+from ms_llm.run.tensorboard import TensorBoardLog
 from ms_llm.strategy.devices import get_device
 
 
@@ -60,33 +62,39 @@ def peak_rss_gb() -> float:
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing, so callers need no branches."""
+    """Rank 0 writes metrics.jsonl and the same numbers as TensorBoard events in the run folder's
+    tensorboard/; other ranks hold a logger that does nothing, so callers need no branches."""
 
     def __init__(self, path: Path | None, total_steps: int, every: int, stream: TextIO = sys.stdout):
         self.path, self.total, self.every, self.stream = path, total_steps, every, stream
         self._file = None
+        self._tensorboard = None
         if path is not None:
             _drop_torn_tail(Path(path))
             self._file = open(path, "a")
+            self._tensorboard = TensorBoardLog(Path(path).with_name("tensorboard"), stream)
 
     def log(self, m: StepMetrics, force: bool = False) -> None:
         if self._file is None:
             return
-        record = {k: v for k, v in asdict(m).items() if k != "extra"} | m.extra
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._write({k: v for k, v in asdict(m).items() if k != "extra"} | m.extra)
         if force or m.step % self.every == 0 or m.step == self.total or "val_loss" in m.extra:
             print(m.line(self.total), file=self.stream, flush=True)
 
     def event(self, **fields) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(fields) + "\n")
-            self._file.flush()
+            self._write(fields)
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self._tensorboard.write(record)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+            self._tensorboard.close()
 
 
 def _drop_torn_tail(path: Path) -> None:
