@@ -16,6 +16,7 @@ throughput ratio >= 0.7, memory tier >= 5x faster than a cold disk.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
@@ -85,6 +86,11 @@ def raw_read(paths: list[Path], nbytes: int, out: bytearray) -> None:
 
 
 def main() -> int:
+    global REPEATS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--repeats", type=int, default=REPEATS, help=f"interleaved runs per row (default {REPEATS})")
+    REPEATS = parser.parse_args().repeats
     work = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=os.environ.get("TMPDIR")))
     shm = Path("/dev/shm") / f"ms_llm_bench_{uuid.uuid4().hex}"
     try:

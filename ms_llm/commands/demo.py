@@ -191,8 +191,13 @@ def export_and_generate(demo: Demo, run_dir: Path) -> None:
 def report(demo: Demo, runs: list[Path]) -> None:
     demo.header("Write the report", "loss curves of both backends on one plot with the recovery marked, "
                                     "throughput, TensorBoard events, and the memory breakdown of the plans")
+    folder = demo.out / "report"
+    demo.ms_llm("report", *map(str, runs), "-o", str(folder))
     demo.ms_llm("estimate", str(CONFIGS / "train" / "llama2_7b_dp8_zero1.yaml"),
-                str(CONFIGS / "train" / "llama3_70b_h100_dp8_tp8_pp4.yaml"), "--plot", str(demo.out / "memory.png"))
+                str(CONFIGS / "train" / "llama3_70b_h100_dp8_tp8_pp4.yaml"), "--plot", str(folder / "memory.png"))
+    with open(folder / "summary.md", "a") as summary_md:
+        summary_md.write("\n## Memory per device of the two cluster plans\n\n![memory per device](memory.png)\n")
+    print(f"\nTensorBoard: tensorboard --logdir {_short(str(demo.out / 'runs'))}")
 
 
 def summary(demo: Demo, seconds: float) -> None:
