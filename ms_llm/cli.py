@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a free port on node 0, the same on every node (with --nnodes 2 or more)")
     t.set_defaults(func=cmd_train)
 
-    from ms_llm.commands import checkpoint, convert, demo, estimate, interval, prepare_data, report, search
+    from ms_llm.commands import checkpoint, clean, convert, demo, estimate, interval, prepare_data, report, search
     for name, module, summary in (
             ("convert-strategy", convert, "convert strategy configs between Megatron-LM, DeepSpeed, MindFormers, "
                                           "torchtitan and ms_llm"),
@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("prepare-data", prepare_data, "tokenize text (JSONL, text, Parquet, HF datasets, MindRecord) into an "
                                            "indexed dataset; train a BPE tokenizer"),
             ("report", report, "loss and throughput plots and summary.md of one or more run folders"),
+            ("clean", clean, "free a run's memory-tier snapshot in /dev/shm and remove half-written checkpoints"),
             ("demo", demo, "the mission in a few minutes on CPU: plan, convert, train under several strategies, "
                            "recover from a lost rank, continue on MindSpore, export to Hugging Face, report")):
         c = sub.add_parser(name, help=summary, description=module.__doc__,

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -42,6 +44,13 @@ class MemoryTier:
     keep_last: int = 1
     ttl_s: float = 3600.0
     local_world_size: Optional[int] = None   # ranks on this node; None = all ranks
+
+    @classmethod
+    def for_run(cls, job_name: str, run_root: str | Path, **kwargs) -> "MemoryTier":
+        """The tier of one run folder on this machine: named by the job and the folder's path,
+        so the trainers, the launcher and `ms-llm clean` all find the same one."""
+        folder = str(Path(run_root).resolve())
+        return cls.for_job(f"{job_name}-{zlib.crc32(folder.encode()):08x}", **kwargs)
 
     @classmethod
     def for_job(cls, job_id: str, **kwargs) -> "MemoryTier":
@@ -68,6 +77,19 @@ class MemoryTier:
     def finish(self) -> None:
         """The job ended normally: the keeper frees the memory and exits."""
         (self.root / DONE).touch()
+
+    def release(self, timeout_s: float = 10.0) -> bool:
+        """Free the tier now (the run ended, or `ms-llm clean`): its keeper is told and removes the
+        folder as it exits; with no keeper the folder is removed here. False when there was none."""
+        if not Path(self.root).is_dir():
+            return False
+        if self.keeper_running():
+            self.finish()
+            deadline = time.monotonic() + timeout_s
+            while Path(self.root).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        shutil.rmtree(self.root, ignore_errors=True)
+        return True
 
     def latest(self) -> Optional[Path]:
         return commit_mod.latest(self.root) if Path(self.root).is_dir() else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -77,9 +76,8 @@ class TrainerCheckpoints:
         self.cfg, self.logger = job.train.checkpoint, logger
         self.memory = None
         if self.cfg.memory_tier:
-            job_id = f"{job.name}-{zlib.crc32(str(run.root).encode()):08x}"
             local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
-            self.memory = MemoryTier.for_job(job_id, local_world_size=local)
+            self.memory = MemoryTier.for_run(job.name, run.root, local_world_size=local)
         self.writer: Optional[CheckpointWriter] = None
         self.interval = self.cfg.interval if isinstance(self.cfg.interval, int) else None
         self.step_times: list[float] = []
