@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,6 +18,8 @@ from ms_llm.errors import ConfigError
 from ms_llm.run import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm and the backends
+COLLECTIVE_TIMEOUT_ENV = "MS_LLM_COLLECTIVE_TIMEOUT_S"    # set by the elastic supervisor for its workers
+COLLECTIVE_TIMEOUT_S = 600.0                              # otherwise: a dead peer blocks a collective this long
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def collective_timeout_s() -> float:
+    """How long a worker's collective may block before it fails (both backends read this)."""
+    try:
+        return max(1.0, float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S)))
+    except ValueError:
+        return COLLECTIVE_TIMEOUT_S
+
+
 def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
     """One per node: nodes sharing a run folder end at different times."""
     return run.root / "tmp" / f"node{nodes.rank}"
@@ -87,14 +98,30 @@ def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
         tmp_dir(run, nodes).parent.rmdir()            # the last node out removes tmp/
 
 
+def spawn_logged(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start `cmd` in a session of its own (a supervisor stops it and everything below it by
+    PID), echoing its merged output to the console and to `log` from a thread."""
+    out = open(log, "a")
+    out.write("$ " + " ".join(cmd) + "\n")
+    out.flush()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)
+
+    def echo() -> None:
+        with out:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                out.write(line)
+                out.flush()
+    proc.echo = threading.Thread(target=echo, name="launcher-output", daemon=True)
+    proc.echo.start()
+    return proc
+
+
 def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
     """Run `cmd`, echoing its merged output to the console and to `log`."""
-    with open(log, "a") as out:
-        out.write("$ " + " ".join(cmd) + "\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            out.write(line)
-        return proc.wait()
+    proc = spawn_logged(cmd, env, log)
+    rc = proc.wait()
+    proc.echo.join()
+    return rc

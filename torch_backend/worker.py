@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
         print(f"torch_backend.worker: {exc}", file=sys.stderr)
         return DIVERGED_EXIT
-    except MsLlmError as exc:           # raised alike on every rank (plan / config problems)
-        shutdown()
+    except MsLlmError as exc:
+        # No shutdown barrier: the error may be this rank's alone (a checkpoint write on a full
+        # disk), and peers busy elsewhere would hold this rank at the barrier. Exiting lets the
+        # launcher stop them.
         print(f"torch_backend.worker: error: {exc}", file=sys.stderr)
         return 2
     shutdown()

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -67,17 +68,28 @@ def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> N
         time.sleep(0.5)
 
 
-def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
-    """One msrun launch of this node's workers; returns msrun's exit status. One node takes a
-    free port per launch; several keep --master-port."""
+def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> subprocess.Popen:
+    """msrun started in a session of its own and left running, rank 0's progress printed from a
+    thread. One node takes a free port per launch; several keep --master-port."""
     env = worker_env(run, nodes)
     env.setdefault("GLOG_v", "3")                     # MindSpore: errors only in the worker logs
     cmd = msrun_command(run, world, nodes, nodes.master_port or free_port())
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root)
-        _follow(run, proc, job.train.steps, job.train.log_every)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root,
+                                start_new_session=True)
+    proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every),
+                                 name="msrun-progress", daemon=True)
+    proc.echo.start()
+    return proc
+
+
+def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
+    """One msrun launch of this node's workers; returns msrun's exit status."""
+    proc = spawn(job, run, world, nodes)
+    proc.wait()
+    proc.echo.join()
     if proc.returncode != 0:
         first = run.logs / f"worker_{nodes.rank * nodes.local(world)}.log"      # this node's first rank
         tail = first.read_text().splitlines()[-15:] if first.is_file() else []
