@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -20,6 +21,7 @@ from ms_llm.run import RunFolder
 ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm and the backends
 COLLECTIVE_TIMEOUT_ENV = "MS_LLM_COLLECTIVE_TIMEOUT_S"    # set by the elastic supervisor for its workers
 COLLECTIVE_TIMEOUT_S = 600.0                              # otherwise: a dead peer blocks a collective this long
+GATE_ENV = "MS_LLM_GATE"         # a standby worker's gate file: it waits, imports done, until the file exists
 
 
 @dataclass(frozen=True)
@@ -75,17 +77,33 @@ def collective_timeout_s() -> float:
         return COLLECTIVE_TIMEOUT_S
 
 
+def wait_for_gate() -> bool:
+    """A standby worker (started by the elastic supervisor ahead of a failure, its imports done)
+    waits here until the supervisor creates its gate file; False when its launcher went away
+    instead (the standby was discarded). Without a gate: True at once."""
+    gate = os.environ.get(GATE_ENV)
+    if not gate:
+        return True
+    parent = os.getppid()
+    Path(f"{gate}.waiting.{os.getpid()}").touch()     # ready: what the supervisor and bench/elastic.py count
+    while not os.path.exists(gate):
+        if os.getppid() != parent:                    # the launcher is gone: nobody will open it
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
     """One per node: nodes sharing a run folder end at different times."""
     return run.root / "tmp" / f"node{nodes.rank}"
 
 
-def worker_env(run: RunFolder, nodes: Nodes) -> dict[str, str]:
+def worker_env(run: RunFolder, nodes: Nodes, extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     """Temporary files (torchrun, inductor) inside the run folder; this interpreter first on PATH
-    (msrun starts `python`); this checkout importable."""
+    (msrun starts `python`); this checkout importable; `extra` on top (the supervisor's)."""
     tmp = tmp_dir(run, nodes)
     tmp.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmp))
+    env = dict(os.environ, TMPDIR=str(tmp), **(extra or {}))
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor"))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -108,12 +126,17 @@ def spawn_logged(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.P
                             start_new_session=True)
 
     def echo() -> None:
-        with out:
+        logging = True
+        with contextlib.suppress(OSError), out:         # closing a log on a full disk may fail too
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
-                out.write(line)
-                out.flush()
+                if logging:
+                    try:
+                        out.write(line)
+                        out.flush()
+                    except OSError:                       # a full disk: the console still gets it
+                        logging = False
     proc.echo = threading.Thread(target=echo, name="launcher-output", daemon=True)
     proc.echo.start()
     return proc

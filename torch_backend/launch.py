@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Optional
 
 from ms_llm.config.job import JobConfig
 from ms_llm.nodes import Nodes, run_logged, spawn_logged, worker_env
@@ -41,6 +42,8 @@ def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
     return run_logged(torch_command(run, world, nodes), worker_env(run, nodes), run.launcher_log)
 
 
-def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> subprocess.Popen:
-    """torchrun started and left running, for the elastic supervisor (ms_llm.elastic)."""
-    return spawn_logged(torch_command(run, world, nodes), worker_env(run, nodes), run.launcher_log)
+def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
+          env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """torchrun started and left running, for the elastic supervisor (ms_llm.elastic); `env` on
+    top of the workers' environment."""
+    return spawn_logged(torch_command(run, world, nodes), worker_env(run, nodes, env), run.launcher_log)

@@ -75,9 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
+    import torch_backend.apply  # noqa: F401  (a standby worker imports everything before its gate)
+    from ms_llm.nodes import wait_for_gate
     from ms_llm.run.loop import train
     from torch_backend.dist import init_distributed, shutdown
 
+    if not wait_for_gate():
+        return 0
     device = init_distributed()
     rank = dist.get_rank()
     try:

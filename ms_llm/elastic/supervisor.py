@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 from ms_llm.checkpoint.commit import latest
@@ -31,12 +33,22 @@ from ms_llm.elastic.classify import Failure, deterministic
 from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
 from ms_llm.elastic.world import choose_world
-from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, Nodes
+from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, Nodes
 from ms_llm.run import RunFolder
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan
 
-Spawn = Callable[[JobConfig, RunFolder, int, Nodes], subprocess.Popen]
+Spawn = Callable[..., subprocess.Popen]       # (job, run, world, nodes, env=None): the backend's launch.spawn
+
+
+@dataclass
+class Standby:
+    """A launch started ahead of a failure: its workers have imported everything and wait at a
+    gate file (ms_llm.nodes.wait_for_gate), so a relaunch of the same size skips process start
+    and imports."""
+    proc: subprocess.Popen
+    world: int
+    gate: Path
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,10 @@ class Supervisor:
     spawn: Spawn
     write_config: Callable[[JobConfig, RunFolder], None]
     options: ElasticOptions = ElasticOptions()
+    warm_standby: bool = False           # keep a gated launch ready (torch on one node: its own rendezvous)
     failures: list[Failure] = field(default_factory=list)
+    standby: Optional[Standby] = None
+    launches: int = 0
 
     def log(self, text: str) -> None:
         print(f"ms-llm elastic: {text}", file=sys.stderr, flush=True)
@@ -65,11 +80,14 @@ class Supervisor:
     def record(self, **fields) -> None:
         """One line in metrics.jsonl, appended whole (rank 0 appends to the same file)."""
         line = (json.dumps({"time": time.time(), **fields}) + "\n").encode()
-        fd = os.open(self.run.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+            fd = os.open(self.run.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:                 # a full disk: the console has it already
+            self.log(f"could not append to {self.run.metrics} ({exc.strerror or exc})")
 
     def capacity(self, world: int) -> int:
         """Ranks usable over all nodes: this node's capacity file, else this launch's share."""
@@ -81,6 +99,38 @@ class Supervisor:
 
     def run_job(self) -> int:
         os.environ.setdefault(COLLECTIVE_TIMEOUT_ENV, str(int(max(60.0, 2 * self.options.timeouts.hang(None)))))
+        try:
+            return self._supervise()
+        finally:
+            self._discard_standby()
+
+    def _launch(self, world: int) -> subprocess.Popen:
+        """The standby when it has this size (opening its gate starts it), else a fresh launch."""
+        self.launches += 1
+        standby, self.standby = self.standby, None
+        if standby is not None and standby.world == world and standby.proc.poll() is None:
+            standby.gate.touch()
+            return standby.proc
+        if standby is not None:
+            self._stop(standby.proc)
+        return self.spawn(self.job, self.run, world, self.nodes)
+
+    def _prepare_standby(self, world: int) -> None:
+        folder = self.run.root / "elastic"
+        folder.mkdir(exist_ok=True)
+        gate = folder / f"gate.node{self.nodes.rank}.{self.launches + 1}"
+        gate.unlink(missing_ok=True)
+        proc = self.spawn(self.job, self.run, world, self.nodes, env={GATE_ENV: str(gate)})
+        self.standby = Standby(proc, world, gate)
+
+    def _discard_standby(self) -> None:
+        if self.standby is not None:
+            self._stop(self.standby.proc)
+            self.standby = None
+        for gate in (self.run.root / "elastic").glob(f"gate.node{self.nodes.rank}.*"):
+            gate.unlink(missing_ok=True)
+
+    def _supervise(self) -> int:
         p, restarts, recovering = self.plan, 0, None
         min_ranks = self.options.min_ranks or self.strategy.model_parallel_size
         while True:
@@ -89,7 +139,7 @@ class Supervisor:
             watch = LaunchWatch(self.run.heartbeat, range(self.nodes.rank * local, (self.nodes.rank + 1) * local),
                                 time.time(), self.options.timeouts)
             base = self._newest_step()
-            proc = self.spawn(self.job, self.run, world, self.nodes)
+            proc = self._launch(world)
             outcome, grow = self._watch(proc, watch, recovering, base)
             recovering = None
             if outcome is None and not grow:
@@ -110,7 +160,7 @@ class Supervisor:
             self.log(f"failure ({outcome.kind}): {outcome.detail}")
             self.record(event="failure", kind=outcome.kind, ranks=list(outcome.ranks), step=outcome.step,
                         detail=outcome.detail, world=world)
-            why = deterministic(outcome, self.failures[:-1], world)
+            why = deterministic(outcome, self.failures[:-1], world) or self._disk_problem()
             if why is not None:
                 return self._report(f"not retried: {why}", 1)
             if restarts >= self.options.max_restarts:
@@ -137,6 +187,8 @@ class Supervisor:
                 self.log(f"recovered in {seconds:.1f} s (failure detected -> every rank's first new step)")
                 self.record(event="recovered", recovery_s=round(seconds, 3), cause=recovering[1], world=world)
                 recovering = None
+            if self.warm_standby and self.standby is None and rc is None and watch.first_new_step():
+                self._prepare_standby(world)         # after the first step: its imports do not slow startup
             if failure is not None and failure.kind == "exit":
                 failure = self._settle(watch, failure)
             if failure is not None:
@@ -183,6 +235,23 @@ class Supervisor:
                         reason=why)
         return q
 
+    def _disk_problem(self) -> Optional[str]:
+        """A run folder that is full or read-only fails every relaunch (whichever write hits it
+        first: a shard, a heartbeat, a log): found here, whatever the workers managed to say.
+        Partial .tmp folders count as free: the next start removes them."""
+        newest = latest(self.run.checkpoints)
+        need = sum(f.stat().st_size for f in newest.iterdir()) if newest is not None else 1 << 20
+        partial = sum(f.stat().st_size for d in self.run.checkpoints.glob("step_*.tmp") for f in d.iterdir())
+        free = shutil.disk_usage(self.run.root).free + partial
+        if free < need:
+            return (f"the disk is full: {self.run.root} has {free:,} bytes free (counting partial saves), a "
+                    f"checkpoint needs {need:,}")
+        try:
+            self.run.probe_write()
+        except OSError as exc:
+            return f"the run folder {self.run.root} cannot be written ({exc.strerror or exc})"
+        return None
+
     def _newest_step(self) -> int:
         folder = latest(self.run.checkpoints)
         return int(folder.name.split("_")[1]) if folder is not None else 0
@@ -192,11 +261,14 @@ class Supervisor:
         kept = sorted(p.name for p in self.run.checkpoints.glob("step_*") if (p / "index.json").is_file())
         report = {"cause": cause, "failures": [dataclasses.asdict(f) for f in self.failures],
                   "checkpoints": kept, "latest": self._newest_step()}
-        folder = self.run.root / "elastic"
-        folder.mkdir(exist_ok=True)
-        (folder / f"report.node{self.nodes.rank}.json").write_text(json.dumps(report, indent=1))
+        path = self.run.root / "elastic" / f"report.node{self.nodes.rank}.json"
         self.log(f"stopped: {cause}")
-        self.log(f"checkpoints kept: {', '.join(kept) or 'none'} (latest: step {report['latest']}); "
-                 f"report in {folder}")
+        self.log(f"checkpoints kept: {', '.join(kept) or 'none'} (latest: step {report['latest']}); report in "
+                 f"{path}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps(report, indent=1))
+        except OSError as exc:                 # a full disk: the console has it
+            self.log(f"could not write {path} ({exc.strerror or exc})")
         self.record(event="stopped", cause=cause)
         return rc

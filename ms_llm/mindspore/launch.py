@@ -26,7 +26,7 @@ from typing import Optional
 
 from ms_llm.config.job import JobConfig
 from ms_llm.errors import ConfigError
-from ms_llm.nodes import Nodes, free_port, worker_env
+from ms_llm.nodes import Nodes, collective_timeout_s, free_port, worker_env
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 
@@ -68,11 +68,16 @@ def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> N
         time.sleep(0.5)
 
 
-def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> subprocess.Popen:
+def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
+          env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     """msrun started in a session of its own and left running, rank 0's progress printed from a
-    thread. One node takes a free port per launch; several keep --master-port."""
-    env = worker_env(run, nodes)
+    thread; `env` on top of the workers' environment. One node takes a free port per launch;
+    several keep --master-port."""
+    env = worker_env(run, nodes, env)
     env.setdefault("GLOG_v", "3")                     # MindSpore: errors only in the worker logs
+    # HCCL (Ascend) fails a collective whose peer does not arrive within HCCL_EXEC_TIMEOUT seconds
+    # (Atlas training parts round it down to a multiple of 68, at least 68): the same bound as torch's.
+    env.setdefault("HCCL_EXEC_TIMEOUT", str(max(68, int(collective_timeout_s()))))
     cmd = msrun_command(run, world, nodes, nodes.master_port or free_port())
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
