@@ -245,3 +245,39 @@ def test_a_checkpoint_write_on_a_full_disk_names_the_folder_and_the_bytes(tmp_pa
     assert line, proc.stdout + proc.stderr
     assert "step_00000001.tmp: cannot write checkpoint step 1 (No space left on device)" in line[0]
     assert "rank 0 needs 2,097,280 bytes there, 0 bytes free" in line[0]          # 2 MiB + the header
+
+
+@pytest.mark.slow
+def test_two_nodes_lose_one_and_the_other_shrinks_and_continues(reference):
+    """Two supervisors as two nodes over 127.0.0.1 (one rank each, torchrun's static rendezvous).
+    Node 1 is killed entirely (its supervisor, torchrun and worker): node 0 finds its peer gone,
+    shrinks to one rank with 4 micro-batches and finishes on the uninterrupted loss curve."""
+    from ms_llm.elastic.procs import descendants, kill_all
+    from ms_llm.nodes import free_port
+
+    tmp, _, config, ref, _ = reference
+    run, port = tmp / "nodes", free_port()
+    nodes = [_start(_cmd(config, run, 2, "--elastic", "--max-restarts", "1", "--nnodes", "2", "--node-rank", str(r),
+                         "--master-addr", "127.0.0.1", "--master-port", str(port))) for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and nodes[0].poll() is None:
+            beat = read_heartbeats(run / "heartbeat").get(1)
+            if beat and beat["phase"] == "train" and beat["step"] >= 6:
+                break
+            time.sleep(0.01)
+        assert not kill_all([nodes[1].pid, *descendants(nodes[1].pid)])
+        nodes[1].communicate()
+        out = _finish(nodes[0])
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_all([proc.pid, *descendants(proc.pid)])
+    assert nodes[0].returncode == 0, out[-4000:]
+    assert "1 node(s) gone: 1 left" in out
+    assert [(w["reason"], w["world"], w["micro_batches"]) for w in _events(run, "world")] == [("shrink", 1, 4)]
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, values in losses.items():
+        for v in values:
+            assert v == pytest.approx(ref[step][0], abs=1e-5), step

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 from ms_llm.checkpoint.commit import latest
 from ms_llm.config.job import JobConfig
 from ms_llm.elastic.classify import Failure, deterministic
+from ms_llm.elastic.members import Membership
 from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
 from ms_llm.elastic.world import choose_world
@@ -73,6 +74,14 @@ class Supervisor:
     failures: list[Failure] = field(default_factory=list)
     standby: Optional[Standby] = None
     launches: int = 0
+    members: Optional[Membership] = None  # several nodes: who is still there
+
+    def __post_init__(self) -> None:
+        self.first_nodes = self.nodes
+        self.per_node = self.nodes.local(self.plan.world_size)       # ranks this node runs at the start
+        if self.nodes.count > 1:
+            self.members = Membership(self.run.root / "elastic", self.nodes.rank, self.nodes.master_addr)
+            self.members.beat(force=True)
 
     def log(self, text: str) -> None:
         print(f"ms-llm elastic: {text}", file=sys.stderr, flush=True)
@@ -89,13 +98,14 @@ class Supervisor:
         except OSError as exc:                 # a full disk: the console has it already
             self.log(f"could not append to {self.run.metrics} ({exc.strerror or exc})")
 
-    def capacity(self, world: int) -> int:
-        """Ranks usable over all nodes: this node's capacity file, else this launch's share."""
-        path = self.run.root / "elastic" / f"capacity.node{self.nodes.rank}"
+    def capacity(self) -> int:
+        """Ranks usable over the nodes still there: this node's capacity file (an operator or a
+        health checker writes it), else the ranks it ran at the start, on every node."""
+        path = self.run.root / "elastic" / f"capacity.node{self.first_nodes.rank}"
         try:
             return int(path.read_text().strip()) * self.nodes.count
         except (OSError, ValueError):
-            return world
+            return self.per_node * self.nodes.count
 
     def run_job(self) -> int:
         os.environ.setdefault(COLLECTIVE_TIMEOUT_ENV, str(int(max(60.0, 2 * self.options.timeouts.hang(None)))))
@@ -150,7 +160,7 @@ class Supervisor:
                 self.log(f"processes {left} survived SIGKILL; stopping here")
                 return self._report(f"could not stop processes {left}", 1)
             if grow:
-                q, _ = choose_world(self.job, self.strategy, self.capacity(world), min_ranks, self.nodes.count)
+                q, _ = choose_world(self.job, self.strategy, self.capacity(), min_ranks, self.nodes.count)
                 self.log(f"capacity returned: growing from {world} to {q.world_size} ranks at checkpoint "
                          f"step {self._newest_step()}")
                 p = self._switch(q, world, "grow")
@@ -167,7 +177,13 @@ class Supervisor:
                 return self._report(f"{len(self.failures)} failure(s), more than --max-restarts "
                                     f"{self.options.max_restarts}; the last: {outcome.detail}", 1)
             restarts += 1
-            q, reasons = choose_world(self.job, self.strategy, min(self.capacity(world), world), min_ranks,
+            if self.members is not None:
+                nodes = self.members.survivors(self.first_nodes, restarts)
+                if nodes.count != self.nodes.count:
+                    self.log(f"{self.nodes.count - nodes.count} node(s) gone: {nodes.count} left, this one is "
+                             f"node {nodes.rank}")
+                self.nodes = nodes
+            q, reasons = choose_world(self.job, self.strategy, min(self.capacity(), world), min_ranks,
                                       self.nodes.count)
             if q is None:
                 return self._report("no world fits the ranks left: " + "; ".join(reasons), 1)
@@ -199,8 +215,10 @@ class Supervisor:
                 watch.poll()
                 return Failure("launcher", (), min((b["step"] for b in watch.beats.values()), default=0),
                                f"the launcher exited with {rc} before every rank finished"), False
-            if self.capacity(world) > world and self._newest_step() > base:
+            if self.capacity() > world and self._newest_step() > base:
                 return None, True
+            if self.members is not None:
+                self.members.beat()
             time.sleep(self.options.poll_s)
 
     def _settle(self, watch: LaunchWatch, first: Failure, grace_s: float = 1.0) -> Failure:
