@@ -116,14 +116,15 @@ def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
         tmp_dir(run, nodes).parent.rmdir()            # the last node out removes tmp/
 
 
-def spawn_logged(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """Start `cmd` in a session of its own (a supervisor stops it and everything below it by
-    PID), echoing its merged output to the console and to `log` from a thread."""
+def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool = True) -> subprocess.Popen:
+    """Start `cmd`, by default in a session of its own (the elastic supervisor stops it and
+    everything below it by PID), echoing its merged output to the console and to `log` from a
+    thread."""
     out = open(log, "a")
     out.write("$ " + " ".join(cmd) + "\n")
     out.flush()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True)
+                            start_new_session=session)
 
     def echo() -> None:
         logging = True
@@ -143,8 +144,9 @@ def spawn_logged(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.P
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
-    """Run `cmd`, echoing its merged output to the console and to `log`."""
-    proc = spawn_logged(cmd, env, log)
+    """Run `cmd`, echoing its merged output to the console and to `log`; in this session, so
+    Ctrl-C reaches it."""
+    proc = spawn_logged(cmd, env, log, session=False)
     rc = proc.wait()
     proc.echo.join()
     return rc

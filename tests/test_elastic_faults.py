@@ -95,6 +95,15 @@ def _start(cmd: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
 
 
+def _on_the_curve(run: Path, ref: dict[int, list[float]]) -> None:
+    """Every step ran, and every loss (repeated steps too) is the uninterrupted run's."""
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, values in losses.items():
+        for v in values:
+            assert v == pytest.approx(ref[step][0], abs=1e-5), step
+
+
 def _no_workers_left(run: Path) -> None:
     for beat in read_heartbeats(run / "heartbeat").values():
         stat = Path(f"/proc/{beat['pid']}/stat")
@@ -157,11 +166,7 @@ def test_shrink_on_failure_then_grow_when_capacity_returns(reference):
     assert proc.returncode == 0, out[-4000:]
     worlds = [(w["reason"], w["world"], w["micro_batches"]) for w in _events(run, "world")]
     assert worlds == [("shrink", 2, 2), ("grow", 4, 1)], worlds
-    losses = _losses(run)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    for step, values in losses.items():
-        for v in values:
-            assert v == pytest.approx(ref[step][0], abs=1e-5), step
+    _on_the_curve(run, ref)
 
 
 @pytest.mark.slow
@@ -276,8 +281,30 @@ def test_two_nodes_lose_one_and_the_other_shrinks_and_continues(reference):
     assert nodes[0].returncode == 0, out[-4000:]
     assert "1 node(s) gone: 1 left" in out
     assert [(w["reason"], w["world"], w["micro_batches"]) for w in _events(run, "world")] == [("shrink", 1, 4)]
+    _on_the_curve(run, ref)
+
+
+@pytest.mark.slow
+def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
+    """msrun under the supervisor: kill -9 of a MindSpore worker is seen at once (not after msrun's
+    scheduler times out), every process is stopped, the relaunch resumes from the checkpoint, and
+    each repeated step has the loss it had the first time."""
+    tmp, tokens, _, _, _ = reference
+    job = yaml.safe_load(_job(tmp, tokens).read_text())
+    job["backend"] = "mindspore"
+    config = tmp / "ms.yaml"
+    config.write_text(yaml.safe_dump(job))
+    run = tmp / "ms"
+    proc = _start(_cmd(config, run, 2, "--elastic", "--max-restarts", "1", "--steps", "14"))
+    hit = Chaos(run, proc).strike(1, 10)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert [f["kind"] for f in _events(run, "failure")] == ["died"] and len(_events(run, "recovered")) == 1
     losses = _losses(run)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    for step, values in losses.items():
-        for v in values:
-            assert v == pytest.approx(ref[step][0], abs=1e-5), step
+    assert sorted(losses) == list(range(1, 15))
+    repeated = sorted(k for k, v in losses.items() if len(v) > 1)
+    resumed = [r["resumed_step"] for r in read_metrics(run / "metrics.jsonl") if "resumed_step" in r]
+    assert resumed[0] % INTERVAL == 0 and repeated[0] == resumed[0] + 1 and repeated[-1] >= hit["step"]
+    for k in repeated:
+        assert losses[k][0] == pytest.approx(losses[k][1], abs=1e-6), k
+    _no_workers_left(run)

@@ -75,6 +75,7 @@ class Supervisor:
     standby: Optional[Standby] = None
     launches: int = 0
     members: Optional[Membership] = None  # several nodes: who is still there
+    active: Optional[subprocess.Popen] = None
 
     def __post_init__(self) -> None:
         self.first_nodes = self.nodes
@@ -109,10 +110,16 @@ class Supervisor:
 
     def run_job(self) -> int:
         os.environ.setdefault(COLLECTIVE_TIMEOUT_ENV, str(int(max(60.0, 2 * self.options.timeouts.hang(None)))))
+        def stop(signum, frame):               # SIGTERM: leave no worker behind (the finally below)
+            raise SystemExit(128 + signum)
+        previous = signal.signal(signal.SIGTERM, stop)
         try:
             return self._supervise()
-        finally:
+        finally:                               # also on Ctrl-C: the launches are in sessions of their own
+            if self.active is not None and self.active.poll() is None:
+                self._stop(self.active)
             self._discard_standby()
+            signal.signal(signal.SIGTERM, previous)
 
     def _launch(self, world: int) -> subprocess.Popen:
         """The standby when it has this size (opening its gate starts it), else a fresh launch."""
@@ -149,7 +156,7 @@ class Supervisor:
             watch = LaunchWatch(self.run.heartbeat, range(self.nodes.rank * local, (self.nodes.rank + 1) * local),
                                 time.time(), self.options.timeouts)
             base = self._newest_step()
-            proc = self._launch(world)
+            proc = self.active = self._launch(world)
             outcome, grow = self._watch(proc, watch, recovering, base)
             recovering = None
             if outcome is None and not grow:

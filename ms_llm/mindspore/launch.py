@@ -69,9 +69,9 @@ def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> N
 
 
 def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
-          env: Optional[dict[str, str]] = None) -> subprocess.Popen:
-    """msrun started in a session of its own and left running, rank 0's progress printed from a
-    thread; `env` on top of the workers' environment. One node takes a free port per launch;
+          env: Optional[dict[str, str]] = None, session: bool = True) -> subprocess.Popen:
+    """msrun started (by default in a session of its own) and left running, rank 0's progress
+    printed from a thread; `env` on top of the workers' environment. One node takes a free port per launch;
     several keep --master-port."""
     env = worker_env(run, nodes, env)
     env.setdefault("GLOG_v", "3")                     # MindSpore: errors only in the worker logs
@@ -83,7 +83,7 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root,
-                                start_new_session=True)
+                                start_new_session=session)
     proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every),
                                  name="msrun-progress", daemon=True)
     proc.echo.start()
@@ -91,8 +91,9 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
 
 
 def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
-    """One msrun launch of this node's workers; returns msrun's exit status."""
-    proc = spawn(job, run, world, nodes)
+    """One msrun launch of this node's workers (in this session: Ctrl-C reaches it); returns
+    msrun's exit status."""
+    proc = spawn(job, run, world, nodes, session=False)
     proc.wait()
     proc.echo.join()
     if proc.returncode != 0:
