@@ -14,7 +14,9 @@ Several machines: the same command on each, `--nnodes N --node-rank R --master-a
 hosts the rendezvous. Every node resolves the same YAML the same way, so each writes the
 same config.yaml (atomically: nodes may share the folder). The backend's launcher's output
 goes to the console and <run>/launcher.log, worker logs to <run>/logs/. With
---max-restarts N a failed launch is started again (ms_llm.elastic) up to N times.
+--max-restarts N a failed launch is started again (ms_llm.elastic) up to N times; with
+--elastic a supervisor owns the job (ms_llm.elastic.supervisor: hang detection, no retry of
+failures that repeat, shrink and grow, recovery time in metrics.jsonl).
 """
 from __future__ import annotations
 

@@ -10,8 +10,11 @@ workers' exits and heartbeats (ms_llm.elastic.watch), and on a failure kills, by
 launcher and every process below it. The world follows the ranks this node can use: the
 launch's size, or the number an operator or a health checker writes to
 <run>/elastic/capacity.node<R> (fewer: shrink at the next failure; more: grow at the next
-committed checkpoint). Recovery time (failure detected -> every rank's first new step) is
-printed and appended to metrics.jsonl with the cause and the new world.
+committed checkpoint). On several nodes the survivors agree on the nodes left
+(ms_llm.elastic.members) and shrink to them. Torch on one node keeps a standby launch whose
+workers wait, imports done, at a gate: a relaunch of the same size opens it, which saves the
+process start and imports (most of a recovery). Recovery time (failure detected -> every
+rank's first new step) is printed and appended to metrics.jsonl with the cause and the new world.
 """
 from __future__ import annotations
 
