@@ -95,3 +95,15 @@ def test_shrink_keeps_tp_and_the_global_batch():
     assert (p.strategy.dp, p.micro_batches) == (4, 2)
     none, reasons = choose_world(job, job.strategy, 3, 4)
     assert none is None and reasons
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--min-ranks", "2"], "--min-ranks: only used with --elastic"),
+    (["--elastic", "--min-ranks", "0"], "--min-ranks: got 0"),
+    (["--elastic", "--hang-timeout", "-1"], "--hang-timeout: got -1.0"),
+])
+def test_elastic_flags_are_checked_one_line_each(tmp_path, capsys, flags, line):
+    from ms_llm.cli import main
+    assert main(["train", str(tmp_path / "job.yaml"), *flags]) != 0
+    err = capsys.readouterr().err
+    assert line in err and "Traceback" not in err
