@@ -4,6 +4,7 @@
 
   supervisor     ms-llm train --elastic            (ms_llm.elastic: PID + heartbeat watch, kill by PID, relaunch
                                                      into its standby launch, killed once the standby waits)
+  cold           the same, killed at once (the standby still importing: what a first failure costs)
   relaunch       ms-llm train --max-restarts 1     (torchrun stops the others and exits; the launcher starts it again)
   torchrun       torchrun --max-restarts 1 ...     (torchrun's own agent restarts the worker group)
 
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ms_llm.data import build_stdlib_corpus  # noqa: E402
+from ms_llm.elastic.procs import descendants, kill_all  # noqa: E402
 from ms_llm.launch import TrainRequest, prepare  # noqa: E402
 from ms_llm.nodes import worker_env  # noqa: E402
 from ms_llm.run.heartbeat import read_heartbeats  # noqa: E402
@@ -59,7 +61,7 @@ def job_file(tmp: Path) -> Path:
 
 def command(mode: str, config: Path, run: Path, nproc: int, hang_timeout: float) -> tuple[list[str], dict, Path]:
     train = [sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run), "--nproc", str(nproc)]
-    if mode == "supervisor":
+    if mode in ("supervisor", "cold"):
         return train + ["--elastic", "--max-restarts", "1"], dict(os.environ), ROOT
     if mode == "hang":
         return train + ["--elastic", "--max-restarts", "1", "--hang-timeout", str(hang_timeout)], dict(os.environ), ROOT
@@ -104,14 +106,9 @@ def trial(mode: str, config: Path, tmp: Path, n: int, nproc: int, hang_timeout: 
                 return time.time() - hit
             time.sleep(0.005)
         return None
-    finally:
-        proc.kill()
+    finally:                                   # the job, its launcher(s) and workers (sessions of their own)
+        kill_all([proc.pid, *descendants(proc.pid)])
         proc.wait()
-        for b in read_heartbeats(run / "heartbeat").values():      # workers have sessions of their own
-            try:
-                os.kill(b["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def main() -> None:
@@ -120,7 +117,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--hang-timeout", type=float, default=4.0)
     args = ap.parse_args()
-    modes = ["supervisor", "relaunch", "torchrun", "hang"]
+    modes = ["supervisor", "cold", "relaunch", "torchrun", "hang"]
     times: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
         config = job_file(Path(tmp))
@@ -134,7 +131,8 @@ def main() -> None:
           f"{args.trials} trial(s) each; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'':36s}{'mean s':>8s}{'min s':>8s}{'max s':>8s}{'vs supervisor':>15s}{'recovered':>11s}")
     base = statistics.mean([x for x in times["supervisor"] if x is not None] or [float("nan")])
-    labels = {"supervisor": "recovery: ms-llm --elastic", "relaunch": "recovery: ms-llm --max-restarts 1",
+    labels = {"supervisor": "recovery: ms-llm --elastic", "cold": "  the same, before its standby is up",
+              "relaunch": "recovery: ms-llm --max-restarts 1",
               "torchrun": "recovery: torchrun --max-restarts 1",
               "hang": f"hang detection (--hang-timeout {args.hang_timeout:g})"}
     for mode in modes:

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm a
 COLLECTIVE_TIMEOUT_ENV = "MS_LLM_COLLECTIVE_TIMEOUT_S"    # set by the elastic supervisor for its workers
 COLLECTIVE_TIMEOUT_S = 600.0                              # otherwise: a dead peer blocks a collective this long
 GATE_ENV = "MS_LLM_GATE"         # a standby worker's gate file: it waits, imports done, until the file exists
+SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # ... or until this process is gone
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,11 @@ def wait_for_gate() -> bool:
     gate = os.environ.get(GATE_ENV)
     if not gate:
         return True
-    parent = os.getppid()
+    parent, supervisor = os.getppid(), int(os.environ.get(SUPERVISOR_ENV, "0"))
     Path(f"{gate}.waiting.{os.getpid()}").touch()     # ready: what the supervisor and bench/elastic.py count
     while not os.path.exists(gate):
-        if os.getppid() != parent:                    # the launcher is gone: nobody will open it
-            return False
+        if os.getppid() != parent or (supervisor and not Path(f"/proc/{supervisor}").exists()):
+            return False                              # the launcher or the supervisor is gone: nobody will open it
         time.sleep(0.01)
     return True
 

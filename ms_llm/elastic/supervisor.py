@@ -37,7 +37,7 @@ from ms_llm.elastic.members import Membership
 from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
 from ms_llm.elastic.world import choose_world
-from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, Nodes
+from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, SUPERVISOR_ENV, Nodes
 from ms_llm.run import RunFolder
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan
@@ -140,7 +140,8 @@ class Supervisor:
         folder.mkdir(exist_ok=True)
         gate = folder / f"gate.node{self.nodes.rank}.{self.launches + 1}"
         gate.unlink(missing_ok=True)
-        proc = self.spawn(self.job, self.run, world, self.nodes, env={GATE_ENV: str(gate)})
+        proc = self.spawn(self.job, self.run, world, self.nodes,
+                          env={GATE_ENV: str(gate), SUPERVISOR_ENV: str(os.getpid())})
         self.standby = Standby(proc, world, gate)
 
     def _discard_standby(self) -> None:
