@@ -50,7 +50,27 @@ def cmd_train(args) -> int:
 
     nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     return train(TrainRequest(Path(args.config), args.backend, args.nproc, args.run_dir, args.steps, args.dry_run,
-                              args.max_restarts, nodes))
+                              args.max_restarts if args.max_restarts is not None else 0, nodes,
+                              elastic_options(args)))
+
+
+def elastic_options(args):
+    """--elastic and its flags, checked; None without --elastic."""
+    from ms_llm.elastic.supervisor import ElasticOptions
+    from ms_llm.elastic.watch import Timeouts
+    from ms_llm.errors import ConfigError
+
+    if not args.elastic:
+        for flag, value in (("--min-ranks", args.min_ranks), ("--hang-timeout", args.hang_timeout)):
+            if value is not None:
+                raise ConfigError(f"{flag}: only used with --elastic")
+        return None
+    if args.min_ranks is not None and args.min_ranks < 1:
+        raise ConfigError(f"--min-ranks: got {args.min_ranks}; give the smallest world to shrink to, 1 or more")
+    if args.hang_timeout is not None and args.hang_timeout <= 0:
+        raise ConfigError(f"--hang-timeout: got {args.hang_timeout}; give seconds without progress, more than 0")
+    return ElasticOptions(max_restarts=3 if args.max_restarts is None else args.max_restarts,
+                          min_ranks=args.min_ranks, timeouts=Timeouts(hang_s=args.hang_timeout))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,9 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=None, help="override train.steps")
     t.add_argument("--dry-run", action="store_true",
                    help="print the lowering (MindSpore: parallel context and every op's strategy) without compiling")
-    t.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="start the workers again after a failure, up to N times; each restart resumes from the "
-                        "run folder's newest checkpoint (needs train.checkpoint.interval)")
+    t.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="start the workers again after a failure, up to N times (default 0; 3 with --elastic); "
+                        "each restart resumes from the run folder's newest checkpoint (needs "
+                        "train.checkpoint.interval)")
+    t.add_argument("--elastic", action="store_true",
+                   help="a supervisor owns the job: detects dead and hung ranks (heartbeats), stops every worker, "
+                        "does not retry failures that would repeat, shrinks or grows dp, resumes (ms_llm.elastic)")
+    t.add_argument("--min-ranks", type=int, default=None, metavar="N",
+                   help="with --elastic: the smallest world to shrink to (default tp*pp*cp)")
+    t.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                   help="with --elastic: seconds without a step before a rank counts as hung (default: 10x the "
+                        "measured step time, at least 30)")
     t.add_argument("--nnodes", type=int, default=1, metavar="N",
                    help="machines in the job; each runs world size / N processes")
     t.add_argument("--node-rank", type=int, default=0, metavar="R",

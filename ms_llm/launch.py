@@ -14,7 +14,9 @@ Several machines: the same command on each, `--nnodes N --node-rank R --master-a
 hosts the rendezvous. Every node resolves the same YAML the same way, so each writes the
 same config.yaml (atomically: nodes may share the folder). The backend's launcher's output
 goes to the console and <run>/launcher.log, worker logs to <run>/logs/. With
---max-restarts N a failed launch is started again (ms_llm.elastic) up to N times.
+--max-restarts N a failed launch is started again (ms_llm.elastic) up to N times; with
+--elastic a supervisor owns the job (ms_llm.elastic.supervisor: hang detection, no retry of
+failures that repeat, shrink and grow, recovery time in metrics.jsonl).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict, load_job
 from ms_llm.config.train import DataConfig
 from ms_llm.data import IndexedDataset, build_stdlib_corpus, samples
 from ms_llm.elastic import check_restarts, with_restarts
+from ms_llm.elastic.supervisor import ElasticOptions
 from ms_llm.errors import ConfigError, RunFolderError, StrategyError
 from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
@@ -48,6 +51,7 @@ class TrainRequest:
     dry_run: bool = False              # print the lowering, start nothing
     max_restarts: int = 0              # start failed workers again, resuming from the newest checkpoint
     nodes: Nodes = Nodes()             # this machine's place among several
+    elastic: Optional[ElasticOptions] = None   # --elastic: the supervisor owns the job (ms_llm.elastic)
 
 
 def world_size(job: JobConfig, nproc: Optional[int]) -> int:
@@ -70,6 +74,15 @@ def starter(backend: str) -> Callable[[JobConfig, RunFolder, int, Nodes], int]:
         return start
     from torch_backend.launch import start
     return start
+
+
+def spawner(backend: str):
+    """The backend's launcher started and left running, for the elastic supervisor."""
+    if backend == "mindspore":
+        from ms_llm.mindspore.launch import spawn
+        return spawn
+    from torch_backend.launch import spawn
+    return spawn
 
 
 def absolute_paths(job: JobConfig) -> JobConfig:
@@ -132,7 +145,7 @@ def resolve(req: TrainRequest) -> tuple[JobConfig, ModelPlan]:
     backend = req.backend or job.backend
     if backend not in BACKENDS:
         raise ConfigError(f"backend: {backend!r} cannot train from this launcher; use one of {', '.join(BACKENDS)}")
-    check_restarts(job, req.max_restarts)
+    check_restarts(job, req.elastic.max_restarts if req.elastic else req.max_restarts)
     job = absolute_paths(job)
     world = world_size(job, req.nproc)
     req.nodes.local(world)
@@ -217,8 +230,13 @@ def train(req: TrainRequest) -> int:
     where = f", node {nodes.rank} of {nodes.count} ({nodes.local(p.world_size)} here)" if nodes.count > 1 else ""
     print(f"ms-llm train: {job.name} on {job.backend}, {p.world_size} process(es){where}, mesh {p.mesh.describe()}, "
           f"run folder {run.root}", flush=True)
-    start = starter(job.backend)
-    rc = with_restarts(lambda: start(job, run, p.world_size, nodes), req.max_restarts, run)
+    if req.elastic is not None:
+        from ms_llm.elastic.supervisor import Supervisor
+        rc = Supervisor(job, load_job(req.config).strategy, p, run, nodes, spawner(job.backend), write_config,
+                        req.elastic, warm_standby=job.backend == "torch" and nodes.count == 1).run_job()
+    else:
+        start = starter(job.backend)
+        rc = with_restarts(lambda: start(job, run, p.world_size, nodes), req.max_restarts, run)
     remove_tmp(run, nodes)
     if rc != 0:
         print(f"ms-llm train: workers failed (exit {rc}); logs in {run.logs} and {run.launcher_log}",

@@ -9,6 +9,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,6 +19,10 @@ from ms_llm.errors import ConfigError
 from ms_llm.run import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm and the backends
+COLLECTIVE_TIMEOUT_ENV = "MS_LLM_COLLECTIVE_TIMEOUT_S"    # set by the elastic supervisor for its workers
+COLLECTIVE_TIMEOUT_S = 600.0                              # otherwise: a dead peer blocks a collective this long
+GATE_ENV = "MS_LLM_GATE"         # a standby worker's gate file: it waits, imports done, until the file exists
+SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # ... or until this process is gone
 
 
 @dataclass(frozen=True)
@@ -64,17 +70,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def collective_timeout_s() -> float:
+    """How long a worker's collective may block before it fails (both backends read this)."""
+    try:
+        return max(1.0, float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S)))
+    except ValueError:
+        return COLLECTIVE_TIMEOUT_S
+
+
+def wait_for_gate() -> bool:
+    """A standby worker (started by the elastic supervisor ahead of a failure, its imports done)
+    waits here until the supervisor creates its gate file; False when its launcher went away
+    instead (the standby was discarded). Without a gate: True at once."""
+    gate = os.environ.get(GATE_ENV)
+    if not gate:
+        return True
+    parent, supervisor = os.getppid(), int(os.environ.get(SUPERVISOR_ENV, "0"))
+    Path(f"{gate}.waiting.{os.getpid()}").touch()     # ready: what the supervisor and bench/elastic.py count
+    while not os.path.exists(gate):
+        if os.getppid() != parent or (supervisor and not Path(f"/proc/{supervisor}").exists()):
+            return False                              # the launcher or the supervisor is gone: nobody will open it
+        time.sleep(0.01)
+    return True
+
+
 def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
     """One per node: nodes sharing a run folder end at different times."""
     return run.root / "tmp" / f"node{nodes.rank}"
 
 
-def worker_env(run: RunFolder, nodes: Nodes) -> dict[str, str]:
+def worker_env(run: RunFolder, nodes: Nodes, extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     """Temporary files (torchrun, inductor) inside the run folder; this interpreter first on PATH
-    (msrun starts `python`); this checkout importable."""
+    (msrun starts `python`); this checkout importable; `extra` on top (the supervisor's)."""
     tmp = tmp_dir(run, nodes)
     tmp.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmp))
+    env = dict(os.environ, TMPDIR=str(tmp), **(extra or {}))
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor"))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -87,14 +117,37 @@ def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
         tmp_dir(run, nodes).parent.rmdir()            # the last node out removes tmp/
 
 
+def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool = True) -> subprocess.Popen:
+    """Start `cmd`, by default in a session of its own (the elastic supervisor stops it and
+    everything below it by PID), echoing its merged output to the console and to `log` from a
+    thread."""
+    out = open(log, "a")
+    out.write("$ " + " ".join(cmd) + "\n")
+    out.flush()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=session)
+
+    def echo() -> None:
+        logging = True
+        with contextlib.suppress(OSError), out:         # closing a log on a full disk may fail too
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if logging:
+                    try:
+                        out.write(line)
+                        out.flush()
+                    except OSError:                       # a full disk: the console still gets it
+                        logging = False
+    proc.echo = threading.Thread(target=echo, name="launcher-output", daemon=True)
+    proc.echo.start()
+    return proc
+
+
 def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
-    """Run `cmd`, echoing its merged output to the console and to `log`."""
-    with open(log, "a") as out:
-        out.write("$ " + " ".join(cmd) + "\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            out.write(line)
-        return proc.wait()
+    """Run `cmd`, echoing its merged output to the console and to `log`; in this session, so
+    Ctrl-C reaches it."""
+    proc = spawn_logged(cmd, env, log, session=False)
+    rc = proc.wait()
+    proc.echo.join()
+    return rc

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from ms_llm.data import build_stdlib_corpus
+from ms_llm.elastic.procs import descendants
 from ms_llm.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,26 +130,9 @@ def test_auto_interval_measures_the_first_save_then_decides(reference):
     assert (run / "checkpoints" / "step_00000001" / "index.json").is_file()
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (here: the launcher we started, its torchrun, the workers)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue                                   # exited while we looked
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        out += below
-        todo += below
-    return out
-
-
 def _workers(pid: int) -> list[int]:
     found = []
-    for p in _descendants(pid):
+    for p in descendants(pid):            # the launcher we started, its torchrun, the workers
         try:
             if b"torch_backend.worker" in Path(f"/proc/{p}/cmdline").read_bytes():
                 found.append(p)

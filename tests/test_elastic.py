@@ -39,3 +39,71 @@ def test_restarts_need_checkpoints():
         check_restarts(job, -1)
     check_restarts(job, 0)
     check_restarts(job_from_dict({"name": "j", "model": "tiny", "train": {"checkpoint": {"interval": "auto"}}}), 2)
+
+
+# ---- the supervisor's decisions, without processes (the runs are in test_elastic_faults.py) ----
+
+from ms_llm.elastic.classify import Failure, deterministic          # noqa: E402
+from ms_llm.elastic.watch import Timeouts                           # noqa: E402
+from ms_llm.elastic.world import choose_world                       # noqa: E402
+from ms_llm.errors import CheckpointError, TrainingDiverged         # noqa: E402
+from ms_llm.run.heartbeat import failure_cause                      # noqa: E402
+
+
+def _disk_full() -> CheckpointError:
+    err = CheckpointError("step_00000008.tmp: cannot write checkpoint step 8 (No space left on device)")
+    err.__cause__ = OSError(28, "No space left on device")
+    return err
+
+
+def test_failure_causes_from_the_exception():
+    assert failure_cause(_disk_full()) == "disk_full"
+    assert failure_cause(OSError(30, "Read-only file system")) == "read_only"
+    assert failure_cause(OSError(5, "Input/output error")) == "io"
+    assert failure_cause(TrainingDiverged("loss nan")) == "diverged"
+    assert failure_cause(ConfigError("bad")) == "config"
+    assert failure_cause(RuntimeError("gloo: connection reset")) == "error"
+
+
+def test_what_is_retried_and_what_is_not():
+    died = Failure("died", (1,), 7, "rank 1 died")
+    assert deterministic(died, [], 2) is None
+    assert deterministic(Failure("hang", (), 7, "rank 1 stopped"), [died], 2) is None
+    full = Failure("exit", (1,), 8, "", {1: ("disk_full", "CheckpointError: ...")})
+    assert "disk is full" in deterministic(full, [], 2)
+    same = {0: ("error", "RuntimeError: x"), 1: ("error", "RuntimeError: x")}
+    assert "every rank" in deterministic(Failure("exit", (0, 1), 3, "", same), [], 2)
+    once = Failure("exit", (1,), 5, "", {1: ("error", "RuntimeError: y")})
+    assert deterministic(once, [], 2) is None
+    assert "same error at step 5" in deterministic(once, [once], 2)
+    assert deterministic(Failure("exit", (1,), 6, "", {1: ("error", "RuntimeError: y")}), [once], 2) is None
+
+
+def test_hang_timeout_from_step_time_with_a_floor_and_an_override():
+    assert Timeouts().hang(None) == 30.0
+    assert Timeouts().hang(0.5) == 30.0
+    assert Timeouts().hang(10.0) == 100.0
+    assert Timeouts(hang_s=4.0).hang(10.0) == 4.0
+
+
+def test_shrink_keeps_tp_and_the_global_batch():
+    job = job_from_dict({"name": "j", "model": "tiny", "strategy": {"dp": 4, "tp": 2},
+                         "train": {"global_batch_size": 16, "micro_batch_size": 2}})
+    p, _ = choose_world(job, job.strategy, 7, 2)           # 7 usable ranks: 6 = dp3 does not divide 16
+    assert (p.world_size, p.strategy.tp, p.strategy.dp, p.micro_batches) == (4, 2, 2, 4)
+    p, _ = choose_world(job, job.strategy, 8, 2)
+    assert (p.strategy.dp, p.micro_batches) == (4, 2)
+    none, reasons = choose_world(job, job.strategy, 3, 4)
+    assert none is None and reasons
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--min-ranks", "2"], "--min-ranks: only used with --elastic"),
+    (["--elastic", "--min-ranks", "0"], "--min-ranks: got 0"),
+    (["--elastic", "--hang-timeout", "-1"], "--hang-timeout: got -1.0"),
+])
+def test_elastic_flags_are_checked_one_line_each(tmp_path, capsys, flags, line):
+    from ms_llm.cli import main
+    assert main(["train", str(tmp_path / "job.yaml"), *flags]) != 0
+    err = capsys.readouterr().err
+    assert line in err and "Traceback" not in err

@@ -3,25 +3,29 @@ from __future__ import annotations
 
 import gc
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ms_llm.nodes import free_port
+from ms_llm.nodes import collective_timeout_s, free_port
 
 
 def init_distributed() -> torch.device:
-    """NCCL on GPUs (one per local rank), gloo on CPU. Without torchrun: a world of one."""
+    """NCCL on GPUs (one per local rank), gloo on CPU. Without torchrun: a world of one. A
+    collective blocked longer than collective_timeout_s() (a dead peer) fails instead of
+    waiting forever."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+    timeout = timedelta(seconds=collective_timeout_s())
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return device
 
 

@@ -8,10 +8,12 @@ this module starts torchrun (worker logs in <run>/logs/, its output on the conso
 """
 from __future__ import annotations
 
+import subprocess
 import sys
+from typing import Optional
 
 from ms_llm.config.job import JobConfig
-from ms_llm.nodes import Nodes, run_logged, worker_env
+from ms_llm.nodes import Nodes, run_logged, spawn_logged, worker_env
 from ms_llm.run import RunFolder
 
 
@@ -38,3 +40,10 @@ def torch_command(run: RunFolder, world: int, nodes: Nodes) -> list[str]:
 def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
     """One torchrun launch of this node's workers; returns its exit status."""
     return run_logged(torch_command(run, world, nodes), worker_env(run, nodes), run.launcher_log)
+
+
+def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
+          env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """torchrun started and left running, for the elastic supervisor (ms_llm.elastic); `env` on
+    top of the workers' environment."""
+    return spawn_logged(torch_command(run, world, nodes), worker_env(run, nodes, env), run.launcher_log)

@@ -75,9 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
+    import torch_backend.apply  # noqa: F401  (a standby worker imports everything before its gate)
+    from ms_llm.nodes import wait_for_gate
     from ms_llm.run.loop import train
     from torch_backend.dist import init_distributed, shutdown
 
+    if not wait_for_gate():
+        return 0
     device = init_distributed()
     rank = dist.get_rank()
     try:
@@ -86,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
         print(f"torch_backend.worker: {exc}", file=sys.stderr)
         return DIVERGED_EXIT
-    except MsLlmError as exc:           # raised alike on every rank (plan / config problems)
-        shutdown()
+    except MsLlmError as exc:
+        # No shutdown barrier: the error may be this rank's alone (a checkpoint write on a full
+        # disk), and peers busy elsewhere would hold this rank at the barrier. Exiting lets the
+        # launcher stop them.
         print(f"torch_backend.worker: error: {exc}", file=sys.stderr)
         return 2
     shutdown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -96,6 +97,8 @@ class TrainerCheckpoints:
     def resume(self) -> int:
         """Load the newest usable checkpoint (the memory tier when it is newest, the previous
         one when the newest is damaged); return the step to continue from, 0 for none."""
+        if self.rank == 0:
+            self._remove_partial()
         folders = self._folders()
         if not folders:
             if self.cfg.load:
@@ -130,6 +133,13 @@ class TrainerCheckpoints:
         self.last_step = ckpt.step
         ckpt.close()
         return ckpt.step
+
+    def _remove_partial(self) -> None:
+        """Temporary folders of saves a failure interrupted: nothing names them, nothing will finish them
+        (every rank is here, none is saving), and on a full disk they hold the space the next save needs."""
+        for folder in self.run.checkpoints.glob("step_*.tmp"):
+            shutil.rmtree(folder, ignore_errors=True)
+            log.warning("removed %s, left by an interrupted save", folder)
 
     def _check_state(self, ckpt: Checkpoint) -> None:
         """The training-state record is untrusted input too: a malformed one is a CheckpointError,

@@ -15,6 +15,7 @@ raised by the next save() or wait(), so a failed save is never silent.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 import zlib
@@ -197,10 +198,26 @@ class CheckpointWriter:
                          start: float) -> None:
         try:
             self._persist(stats, layout, image, meta, start)
+        except OSError as exc:                 # ENOSPC, EIO, EROFS: say where and how much
+            self._error = self._write_error(stats, exc)
         except BaseException as exc:           # handed to the training thread by _join
             self._error = exc
         finally:
             stats.done.set()
+
+    def _write_error(self, stats: SaveStats, exc: OSError) -> CheckpointError:
+        """One line naming the folder, the bytes this rank needed and what `latest` still names;
+        the OSError stays the cause (its errno tells a full disk from a failing one)."""
+        try:
+            free = f"{shutil.disk_usage(self.root).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        error = CheckpointError(f"{commit_mod.tmp_dir(self.root, stats.step)}: cannot write checkpoint step "
+                                f"{stats.step} ({exc.strerror or exc}); rank {self.rank} needs {stats.bytes:,} bytes "
+                                f"there, {free}; the previous checkpoint is intact and still named by "
+                                f"{self.root / commit_mod.LATEST}")
+        error.__cause__ = exc
+        return error
 
     def _persist(self, stats: SaveStats, layout: _Layout, image: np.ndarray, meta: dict, start: float) -> None:
         t0 = time.perf_counter()

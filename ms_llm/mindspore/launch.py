@@ -19,13 +19,14 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 from ms_llm.config.job import JobConfig
 from ms_llm.errors import ConfigError
-from ms_llm.nodes import Nodes, free_port, worker_env
+from ms_llm.nodes import Nodes, collective_timeout_s, free_port, worker_env
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 
@@ -67,17 +68,34 @@ def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> N
         time.sleep(0.5)
 
 
-def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
-    """One msrun launch of this node's workers; returns msrun's exit status. One node takes a
-    free port per launch; several keep --master-port."""
-    env = worker_env(run, nodes)
+def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
+          env: Optional[dict[str, str]] = None, session: bool = True) -> subprocess.Popen:
+    """msrun started (by default in a session of its own) and left running, rank 0's progress
+    printed from a thread; `env` on top of the workers' environment. One node takes a free port per launch;
+    several keep --master-port."""
+    env = worker_env(run, nodes, env)
     env.setdefault("GLOG_v", "3")                     # MindSpore: errors only in the worker logs
+    # HCCL (Ascend) fails a collective whose peer does not arrive within HCCL_EXEC_TIMEOUT seconds
+    # (Atlas training parts round it down to a multiple of 68, at least 68): the same bound as torch's.
+    env.setdefault("HCCL_EXEC_TIMEOUT", str(max(68, int(collective_timeout_s()))))
     cmd = msrun_command(run, world, nodes, nodes.master_port or free_port())
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root)
-        _follow(run, proc, job.train.steps, job.train.log_every)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root,
+                                start_new_session=session)
+    proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every),
+                                 name="msrun-progress", daemon=True)
+    proc.echo.start()
+    return proc
+
+
+def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
+    """One msrun launch of this node's workers (in this session: Ctrl-C reaches it); returns
+    msrun's exit status."""
+    proc = spawn(job, run, world, nodes, session=False)
+    proc.wait()
+    proc.echo.join()
     if proc.returncode != 0:
         first = run.logs / f"worker_{nodes.rank * nodes.local(world)}.log"      # this node's first rank
         tail = first.read_text().splitlines()[-15:] if first.is_file() else []

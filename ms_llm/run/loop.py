@@ -101,8 +101,10 @@ def train(t: Trainer) -> list[StepMetrics]:
     valid = validation_rows(t.job, t.run, dp_rank, t.plan.strategy.dp) if t.evaluate is not None else []
     checkpoints = TrainerCheckpoints(t.job, t.run, t.plan, t.state, sampler, t.rank, logger, t.loss_scale)
     history: list[StepMetrics] = []
+    done = 0                                              # steps completed, for a failure record
     try:
-        first = checkpoints.resume()
+        heartbeat.beat(0, phase="resume")                 # alive: the supervisor times startup from here
+        first = done = checkpoints.resume()
         heartbeat.beat(first, phase="start")
         if first >= tc.steps and t.logs:
             print(f"run complete: {t.run.root} holds step {first} of train.steps = {tc.steps}; raise --steps "
@@ -113,7 +115,8 @@ def train(t: Trainer) -> list[StepMetrics]:
             start = time.perf_counter()
             loss, grad_norm = t.step(step, rows)                                   # host floats: the step is done
             elapsed = time.perf_counter() - start
-            heartbeat.beat(step + 1)
+            done = step + 1
+            heartbeat.beat(done)
             m = rate.metrics(step + 1, loss, lr_at(step, tc), elapsed, t.memory_gb(), grad_norm)
             skipped = scale is not None and not math.isfinite(grad_norm)
             if scale is not None:
@@ -130,6 +133,10 @@ def train(t: Trainer) -> list[StepMetrics]:
     except TrainingDiverged as exc:
         checkpoints.close()                   # the pending save is of a good step: let it commit
         logger.event(event="diverged", error=str(exc))
+        heartbeat.fail(done, exc)
+        raise
+    except Exception as exc:                  # what failed and why, for the supervisor's classification
+        heartbeat.fail(done, exc)
         raise
     finally:
         logger.close()
