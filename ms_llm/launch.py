@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ms_llm.backends import BACKENDS, check
+from ms_llm.checkpoint.memory_tier import MemoryTier
 from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict, load_job
 from ms_llm.config.train import DataConfig
 from ms_llm.data import IndexedDataset, build_stdlib_corpus, samples
@@ -38,6 +39,7 @@ from ms_llm.elastic.supervisor import ElasticOptions
 from ms_llm.errors import ConfigError, RunFolderError, StrategyError
 from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
+from ms_llm.run.metrics import run_summary
 from ms_llm.strategy.plan import ModelPlan, plan
 
 
@@ -221,24 +223,39 @@ def dry_run(job: JobConfig, p: ModelPlan, run_dir: Optional[Path]) -> int:
     return 0
 
 
+def release_memory_tier(job: JobConfig, run: RunFolder) -> None:
+    """The run's snapshot in /dev/shm lives as long as its launch (restarts included), not an
+    hour past it: the launcher frees it however the launch ends."""
+    if job.train.checkpoint.memory_tier:
+        MemoryTier.for_run(job.name, run.root).release()
+
+
 def train(req: TrainRequest) -> int:
     if req.dry_run:
         job, p = resolve(req)
-        return dry_run(job, p, req.run_dir)
+        rc = dry_run(job, p, req.run_dir)
+        print(f"dry run: nothing launched ({job.backend} backend, {p.world_size} process(es))")
+        return rc
     job, p, run = prepare(req)
     nodes = req.nodes
     where = f", node {nodes.rank} of {nodes.count} ({nodes.local(p.world_size)} here)" if nodes.count > 1 else ""
     print(f"ms-llm train: {job.name} on {job.backend}, {p.world_size} process(es){where}, mesh {p.mesh.describe()}, "
           f"run folder {run.root}", flush=True)
-    if req.elastic is not None:
-        from ms_llm.elastic.supervisor import Supervisor
-        rc = Supervisor(job, load_job(req.config).strategy, p, run, nodes, spawner(job.backend), write_config,
-                        req.elastic, warm_standby=job.backend == "torch" and nodes.count == 1).run_job()
-    else:
-        start = starter(job.backend)
-        rc = with_restarts(lambda: start(job, run, p.world_size, nodes), req.max_restarts, run)
-    remove_tmp(run, nodes)
+    since = run.metrics.stat().st_size if run.metrics.is_file() else 0
+    try:
+        if req.elastic is not None:
+            from ms_llm.elastic.supervisor import Supervisor
+            rc = Supervisor(job, load_job(req.config).strategy, p, run, nodes, spawner(job.backend), write_config,
+                            req.elastic, warm_standby=job.backend == "torch" and nodes.count == 1).run_job()
+        else:
+            start = starter(job.backend)
+            rc = with_restarts(lambda: start(job, run, p.world_size, nodes), req.max_restarts, run)
+    finally:
+        release_memory_tier(job, run)
+        remove_tmp(run, nodes)
     if rc != 0:
         print(f"ms-llm train: workers failed (exit {rc}); logs in {run.logs} and {run.launcher_log}",
               file=sys.stderr)
+    elif nodes.rank == 0 and (done := run_summary(run.metrics, since)):
+        print(f"{done}; run folder {run.root}", flush=True)
     return rc

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed()
     rank = dist.get_rank()
     try:
-        history = train(build_trainer(run, device))
+        train(build_trainer(run, device))
     except TrainingDiverged as exc:     # every rank sees the same global loss and norm
         shutdown()
         print(f"torch_backend.worker: {exc}", file=sys.stderr)
@@ -97,10 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch_backend.worker: error: {exc}", file=sys.stderr)
         return 2
     shutdown()
-    if rank == 0 and history:
-        first, last = history[0], history[-1]
-        print(f"done: {len(history)} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
-              f"{sum(m.step_time_s for m in history):.1f} s", flush=True)
     return 0
 
 

@@ -131,17 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         from ms_llm.run.loop import train
 
         trainer = build_trainer(run, job, Machine.detect())
-        history = train(trainer)
+        train(trainer)
     except TrainingDiverged as exc:
         print(f"ms_llm.mindspore.worker: {exc}", file=sys.stderr, flush=True)
         return DIVERGED_EXIT
     except MsLlmError as exc:
         print(f"ms_llm.mindspore.worker: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    if trainer.logs and history:
-        first, last = history[0], history[-1]
-        print(f"done: {len(history)} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
-              f"{sum(m.step_time_s for m in history):.1f} s", flush=True)
     return 0
 
 

@@ -111,3 +111,20 @@ def read_metrics(path: Path) -> list[dict]:
     """Whole records only: a last line without its newline is still being written."""
     lines = Path(path).read_text().split("\n")[:-1]
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def run_summary(path: Path, since: int) -> str:
+    """The `done:` line of one launch, from the step records written after byte `since` of
+    metrics.jsonl (the same for both backends: the launcher prints it, not a worker)."""
+    if not Path(path).is_file():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(since)
+        lines = f.read().decode(errors="replace").split("\n")[:-1]
+    steps = [r for r in (json.loads(line) for line in lines if line.strip()) if "loss" in r and "step" in r]
+    if not steps:
+        return ""
+    first, last = steps[0], steps[-1]
+    val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+    return (f"done: steps {first['step']}-{last['step']}, loss {first['loss']:.4f} -> {last['loss']:.4f}{val}, "
+            f"{sum(r.get('step_time_s', 0.0) for r in steps):.1f} s of steps")
