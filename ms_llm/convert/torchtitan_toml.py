@@ -7,6 +7,7 @@ import json
 
 from ms_llm.config.job import JobConfig, load_section
 from ms_llm.config.model import ModelConfig
+from ms_llm.config.train import DataConfig
 from ms_llm.convert.common import Written
 from ms_llm.convert.torchtitan import FLAVORS, fqn_parts
 
@@ -92,7 +93,7 @@ def write(job: JobConfig, world_size: int) -> Written:
         warnings.append("train.schedule.decay = constant: torchtitan decays linearly, cosine or sqrt; written as "
                         "linear with min_lr_factor 1.0")
         sections["lr_scheduler"].update(decay_type="linear", min_lr_factor=1.0)
-    if t.data.source != "stdlib" or t.data.token_dtype != "uint16":
+    if t.data != DataConfig():
         warnings.append("train.data: torchtitan names datasets in [training] dataset; not written")
     header = (f"# {job.name}: {m.name} on {world_size} GPUs; written by ms-llm convert-strategy.\n"
               f"# torchtitan v0.2.x job config: NGPU={world_size} ./run_train.sh --job.config_file <this file>\n")
