@@ -14,7 +14,8 @@ from ms_llm.convert.torchtitan import FLAVORS, fqn_parts
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B",
                   "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "rope_theta", "norm_eps", "tie_embeddings", "num_experts", "moe_top_k")
+                "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "norm_eps", "tie_embeddings",
+                "num_experts", "moe_top_k")
 
 
 def toml_value(value: object) -> str:
