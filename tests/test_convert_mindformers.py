@@ -275,7 +275,8 @@ def test_qwen_math_in_both_layouts():
             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
     two = read(yaml.safe_dump({"use_legacy": False, "model": {"model_config": base}}), "q.yaml", "mindformers")
     m = two.job.model
-    assert (m.head_dim, m.qkv_bias, m.qk_norm, m.rope_scaling.type, m.rope_scaling.factor) == (32, True, False, "yarn", 4)
+    assert (m.head_dim, m.qkv_bias, m.qk_norm, m.rope_scaling.type, m.rope_scaling.factor) == \
+        (32, True, False, "yarn", 4)
     r1 = read(dump(two, "mindformers").text, "r1.yaml", "mindformers").job.model
     assert (r1.qkv_bias, r1.rope_scaling) == (True, m.rope_scaling)                # YARN's mscale keys carry it
     assert "extend_method: YARN" in dump(two, "mindformers").text

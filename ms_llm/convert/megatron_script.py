@@ -140,9 +140,9 @@ def _write_rope_scaling(r, warnings: list[str]) -> list[str]:
         return ["--use-rope-scaling", f"--rope-scaling-factor {num(r.factor)}"]
     if r.type == "linear" and float(r.factor).is_integer():
         return [f"--rotary-seq-len-interpolation-factor {int(r.factor)}"]
-    warnings.append(f"model.rope_scaling.type = {r.type}: Megatron-LM's GPT model scales rotary only as Llama-3.1 with bands "
-                    f"{ {k: v for k, v in MEGATRON_LLAMA3.items() if k != 'type'} } or by a whole linear factor; "
-                    "plain rotary written")
+    warnings.append(f"model.rope_scaling.type = {r.type}: Megatron-LM's GPT model scales rotary only as Llama-3.1 "
+                    "(low_freq_factor 1, high_freq_factor 4, original_max_seq_len 8192) or by a whole linear "
+                    "factor; plain rotary written")
     return []
 
 

@@ -215,7 +215,8 @@ def _mcore_math(f: Fields, mc: str, model: dict, warnings: list[str]) -> None:
     if f.raw(f"{mc}.rope_scaling") is not None:
         model["rope_scaling"] = _rope_scaling(f, mc, model)
     if mla:
-        mla_keys = sorted(k for k in _section(f, mc) if "lora_rank" in k or k.startswith(("qk_", "v_head", "mla_", "o_")))
+        mla_keys = sorted(k for k in _section(f, mc)
+                          if "lora_rank" in k or k.startswith(("qk_", "v_head", "mla_", "o_")))
         f.used.update(f"{mc}.{k}" for k in mla_keys + ["multi_latent_attention"])
         warnings.append(f"{mc}.multi_latent_attention = True ({', '.join(mla_keys)}): latent attention is not "
                         "expressible; read as grouped-query attention with num_attention_heads heads")

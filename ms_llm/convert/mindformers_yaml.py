@@ -187,7 +187,8 @@ def _legacy_rope(m, warnings: list[str]) -> dict:
         attention = r.attention_factor if r.attention_factor is not None else 0.1 * ln + 1.0
         values.update(mscale=(attention - 1.0) / (0.1 * ln) if ln else 1.0, mscale_all_dim=0.0)
         if not r.truncate:
-            warnings.append("model.rope_scaling.truncate = False: MindFormers rounds YaRN's ramp bounds; written as True")
+            warnings.append("model.rope_scaling.truncate = False: MindFormers rounds YaRN's ramp bounds; written as "
+                            "True")
         if not ln and attention != 1.0:
             warnings.append(f"model.rope_scaling.attention_factor = {attention}: MindFormers derives 1 at factor 1; "
                             "not written")
