@@ -1,8 +1,9 @@
 """What convert-strategy writes is read by the peers' own config code, one subprocess per peer
-(PYTHONPATH=.oracles: megatron-core 0.16.1, deepspeed 0.19.8, mindformers 2.1.0):
+(PYTHONPATH=.oracles: megatron-core 0.16.1, deepspeed 0.19.8, torchtitan 0.3.0, mindformers 2.1.0):
 
 - Megatron-LM arguments -> megatron-core's TransformerConfig (its __post_init__ checks them);
 - DeepSpeed JSON -> DeepSpeedConfig with the job's data-parallel size (the batch triple, ZeRO);
+- torchtitan 0.3 jobs -> ConfigManager.parse_args (the registered config, then our overrides);
 - MindFormers 2.x YAML -> MindFormerConfig, MindSpore's set_auto_parallel_context, MindFormers'
   TransformerConfig and LayerSetting with the real degrees, and its model built (small models).
 
@@ -126,6 +127,37 @@ def test_deepspeed_reads_our_json(name, deepspeed):
     assert c["gradient_accumulation_steps"] == t.global_batch_size // (t.micro_batch_size * s.dp)
     assert c["zero_stage"] == s.zero.stage and c["gradient_clipping"] == t.optimizer.grad_clip
     assert c["offload_optimizer"] == s.offload.optimizer
+
+
+# ---- torchtitan 0.3: ConfigManager (the registered config plus our overrides) ----------------------
+
+REGISTERED = {name: conv for name, conv in JOBS.items() if "--config llama3_" in dump(conv, "torchtitan").text
+              or "--config qwen3_" in dump(conv, "torchtitan").text}
+
+
+@pytest.fixture(scope="module")
+def torchtitan(tmp_path_factory) -> dict:
+    cases = {name: launch_command(dump(conv, "torchtitan").text, "job.sh").args for name, conv in REGISTERED.items()}
+    return _probe("torchtitan_config_probe.py", cases, tmp_path_factory.mktemp("torchtitan"))
+
+
+def test_torchtitan_jobs_cover_registered_configs():
+    assert {"torchtitan_llama3_8b.toml", "mindformers_qwen3_32b"} <= set(REGISTERED)
+
+
+@pytest.mark.parametrize("name", REGISTERED)
+def test_torchtitan_config_manager_reads_our_job(name, torchtitan):
+    result = torchtitan[name]
+    assert "error" not in result, result
+    c, conv = result["ok"], REGISTERED[name]
+    s, t = conv.job.strategy, conv.job.train
+    shard = c["dp_shard"] if c["dp_shard"] > 0 else conv.world_size // (c["dp_replicate"] * s.tp * s.pp * s.cp)
+    assert (c["dp_replicate"] * shard, c["tp"], c["pp"], c["cp"]) == (s.dp, s.tp, s.pp, s.cp)
+    assert (c["global_batch_size"], c["seq_len"], c["steps"], c["seed"]) == \
+        (t.global_batch_size, t.seq_len, t.steps, t.seed)
+    assert (c["lr"], c["betas"]) == (t.optimizer.lr, [t.optimizer.beta1, t.optimizer.beta2])
+    assert c["activation_checkpoint"] == {"none": "NoneType", "full": "FullAC", "selective": "SelectiveAC"}[
+        s.recompute.policy]
 
 
 # ---- MindFormers 2.x: MindFormerConfig, MindSpore's context, TransformerConfig, LayerSetting, model ----

@@ -41,7 +41,7 @@ def parse_args(words: list[str], source: str) -> dict[str, object]:
     return out
 
 
-def _world_from_launcher(launcher: list[str], source: str, warnings: list[str]) -> int | None:
+def world_from_launcher(launcher: list[str], source: str, warnings: list[str]) -> int | None:
     """nproc_per_node * nnodes of a torchrun launcher; None for any other launcher."""
     if not any(Path(w).name in ("torchrun", "torch.distributed.run") for w in launcher):
         return None
@@ -68,7 +68,7 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if words is None:
         launch = launch_command(text, source)
         words, warnings = launch.args, warnings + launch.notes
-        launched = _world_from_launcher(launch.launcher, source, warnings)
+        launched = world_from_launcher(launch.launcher, source, warnings)
     f = Fields(parse_args(words, source), source, text=True)
     world = options.world_size or launched
     if options.world_size and launched and options.world_size != launched:
