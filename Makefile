@@ -29,7 +29,8 @@ ORACLE_PKGS  := megatron-core==0.16.1 torchtitan==0.3.0 mindformers==2.1.0 deeps
 	tyro spmd-types docstring_parser einops hjson deprecated wrapt msgpack requests urllib3 \
 	certifi jieba rouge_chinese "datasets==2.21.0" multiprocess "pandas<2.3" python-dateutil \
 	pytz tzdata "pyarrow<19" aiohttp multidict attrs yarl propcache aiosignal frozenlist \
-	aiohappyeyeballs xxhash sentencepiece tiktoken mindpet tensorboardX
+	aiohappyeyeballs xxhash sentencepiece tiktoken mindpet tensorboardX triton==3.9.0 torchdata==0.11.0 \
+	tensorboard==2.21.0 absl-py==2.5.1 typeguard==4.6.0
 
 oracles: $(ORACLE_STAMP)
 

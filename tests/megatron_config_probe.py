@@ -59,7 +59,7 @@ def main(cases: dict) -> dict:
             "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
             "expert_model_parallel_size", "sequence_parallel", "virtual_pipeline_model_parallel_size",
             "recompute_granularity", "recompute_method", "recompute_num_layers", "gated_linear_unit",
-            "add_bias_linear", "normalization", "bf16", "fp16")}}
+            "add_bias_linear", "add_qkv_bias", "qk_layernorm", "normalization", "bf16", "fp16")}}
     return out
 
 

@@ -62,7 +62,15 @@ def check(path: str, build: bool) -> dict:
     cfg.model.model_config.pp_interleave_num = 1
     ms.reset_auto_parallel_context()
     build_parallel_config(cfg)
-    net = build_network(cfg.model, default_args={"parallel_config": cfg.parallel_config})
+    if cfg.model.model_config.model_type == "qwen3":
+        # Qwen3ForCausalLM.__new__ asks MindFormers' global Context for the mode, whose first build pins
+        # CPU affinity per device and divides by zero on a CPU-only host: build the class it returns in
+        # graph mode from the same converted config.
+        from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
+        net = TrainingQwen3ForCausalLM(get_model_config(cfg.model, default_args={"parallel_config":
+                                                                                  cfg.parallel_config}))
+    else:
+        net = build_network(cfg.model, default_args={"parallel_config": cfg.parallel_config})
     out["model"] = type(net).__name__
     out["parameters"] = {name: list(p.shape) for name, p in net.parameters_and_names()}
     return out

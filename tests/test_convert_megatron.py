@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_llm.convert import ConversionError, ReadOptions, load, read
+from ms_llm.convert import ConversionError, ReadOptions, dump, load, read
 from ms_llm.convert.shell import launch_command
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -77,6 +77,30 @@ def test_argument_list_with_interleaving_block_recompute_and_optimizer_instances
     assert (s.recompute.policy, s.recompute.num_layers) == ("full", 2)
     assert (s.zero.stage, s.zero.shard_size) == (1, 2)             # 2 optimizer instances over dp 4
     assert s.sequence_parallel and conv.warnings == []
+
+
+def test_qwen_arguments_and_weighted_data_read_and_write_back():
+    """--kv-channels / --qk-layernorm / --add-qkv-bias / --use-rope-scaling and the data arguments
+    are model and train.data fields; the script we write says them again."""
+    extra = ("--kv-channels 256 --qk-layernorm --add-qkv-bias --use-rope-scaling --rope-scaling-factor 16 "
+             "--data-path 0.3 /data/web 0.7 /data/code --split 98,2,0 --tokenizer-model Qwen/Qwen3-8B")
+    conv = read(ARGS + " " + extra, "qwen.args", options=ReadOptions(world_size=32))
+    m, d = conv.job.model, conv.job.train.data
+    assert (m.head_dim, m.qk_norm, m.qkv_bias, m.rope_scaling.type, m.rope_scaling.factor) == \
+        (256, True, True, "llama3", 16.0)
+    assert (m.rope_scaling.low_freq_factor, m.rope_scaling.high_freq_factor, m.rope_scaling.original_max_seq_len) \
+        == (1.0, 4.0, 8192)                                         # megatron-core's fixed Llama-3.1 bands
+    assert (d.paths, d.weights, d.split, d.tokenizer) == (("/data/web", "/data/code"), (0.3, 0.7), "98,2,0",
+                                                          "Qwen/Qwen3-8B")
+    assert conv.warnings == []
+    written = dump(conv, "megatron")
+    assert "--data-path 0.3 /data/web 0.7 /data/code" in written.text and written.warnings == []
+    back = read(written.text, "qwen.sh")
+    assert back.job.model == m and back.job.train.data == d
+    plain = read(ARGS + " --data-path /data/a /data/b", "p.args", options=ReadOptions(world_size=32)).job.train.data
+    assert (plain.paths, plain.weights) == (("/data/a", "/data/b"), ())
+    with pytest.raises(ConversionError, match="--data-path: got '0.3 /data/a /data/b'"):
+        read(ARGS + " --data-path 0.3 /data/a /data/b", "p.args", options=ReadOptions(world_size=32))
 
 
 @pytest.mark.parametrize("change,message", [

@@ -200,9 +200,14 @@ def test_every_shipped_pretrain_config_converts_or_names_the_key(path):
             load(path, "mindformers", _shipped_options(path))
         return
     conv = load(path, "mindformers", _shipped_options(path))
-    back = read(dump(conv, "mindformers").text, "back.yaml", "mindformers")
-    assert back.job.strategy == conv.job.strategy and back.job.model == dataclasses.replace(
-        conv.job.model, name=back.job.model.name)
+    # each layout keeps every model field it does not warn about (2.x writes dense models until model.moe lands)
+    for fmt in ("mindformers",) + (() if conv.job.model.num_experts else ("mindformers2",)):
+        out = dump(conv, fmt)
+        back = read(out.text, "back.yaml", "mindformers")
+        lost = {w.split(" ")[0].rstrip(":").split(".")[1] for w in out.warnings if w.startswith("model.")}
+        expected = dataclasses.replace(conv.job.model, name=back.job.model.name,
+                                       **{k: getattr(back.job.model, k) for k in lost})
+        assert back.job.strategy == conv.job.strategy and back.job.model == expected, (fmt, lost)
     for w in conv.warnings:                      # every warning names the key it is about
         assert w.split(" ")[0].rstrip(":").split("[")[0].replace("_", "").replace(".", "").isalnum(), w
 
@@ -217,8 +222,9 @@ def test_qwen3_32b_2x_layout():
     assert t.data.paths == ("/path/to/wiki103-megatron_text_document",) and t.data.split == "1,0,0"
     assert (t.global_batch_size, t.steps) == (4, 4000)            # 8000 samples / (1 * dp 1 * 4 micro) * 2 epochs
     text = "\n".join(conv.warnings)
-    assert "model.model_config.qk_layernorm: Qwen3ForCausalLM normalizes q and k" in text
-    assert "model.model_config.head_dim = 128: not yet expressible" in text   # 64 heads * 128 > hidden 5120
+    assert (m.head_dim, m.qk_norm, m.qkv_bias) == (128, True, False)           # 64 heads * 128 > hidden 5120
+    assert round(m.num_params() / 1e9, 2) == 32.76                              # Qwen3-32B's count
+    assert "head_dim" not in text and "qk_layernorm" not in text
     assert "overrides optimizer.learning_rate" not in text        # 2.x gives the rate in lr_schedule only
 
 
@@ -230,7 +236,7 @@ def test_moe_keys_are_named_one_by_one():
     assert "parallel_config.expert_parallel = 4: experts spread over tensor-parallel ranks" in text
     for key in ("norm_topk_prob", "routed_scaling_factor", "moe_router_load_balancing_type"):
         assert f"model.model_config.{key} = " in text and "not yet expressible (model.moe)" in text
-    assert "model.model_config.head_dim = 128: not yet expressible" in text       # 2048 / 32 = 64 in the IR
+    assert (m.head_dim, m.qk_norm) == (128, True)                                  # not 2048 / 32 = 64
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -259,3 +265,30 @@ def test_pynative_layout_needs_the_world_size():
     s = load(SHIPPED / "deepseek4" / "pretrain_deepseek4_flash.yaml", "mindformers",
              ReadOptions(world_size=8)).job.strategy
     assert (s.dp, s.ep, s.zero.stage) == (8, 8, 3)                # FSDP-shaped: optim_grads_params
+
+
+def test_qwen_math_in_both_layouts():
+    """q/k/v biases and rope scaling in r1.x (qkv_has_bias, extend_method) and 2.x (add_qkv_bias,
+    attention_bias, Hugging Face's rope_scaling); 2.x names Qwen3ForCausalLM when q and k are normed."""
+    base = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "head_dim": 32, "attention_bias": True,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
+    two = read(yaml.safe_dump({"use_legacy": False, "model": {"model_config": base}}), "q.yaml", "mindformers")
+    m = two.job.model
+    assert (m.head_dim, m.qkv_bias, m.qk_norm, m.rope_scaling.type, m.rope_scaling.factor) == \
+        (32, True, False, "yarn", 4)
+    r1 = read(dump(two, "mindformers").text, "r1.yaml", "mindformers").job.model
+    assert (r1.qkv_bias, r1.rope_scaling) == (True, m.rope_scaling)                # YARN's mscale keys carry it
+    assert "extend_method: YARN" in dump(two, "mindformers").text
+    normed = read(yaml.safe_dump({"use_legacy": False, "model": {"model_config": {**base, "qk_layernorm": True}}}),
+                  "q3.yaml", "mindformers")
+    out = dump(normed, "mindformers2")
+    assert "Qwen3ForCausalLM" in out.text and read(out.text, "b.yaml", "mindformers").job.model.qk_norm
+    assert any(w.startswith("model.rope_scaling.type = yarn") for w in out.warnings)   # 2.x trains plain rotary
+    llama3 = {"extend_method": "LLAMA3", "scaling_factor": {"factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "qkv_has_bias": True}
+    legacy = {"type": "LlamaConfig", "num_layers": 2, "num_heads": 4, "hidden_size": 64, "vocab_size": 256,
+              "intermediate_size": 128, "seq_length": 64, "compute_dtype": "bfloat16",
+              "param_init_type": "float32", **llama3}
+    r = read(yaml.safe_dump({"model": {"model_config": legacy}}), "l.yaml", "mindformers").job.model
+    assert (r.rope_scaling.type, r.rope_scaling.original_max_seq_len, r.qkv_bias) == ("llama3", 8192, True)

@@ -1,8 +1,9 @@
 """What convert-strategy writes is read by the peers' own config code, one subprocess per peer
-(PYTHONPATH=.oracles: megatron-core 0.16.1, deepspeed 0.19.8, mindformers 2.1.0):
+(PYTHONPATH=.oracles: megatron-core 0.16.1, deepspeed 0.19.8, torchtitan 0.3.0, mindformers 2.1.0):
 
 - Megatron-LM arguments -> megatron-core's TransformerConfig (its __post_init__ checks them);
 - DeepSpeed JSON -> DeepSpeedConfig with the job's data-parallel size (the batch triple, ZeRO);
+- torchtitan 0.3 jobs -> ConfigManager.parse_args (the registered config, then our overrides);
 - MindFormers 2.x YAML -> MindFormerConfig, MindSpore's set_auto_parallel_context, MindFormers'
   TransformerConfig and LayerSetting with the real degrees, and its model built (small models).
 
@@ -40,6 +41,7 @@ def _jobs() -> dict:
         job = load_job(path)
         out[path.stem] = from_job(job, None if job.strategy.dp > 0 else 1024, str(path))
     out.update({path.stem: load(path) for path in EXAMPLES})
+    out["mindformers_qwen3_32b"] = load(ORACLES / "configs" / "qwen3" / "pretrain_qwen3_32b_4k.yaml")
     return out
 
 
@@ -50,13 +52,17 @@ TINY = {"dp2_tp2_pp2_sp_zero3_uneven": ({"dp": 2, "tp": 2, "pp": 2, "sequence_pa
                                          "pipeline": {"layer_split": [1, 3]}}, 8),
         "tp2_pp2_vpp2_zero2": ({"dp": 1, "tp": 2, "pp": 2, "zero": {"stage": 2},
                                 "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}, 4),
-        "dp2_cp2_flash_zero1": ({"dp": 2, "cp": 2, "zero": {"stage": 1}}, 4)}
+        "dp2_cp2_flash_zero1": ({"dp": 2, "cp": 2, "zero": {"stage": 1}}, 4),
+        "qwen3_tp2_bias_head_dim": ({"dp": 1, "tp": 2}, 2)}
+# Qwen3's q/k norms, Qwen2's q/k/v biases and a head_dim apart from hidden / heads, on the tiny model.
+QWEN = {"qk_norm": True, "qkv_bias": True, "head_dim": 64}
 
 
 def _tiny(name: str):
     strategy, world = TINY[name]
     flash = strategy.get("cp", 1) > 1
-    job = job_from_dict({"name": name, "model": {**vars(load_section("model", "tiny")), "flash_attention": flash},
+    model = {**vars(load_section("model", "tiny")), "flash_attention": flash, **(QWEN if "qwen" in name else {})}
+    job = job_from_dict({"name": name, "model": model,
                          "device": "910b", "backend": "mindspore", "strategy": strategy,
                          "train": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 64, "steps": 10,
                                    "data": {"paths": ["/data/a", "/data/b"], "weights": [0.3, 0.7]}}}, ROOT / "configs")
@@ -98,6 +104,7 @@ def test_megatron_core_reads_our_arguments(name, megatron):
     assert (c["num_layers"], c["hidden_size"], c["ffn_hidden_size"], c["kv_channels"]) == \
         (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.head_dim)
     assert (c["num_query_groups"] or m.num_heads) == m.num_kv_heads
+    assert (c["qk_layernorm"], c["add_qkv_bias"]) == (m.qk_norm, m.qkv_bias)
     assert c["gated_linear_unit"] and not c["add_bias_linear"] and c["normalization"] == "RMSNorm"
     assert c["recompute_granularity"] == {"none": None, "selective": "selective", "full": "full"}[s.recompute.policy]
 
@@ -120,6 +127,37 @@ def test_deepspeed_reads_our_json(name, deepspeed):
     assert c["gradient_accumulation_steps"] == t.global_batch_size // (t.micro_batch_size * s.dp)
     assert c["zero_stage"] == s.zero.stage and c["gradient_clipping"] == t.optimizer.grad_clip
     assert c["offload_optimizer"] == s.offload.optimizer
+
+
+# ---- torchtitan 0.3: ConfigManager (the registered config plus our overrides) ----------------------
+
+REGISTERED = {name: conv for name, conv in JOBS.items() if "--config llama3_" in dump(conv, "torchtitan").text
+              or "--config qwen3_" in dump(conv, "torchtitan").text}
+
+
+@pytest.fixture(scope="module")
+def torchtitan(tmp_path_factory) -> dict:
+    cases = {name: launch_command(dump(conv, "torchtitan").text, "job.sh").args for name, conv in REGISTERED.items()}
+    return _probe("torchtitan_config_probe.py", cases, tmp_path_factory.mktemp("torchtitan"))
+
+
+def test_torchtitan_jobs_cover_registered_configs():
+    assert {"torchtitan_llama3_8b.toml", "mindformers_qwen3_32b"} <= set(REGISTERED)
+
+
+@pytest.mark.parametrize("name", REGISTERED)
+def test_torchtitan_config_manager_reads_our_job(name, torchtitan):
+    result = torchtitan[name]
+    assert "error" not in result, result
+    c, conv = result["ok"], REGISTERED[name]
+    s, t = conv.job.strategy, conv.job.train
+    shard = c["dp_shard"] if c["dp_shard"] > 0 else conv.world_size // (c["dp_replicate"] * s.tp * s.pp * s.cp)
+    assert (c["dp_replicate"] * shard, c["tp"], c["pp"], c["cp"]) == (s.dp, s.tp, s.pp, s.cp)
+    assert (c["global_batch_size"], c["seq_len"], c["steps"], c["seed"]) == \
+        (t.global_batch_size, t.seq_len, t.steps, t.seed)
+    assert (c["lr"], c["betas"]) == (t.optimizer.lr, [t.optimizer.beta1, t.optimizer.beta2])
+    assert c["activation_checkpoint"] == {"none": "NoneType", "full": "FullAC", "selective": "SelectiveAC"}[
+        s.recompute.policy]
 
 
 # ---- MindFormers 2.x: MindFormerConfig, MindSpore's context, TransformerConfig, LayerSetting, model ----
@@ -147,15 +185,21 @@ def mindformers(tmp_path_factory) -> dict:
 
 
 def _expected_parameters(m) -> dict:
-    """MindFormers' TeleChat3 (mcore GPTModel) parameters for our LLaMA: fused qkv and gate/up."""
-    h, v, f, kv = m.hidden_size, m.vocab_size, m.ffn_hidden_size, m.kv_dim
+    """MindFormers' mcore GPTModel parameters for our model: fused qkv (and its bias) and gate/up,
+    per-head q/k norms."""
+    h, v, f, q, kv = m.hidden_size, m.vocab_size, m.ffn_hidden_size, m.q_dim, m.kv_dim
     out = {"model.embedding.word_embeddings.weight": [v, h], "model.decoder.final_layernorm.weight": [h],
            "model.output_layer.weight": [v, h]}
     for i in range(m.num_layers):
         p = f"model.decoder.layers.{i}."
-        out.update({p + "input_layernorm.weight": [h], p + "self_attention.linear_qkv.weight": [h + 2 * kv, h],
-                    p + "self_attention.linear_proj.weight": [h, h], p + "pre_mlp_layernorm.weight": [h],
+        out.update({p + "input_layernorm.weight": [h], p + "self_attention.linear_qkv.weight": [q + 2 * kv, h],
+                    p + "self_attention.linear_proj.weight": [h, q], p + "pre_mlp_layernorm.weight": [h],
                     p + "mlp.linear_fc1.weight": [2 * f, h], p + "mlp.linear_fc2.weight": [h, f]})
+        if m.qkv_bias:
+            out[p + "self_attention.linear_qkv.bias"] = [q + 2 * kv]
+        if m.qk_norm:
+            out.update({p + "self_attention.q_layernorm.weight": [m.head_dim],
+                        p + "self_attention.k_layernorm.weight": [m.head_dim]})
     return out
 
 
@@ -163,12 +207,13 @@ def _expected_parameters(m) -> dict:
 def test_mindformers_builds_the_2x_yaml_we_write(name, mindformers):
     result, conv = mindformers[name], _tiny(name)
     s, m = conv.job.strategy, conv.job.model
-    assert result["use_legacy"] is False and result["model"] == "TrainingTeleChat3ForCausalLM"
+    arch = "TrainingQwen3ForCausalLM" if m.qk_norm else "TrainingTeleChat3ForCausalLM"
+    assert result["use_legacy"] is False and result["model"] == arch
     assert result["degrees"] == [s.dp, s.tp, s.pp, s.cp]
     chunks = s.pp * s.pipeline.virtual_stages
     split = list(s.pipeline.layer_split or [m.num_layers // chunks] * chunks)
     assert result["layers_per_stage"] == [split[v * s.pp:(v + 1) * s.pp] for v in range(s.pipeline.virtual_stages)]
-    assert result["parameters"] == _expected_parameters(m)         # LLaMA: no q/k norm, no biases, GQA
+    assert result["parameters"] == _expected_parameters(m)
 
 
 def test_mindformers_loads_the_examples_and_the_r1_layout(mindformers):

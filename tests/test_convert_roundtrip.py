@@ -18,7 +18,7 @@ from ms_llm.convert.shell import launch_command
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SUFFIX = {"ms_llm": ".yaml", "megatron": ".sh", "deepspeed": ".json", "mindformers": ".yaml", "mindformers2": ".yaml",
-          "torchtitan": ".toml"}
+          "torchtitan": ".sh", "torchtitan_toml": ".toml"}
 SOURCES = {
     "megatron_gpt3_175b.sh": ReadOptions(),
     "megatron_llama3_8b.sh": ReadOptions(),
@@ -107,7 +107,7 @@ def test_mindformers_70b_to_megatron_is_what_one_would_write():
 
 
 def test_deepspeed_to_torchtitan_is_what_one_would_write():
-    text, warnings = convert(FIXTURES / "deepspeed_zero3_offload.json", "torchtitan",
+    text, warnings = convert(FIXTURES / "deepspeed_zero3_offload.json", "torchtitan_toml",
                              options=ReadOptions(model=load_section("model", "llama3_8b")))
     toml = tomllib.loads(text)
     assert toml["model"] == {"name": "llama3", "flavor": "8B"}
@@ -151,12 +151,14 @@ def test_megatron_to_mindformers_is_what_one_would_write():
 def test_strict_turns_warnings_into_an_error():
     with pytest.raises(ConversionError, match=r"--strict and \d+ thing\(s\) would not carry over"):
         convert(FIXTURES / "megatron_llama3_8b.sh", "deepspeed", strict=True)
-    _, warnings = convert(FIXTURES / "torchtitan_llama3_8b.toml", "torchtitan", options=ReadOptions(world_size=64))
-    assert all(w.startswith("read:") for w in warnings)      # nothing lost on the write side
+    for fmt in ("torchtitan", "torchtitan_toml"):
+        _, warnings = convert(FIXTURES / "torchtitan_llama3_8b.toml", fmt, options=ReadOptions(world_size=64))
+        assert all(w.startswith("read:") for w in warnings)      # nothing lost on the write side
 
 
 def test_detection():
     assert detect_format("", "x.json") == "deepspeed" and detect_format("", "x.toml") == "torchtitan"
+    assert detect_format("torchrun -m torchtitan.train --module llama3 --config llama3_8b\n", "x.sh") == "torchtitan"
     assert detect_format("parallel_config: {data_parallel: 8}\n", "x.yaml") == "mindformers"
     assert detect_format("model: llama2_7b\nstrategy: dp8_zero1\n", "x.yaml") == "ms_llm"
     assert detect_format("--tensor-model-parallel-size 2\n", "args") == "megatron"

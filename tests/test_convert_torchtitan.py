@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from ms_llm.convert import ConversionError, ReadOptions, load, read
+from ms_llm.config.job import load_section
+from ms_llm.convert import ConversionError, ReadOptions, dump, load, read
 from ms_llm.convert.torchtitan import fqn_parts
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -84,3 +85,26 @@ def test_unknown_flavor_and_bad_toml():
         _read(LLAMA3.replace('flavor = "8B"', 'flavor = "405B"'))
     with pytest.raises(ConversionError, match="llama3_8b.toml: not valid TOML"):
         _read("[training\nseq_len = 1")
+
+
+def test_torchtitan_03_job_as_written_by_hand():
+    """A 0.3 job: registered config + tyro overrides (dashes or underscores, boolean flags, the
+    activation-checkpoint subcommand), launched by torchrun -m; values it leaves out are named."""
+    script = """#!/bin/bash
+NGPU=${NGPU:-16}
+torchrun --nproc_per_node=$NGPU -m torchtitan.train --module=llama3 --config llama3_8b \\
+    --parallelism.tensor-parallel-degree 2 --parallelism.pipeline_parallel_degree 2 \\
+    --training.local_batch_size 8 --training.seq_len 8192 --training.steps 100 \\
+    --optimizer.param_groups.0.optimizer_kwargs.lr 2e-4 --optimizer.param_groups.0.optimizer_kwargs.betas 0.9 0.95 \\
+    --checkpoint.enable --checkpoint.interval 50 --compile.no-enable activation_checkpoint:full
+"""
+    conv = read(script, "job.sh")
+    s, t = conv.job.strategy, conv.job.train
+    assert conv.world_size == 16 and (s.dp, s.tp, s.pp) == (4, 2, 2)          # shard -1 takes the rest
+    assert (t.seq_len, t.steps, t.optimizer.lr, t.checkpoint.interval) == (8192, 100, 2e-4, 50)
+    assert s.recompute.policy == "full" and conv.job.model == load_section("model", "llama3_8b")
+    assert any("lr_scheduler.warmup_steps" in w and "registry" in w for w in conv.warnings)
+    back = read(dump(conv, "torchtitan").text, "job.sh")
+    assert (back.job.strategy, back.job.train) == (s, t)
+    with pytest.raises(ConversionError, match="needs --module and --config"):
+        read("--config llama3_8b --training.steps 3\n", "x.args", "torchtitan")

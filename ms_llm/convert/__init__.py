@@ -18,20 +18,24 @@ from types import ModuleType
 from ms_llm.config.job import parse_yaml, read_text
 from ms_llm.config.schema import to_dict
 from ms_llm.convert import (deepspeed, megatron, megatron_script, mindformers, mindformers2_yaml, mindformers_pynative,
-                            mindformers_yaml, msllm, torchtitan, torchtitan_toml)
+                            mindformers_yaml, msllm, torchtitan, torchtitan_args, torchtitan_job, torchtitan_toml)
 from ms_llm.convert.common import (ConversionError, Converted, ReadOptions, Written, annotate, covered,
                                    flatten)
 from ms_llm.errors import MsLlmError, StrategyError
 from ms_llm.strategy.validate import validate
 
 # "mindformers" reads every MindFormers layout and writes r1.x; "mindformers2" writes 2.x (use_legacy: False).
+# "torchtitan" reads 0.3 jobs and v0.2.x TOML and writes 0.3 jobs; "torchtitan_toml" writes v0.2.x TOML.
 READERS: dict[str, ModuleType] = {"ms_llm": msllm, "megatron": megatron, "deepspeed": deepspeed,
-                                  "mindformers": mindformers, "mindformers2": mindformers, "torchtitan": torchtitan}
+                                  "mindformers": mindformers, "mindformers2": mindformers, "torchtitan": torchtitan,
+                                  "torchtitan_toml": torchtitan}
 WRITERS: dict[str, ModuleType] = {**READERS, "megatron": megatron_script, "mindformers": mindformers_yaml,
-                                  "mindformers2": mindformers2_yaml, "torchtitan": torchtitan_toml}
+                                  "mindformers2": mindformers2_yaml, "torchtitan": torchtitan_job,
+                                  "torchtitan_toml": torchtitan_toml}
 FORMATS = tuple(READERS)
 SUFFIXES = {".json": "deepspeed", ".toml": "torchtitan", ".sh": "megatron", ".bash": "megatron",
             ".args": "megatron"}
+OUTPUT_SUFFIXES = {**SUFFIXES, ".toml": "torchtitan_toml"}
 MINDFORMERS_KEYS = ("parallel_config", "runner_config", "recompute_config", "use_parallel", "runner_wrapper")
 
 __all__ = ["FORMATS", "ConversionError", "Converted", "ReadOptions", "Written", "detect_format", "read",
@@ -41,6 +45,8 @@ __all__ = ["FORMATS", "ConversionError", "Converted", "ReadOptions", "Written", 
 def detect_format(text: str, source: str) -> str:
     """The format of a file from its name, else its content; an error when it is ambiguous."""
     suffix = Path(source).suffix.lower()
+    if suffix in ("", ".sh", ".bash", ".args") and torchtitan_args.is_job(text):
+        return "torchtitan"
     if suffix in SUFFIXES:
         return SUFFIXES[suffix]
     stripped = text.lstrip()
@@ -64,7 +70,7 @@ def detect_format(text: str, source: str) -> str:
 
 
 def format_for_output(path: str) -> str | None:
-    return SUFFIXES.get(Path(path).suffix.lower())
+    return OUTPUT_SUFFIXES.get(Path(path).suffix.lower())
 
 
 def read(text: str, source: str, fmt: str | None = None, options: ReadOptions = ReadOptions()) -> Converted:

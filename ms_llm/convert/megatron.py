@@ -17,6 +17,8 @@ from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOption
 from ms_llm.convert.shell import launch_command
 
 GPT2_BPE_VOCAB = 50257          # Megatron's GPT2BPETokenizer (the GPT-3 examples' --vocab-file/--merge-file)
+# megatron-core's RotaryEmbedding._apply_scaling: Llama-3.1's bands fixed, only the factor is an argument.
+MEGATRON_LLAMA3 = {"type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_seq_len": 8192}
 DECAY_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant"}
 
 
@@ -39,7 +41,7 @@ def parse_args(words: list[str], source: str) -> dict[str, object]:
     return out
 
 
-def _world_from_launcher(launcher: list[str], source: str, warnings: list[str]) -> int | None:
+def world_from_launcher(launcher: list[str], source: str, warnings: list[str]) -> int | None:
     """nproc_per_node * nnodes of a torchrun launcher; None for any other launcher."""
     if not any(Path(w).name in ("torchrun", "torch.distributed.run") for w in launcher):
         return None
@@ -66,7 +68,7 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if words is None:
         launch = launch_command(text, source)
         words, warnings = launch.args, warnings + launch.notes
-        launched = _world_from_launcher(launch.launcher, source, warnings)
+        launched = world_from_launcher(launch.launcher, source, warnings)
     f = Fields(parse_args(words, source), source, text=True)
     world = options.world_size or launched
     if options.world_size and launched and options.world_size != launched:
@@ -109,10 +111,6 @@ def _model(f: Fields, tp: int, pp: int, warnings: list[str]) -> tuple[dict, str]
     kv = heads
     if f.get("--group-query-attention", bool, False):
         kv = f.get("--num-query-groups", int, 1, ir="model.num_kv_heads")
-    kv_channels = f.get("--kv-channels", int, hidden // heads)
-    if kv_channels * heads != hidden:
-        raise f.error("--kv-channels", f"{kv_channels} * {heads} heads != hidden size {hidden}; ms_llm's head "
-                                       "dimension is hidden_size / num_heads")
     swiglu = f.get("--swiglu", bool, False)
     default_ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
     ffn = f.get("--ffn-hidden-size", int, default_ffn, ir="model.ffn_hidden_size")
@@ -136,7 +134,8 @@ def _model(f: Fields, tp: int, pp: int, warnings: list[str]) -> tuple[dict, str]
     if norm != "RMSNorm":
         warnings.append(f"--normalization {norm}: read as RMSNorm")
     if not f.get("--disable-bias-linear", bool, False):
-        warnings.append("linear-layer biases (Megatron's default without --disable-bias-linear) are not modelled")
+        warnings.append("linear-layer biases (Megatron's default without --disable-bias-linear) are not modelled; "
+                        "only q/k/v biases are (--disable-bias-linear --add-qkv-bias)")
     dropout = (f.get("--attention-dropout", float, 0.1), f.get("--hidden-dropout", float, 0.1))
     if any(dropout):
         warnings.append(f"dropout (attention {dropout[0]}, hidden {dropout[1]}; Megatron's default is 0.1) "
@@ -153,10 +152,24 @@ def _model(f: Fields, tp: int, pp: int, warnings: list[str]) -> tuple[dict, str]
              "max_seq_len": f.get("--max-position-embeddings", int, seq, ir="model.max_seq_len"),
              "rope_theta": f.get("--rotary-base", float, 10000.0, ir="model.rope_theta"),
              "norm_eps": f.get("--norm-epsilon", float, 1e-5, ir="model.norm_eps"), "tie_embeddings": tie,
-             "flash_attention": _flash_attention(f, warnings), "num_experts": experts}
+             "flash_attention": _flash_attention(f, warnings), "num_experts": experts,
+             "qkv_bias": f.get("--add-qkv-bias", bool, False, ir="model.qkv_bias"),
+             "qk_norm": f.get("--qk-layernorm", bool, False, ir="model.qk_norm"),
+             "rope_scaling": _rope_scaling(f)}
+    if f.has("--kv-channels"):
+        model["head_dim"] = f.get("--kv-channels", int, ir="model.head_dim")
     if experts:
         model["moe_top_k"] = f.get("--moe-router-topk", int, 2, ir="model.moe_top_k")
     return model, note
+
+
+def _rope_scaling(f: Fields) -> dict:
+    """--use-rope-scaling is Llama-3.1's scaling with Megatron's fixed bands (MEGATRON_LLAMA3) and
+    --rope-scaling-factor; --rotary-seq-len-interpolation-factor divides positions (linear)."""
+    if f.get("--use-rope-scaling", bool, False, ir="model.rope_scaling"):
+        return {**MEGATRON_LLAMA3, "factor": f.get("--rope-scaling-factor", float, 8.0, ir="model.rope_scaling")}
+    linear = f.get("--rotary-seq-len-interpolation-factor", int, 0, ir="model.rope_scaling")
+    return {"type": "linear", "factor": linear} if linear else {}
 
 
 def _flash_attention(f: Fields, warnings: list[str]) -> bool:
@@ -291,6 +304,34 @@ def _precision(f: Fields, warnings: list[str]) -> dict:
     return prec
 
 
+def _data(f: Fields, warnings: list[str]) -> dict:
+    """--data-path (prefixes, or weight prefix pairs), --split and --tokenizer-model -> train.data."""
+    data: dict = {"split": f.get("--split", str, "969,30,1", ir="train.data.split").replace(" ", "")}
+    if f.has("--tokenizer-model") and f.raw("--tokenizer-model") is not True:
+        data["tokenizer"] = f.get("--tokenizer-model", str, ir="train.data.tokenizer")
+    words = f.raw("--data-path", ir="train.data.paths")
+    if words is True:
+        warnings.append("--data-path has no value (an unset shell variable?); train.data.paths left empty")
+        return data
+    words = [words] if isinstance(words, str) else words or []
+    numbers = [_is_number(w) for w in words]
+    if not any(numbers):
+        data["paths"] = words
+    elif len(words) % 2 == 0 and numbers == [True, False] * (len(words) // 2):
+        data.update(paths=words[1::2], weights=[float(w) for w in words[0::2]])
+    else:
+        raise f.error("--data-path", f"got {' '.join(words)!r}; expected prefixes, or weight prefix pairs")
+    return data
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
 def _train(f: Fields, dp: int | None, warnings: list[str]) -> dict:
     mbs = f.get("--micro-batch-size", int, None, ir="train.micro_batch_size")
     if mbs is None:
@@ -352,6 +393,7 @@ def _train(f: Fields, dp: int | None, warnings: list[str]) -> dict:
         warnings.append(f"--ckpt-format {f.get('--ckpt-format', str)}: ms_llm writes its own sharded "
                         "safetensors format")
     train = {"global_batch_size": gbs, "micro_batch_size": mbs, "seq_len": f.get("--seq-length", int),
+             "data": _data(f, warnings),
              "seed": f.get("--seed", int, 1234, ir="train.seed"),
              "log_every": f.get("--log-interval", int, 100, ir="train.log_every"),
              "optimizer": opt, "schedule": schedule, "checkpoint": checkpoint}

@@ -7,6 +7,7 @@ import shlex
 
 from ms_llm.config.job import JobConfig
 from ms_llm.convert.common import ConversionError, Written
+from ms_llm.convert.megatron import MEGATRON_LLAMA3
 from ms_llm.strategy.devices import get_device
 
 
@@ -37,7 +38,8 @@ def write(job: JobConfig, world_size: int) -> Written:
                  "train.checkpoint.async_save", "train.checkpoint.load", "strategy.offload.optimizer",
                  "strategy.precision", "strategy.zero.stage", "strategy.pipeline.virtual_stages",
                  "strategy.pipeline.schedule", "strategy.recompute.num_layers", "strategy.pipeline.layer_split",
-                 "strategy.zero.shard_size"}
+                 "strategy.zero.shard_size", "train.data.paths", "train.data.weights", "train.data.split",
+                 "train.data.tokenizer"}
     model = [f"--num-layers {m.num_layers}", f"--hidden-size {m.hidden_size}",
              f"--ffn-hidden-size {m.ffn_hidden_size}", f"--num-attention-heads {m.num_heads}"]
     if m.num_kv_heads != m.num_heads:
@@ -49,6 +51,13 @@ def write(job: JobConfig, world_size: int) -> Written:
               f"--vocab-size {m.vocab_size}", f"--make-vocab-size-divisible-by {_divisible_by(m.vocab_size, s.tp)}"]
     if not m.tie_embeddings:
         model.append("--untie-embeddings-and-output-weights")
+    if m.head_dim * m.num_heads != m.hidden_size:
+        model.append(f"--kv-channels {m.head_dim}")
+    if m.qkv_bias:
+        model.append("--add-qkv-bias")
+    if m.qk_norm:
+        model.append("--qk-layernorm")
+    model += _write_rope_scaling(m.rope_scaling, warnings)
     if m.num_experts:
         model += [f"--num-experts {m.num_experts}", f"--moe-router-topk {m.moe_top_k}"]
     if m.flash_attention:
@@ -90,8 +99,8 @@ def write(job: JobConfig, world_size: int) -> Written:
     groups = {"MODEL_ARGS": model, "TRAINING_ARGS": training, "MODEL_PARALLEL_ARGS": parallel,
               "EVAL_AND_LOGGING_ARGS": logging}
     lines = ["#!/bin/bash", f"# {job.name}: {m.name} on {world_size} devices; written by ms-llm convert-strategy.",
-             "# Run from the Megatron-LM repository root. Data and tokenizer arguments are not part of the",
-             "# strategy: add --data-path and --tokenizer-type / --tokenizer-model to DATA_ARGS.", "",
+             "# Run from the Megatron-LM repository root. DATA_ARGS holds the datasets the job names; add",
+             "# --tokenizer-type (and --data-path when it names none).", "",
              "export CUDA_DEVICE_MAX_CONNECTIONS=1", "",
              f"GPUS_PER_NODE={per_node}", f"NUM_NODES={world_size // per_node}",
              "MASTER_ADDR=${MASTER_ADDR:-localhost}", "MASTER_PORT=${MASTER_PORT:-6000}",
@@ -100,10 +109,41 @@ def write(job: JobConfig, world_size: int) -> Written:
              "    --node_rank $NODE_RANK", "    --master_addr $MASTER_ADDR", "    --master_port $MASTER_PORT", ")", ""]
     for name, args in groups.items():
         lines += [f"{name}=("] + [f"    {a}" for a in args] + [")", ""]
-    lines += ["DATA_ARGS=()", ""]
+    lines += ["DATA_ARGS=("] + [f"    {a}" for a in _write_data(t.data)] + [")", ""]
     lines.append("torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py \\")
     lines += [f"    ${{{name}[@]}} \\" for name in groups] + ["    ${DATA_ARGS[@]}"]
     return Written("\n".join(lines) + "\n", expressed, warnings)
+
+
+def _write_data(data) -> list[str]:
+    """--data-path as weight prefix pairs (prefixes alone when unweighted), --split, --tokenizer-model."""
+    out: list[str] = []
+    spaced = [p for p in data.paths + (data.tokenizer,) if len(p.split()) > 1]
+    if spaced:
+        raise ConversionError(f"train.data: {spaced[0]!r} holds whitespace, which the script's unquoted argument "
+                              "arrays (as in Megatron's examples) split; rename it")
+    if data.paths:
+        pairs = [f"{num(w)} {shlex.quote(p)}" for w, p in zip(data.weights, data.paths)] if data.weights else \
+            [shlex.quote(p) for p in data.paths]
+        out.append(f"--data-path {' '.join(pairs)}")
+    out.append(f"--split {data.split}")
+    if data.tokenizer:
+        out.append(f"--tokenizer-model {shlex.quote(data.tokenizer)}")
+    return out
+
+
+def _write_rope_scaling(r, warnings: list[str]) -> list[str]:
+    """Llama-3.1 scaling with Megatron's fixed bands, or linear interpolation by a whole factor."""
+    if r.type == "default":
+        return []
+    if r.type == "llama3" and all(getattr(r, k) == v for k, v in MEGATRON_LLAMA3.items()):
+        return ["--use-rope-scaling", f"--rope-scaling-factor {num(r.factor)}"]
+    if r.type == "linear" and float(r.factor).is_integer():
+        return [f"--rotary-seq-len-interpolation-factor {int(r.factor)}"]
+    warnings.append(f"model.rope_scaling.type = {r.type}: Megatron-LM's GPT model scales rotary only as Llama-3.1 "
+                    "(low_freq_factor 1, high_freq_factor 4, original_max_seq_len 8192) or by a whole linear "
+                    "factor; plain rotary written")
+    return []
 
 
 def _write_precision(p, warnings: list[str]) -> list[str]:

@@ -10,11 +10,14 @@ a warning of its own (the model is still read, as the nearest LLaMA).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import to_dict
-from ms_llm.convert.common import DTYPES, Fields
+from ms_llm.checkpoint.hf_config import RENAMES, _rope as hf_rope
+from ms_llm.convert.common import DTYPES, ConversionError, Fields
+from ms_llm.errors import CheckpointError
 
 MC = "model.model_config"
 
@@ -42,7 +45,7 @@ MCORE = Layout("2.x", "num_hidden_layers", "num_attention_heads", "num_key_value
 # 2.x keys whose usual value says nothing the IR does not already model (LLaMA math, weight
 # layout, the dtype of a norm or softmax).
 NEUTRAL = {"hidden_act": ("silu", "swiglu", "fusedswiglu"), "position_embedding_type": ("rope",),
-           "add_bias_linear": (False,), "attention_bias": (False,), "qk_layernorm": (False,),
+           "add_bias_linear": (False,),
            "attention_dropout": (0.0, 0), "hidden_dropout": (0.0, 0), "gated_linear_unit": (True,),
            "use_cache": (True, False), "input_sliced_sig": (True, False), "qkv_concat": (True, False),
            "use_contiguous_weight_layout_attention": (True, False), "layernorm_compute_dtype": ("float32",),
@@ -52,10 +55,19 @@ NEUTRAL = {"hidden_act": ("silu", "swiglu", "fusedswiglu"), "position_embedding_
            "fp32_residual_connection": (True, False), "batch_size": None, "type": ("LlamaConfig",),
            "offset": (0,)}
 # What MindFormers' config class fills in for a key the YAML leaves out (shipped configs rely on it).
-CLASS_DEFAULTS = {"deepseek_v3": {"num_attention_heads": 128, "n_routed_experts": 256,
+CLASS_DEFAULTS = {"qwen3": {"head_dim": 128}, "deepseek_v3": {"num_attention_heads": 128, "n_routed_experts": 256,
                                   "num_experts_per_tok": 8}}
 # Architectures whose mcore model builds q/k RMSNorm whatever qk_layernorm says.
 QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# 2.x spellings of Qwen2's q/k/v biases (MindFormers' TransformerConfig maps all three to add_qkv_bias).
+QKV_BIAS_KEYS = ("attention_bias", "add_qkv_bias", "qkv_has_bias")
+# r1.x FreqsMgr's extend_method -> the keys of its scaling_factor mapping ("None": plain, "PI": a
+# number, linear interpolation of positions; "linear" is refused by MindFormers' own check, "NTK"
+# scales theta).
+EXTEND_METHODS = {"None": (), "PI": (), "LLAMA3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                   "original_max_position_embeddings"),
+                  "YARN": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                           "mscale_all_dim")}
 # Not yet in the IR: a later round adds model.moe (routing, shared experts, dense first layers).
 MOE_KEYS = ("first_k_dense_replace", "n_shared_experts", "moe_shared_expert_intermediate_size", "routed_scaling_factor",
             "norm_topk_prob", "scoring_func", "moe_router_pre_softmax", "moe_token_drop_policy",
@@ -108,6 +120,7 @@ def read_model(f: Fields, layout: Layout, warnings: list[str], mc: str = MC, giv
     if layout is MCORE:
         _mcore_math(f, mc, model, warnings)
     else:
+        _legacy_math(f, mc, model, warnings)
         _legacy_moe(f, mc, model)
     return model
 
@@ -140,6 +153,37 @@ def mindformers_ffn(hidden: int, multiple_of: int, ffn_dim_multiplier: float | N
     return multiple_of * ((f + multiple_of - 1) // multiple_of)
 
 
+def _legacy_math(f: Fields, mc: str, model: dict, warnings: list[str]) -> None:
+    """r1.x LlamaConfig: qkv_has_bias, and FreqsMgr's extend_method with its scaling_factor."""
+    model["qkv_bias"] = f.get(f"{mc}.qkv_has_bias", bool, False, ir="model.qkv_bias")
+    method = f.get(f"{mc}.extend_method", tuple(EXTEND_METHODS) + ("NTK",), "None", ir="model.rope_scaling")
+    if method == "NTK":
+        factor = f.get(f"{mc}.scaling_factor", float, 1.0)
+        warnings.append(f"{mc}.extend_method = NTK: static NTK (theta x scaling_factor {factor}) read as rope_theta "
+                        f"{model['rope_theta'] * factor}")
+        model["rope_theta"] *= factor
+    elif method == "PI":
+        model["rope_scaling"] = {"type": "linear", "factor": f.get(f"{mc}.scaling_factor", float, 1.0,
+                                                                   ir="model.rope_scaling")}
+    elif method != "None":
+        sf = f"{mc}.scaling_factor"
+        values = {key: f.get(f"{sf}.{key}", float if key != "original_max_position_embeddings" else int,
+                             ir="model.rope_scaling") for key in EXTEND_METHODS[method]}
+        scaling = {"type": method.lower(), **{RENAMES.get(k, k): v for k, v in values.items()
+                                              if k not in ("mscale", "mscale_all_dim")}}
+        if method == "YARN":
+            attention = yarn_mscale(values["factor"], values["mscale"]) / \
+                yarn_mscale(values["factor"], values["mscale_all_dim"])
+            if not math.isclose(attention, yarn_mscale(values["factor"], 1.0)):     # else transformers' default
+                scaling["attention_factor"] = attention
+        model["rope_scaling"] = scaling
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's YaRN attention scale, as MindFormers and transformers compute it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _legacy_moe(f: Fields, mc: str, model: dict) -> None:
     """r1.x MoE: a moe_config section (in model_config or at the top); its other keys (routing,
     capacity, aux loss) are named by the unused-key warnings until the IR's model.moe lands."""
@@ -152,23 +196,29 @@ def _legacy_moe(f: Fields, mc: str, model: dict) -> None:
 
 def _mcore_math(f: Fields, mc: str, model: dict, warnings: list[str]) -> None:
     """2.x keys that change the math: read what the IR models, name the rest one by one."""
-    heads, hidden = model["num_heads"], model["hidden_size"]
-    head_dim = f.get(f"{mc}.head_dim", int, hidden // heads)
-    if head_dim != hidden // heads:
-        warnings.append(f"{mc}.head_dim = {head_dim}: not yet expressible (the IR derives head_dim = hidden_size / "
-                        f"num_attention_heads = {hidden // heads}); read with {hidden // heads}")
+    mla = f.raw(f"{mc}.multi_latent_attention") is True
+    if f.raw(f"{mc}.head_dim") is not None and not mla:
+        model["head_dim"] = f.get(f"{mc}.head_dim", int, ir="model.head_dim")
     arch = f.raw(f"{mc}.architectures", "")
     arch = arch[0] if isinstance(arch, list) and arch else arch
-    if f.raw(f"{mc}.qk_layernorm") is True or arch in QK_NORM_ARCHS:
-        warnings.append(f"{mc}.qk_layernorm: {arch or 'this model'} normalizes q and k per head (RMSNorm); not yet "
-                        "expressible, read without it")
-    for key in ("attention_bias", "add_bias_linear"):
-        if f.raw(f"{mc}.{key}") is True:
-            warnings.append(f"{mc}.{key} = True: biased projections are not yet expressible; read without bias")
-    if f.raw(f"{mc}.multi_latent_attention") is True:
-        mla = sorted(k for k in _section(f, mc) if "lora_rank" in k or k.startswith(("qk_", "v_head", "mla_", "o_")))
-        f.used.update(f"{mc}.{k}" for k in mla + ["multi_latent_attention"])
-        warnings.append(f"{mc}.multi_latent_attention = True ({', '.join(mla)}): latent attention is not "
+    qk_norm = f.get(f"{mc}.qk_layernorm", bool, False, ir="model.qk_norm")
+    if mla and qk_norm:       # MLA's qk_layernorm normalizes the latent q / kv, which GQA has not
+        warnings.append(f"{mc}.qk_layernorm: {arch or 'this model'} normalizes the latent q and kv of multi-latent "
+                        "attention; not expressible, read without it")
+    elif qk_norm or arch in QK_NORM_ARCHS:
+        model["qk_norm"] = True
+    bias = [k for k in QKV_BIAS_KEYS if f.get(f"{mc}.{k}", bool, False, ir="model.qkv_bias")]
+    model["qkv_bias"] = bool(bias)
+    if f.raw(f"{mc}.add_bias_linear") is True:
+        warnings.append(f"{mc}.add_bias_linear = True: biases on o_proj and the MLP are not expressible (only q/k/v "
+                        "biases are: add_qkv_bias); read without them")
+    if f.raw(f"{mc}.rope_scaling") is not None:
+        model["rope_scaling"] = _rope_scaling(f, mc, model)
+    if mla:
+        mla_keys = sorted(k for k in _section(f, mc)
+                          if "lora_rank" in k or k.startswith(("qk_", "v_head", "mla_", "o_")))
+        f.used.update(f"{mc}.{k}" for k in mla_keys + ["multi_latent_attention"])
+        warnings.append(f"{mc}.multi_latent_attention = True ({', '.join(mla_keys)}): latent attention is not "
                         "expressible; read as grouped-query attention with num_attention_heads heads")
     experts_key = f"{mc}.num_experts" if f.has(f"{mc}.num_experts") else f"{mc}.n_routed_experts"
     experts = f.get(experts_key, int, 0, ir="model.num_experts") if f.raw(experts_key) is not None else 0
@@ -185,6 +235,17 @@ def _mcore_math(f: Fields, mc: str, model: dict, warnings: list[str]) -> None:
             if f.has(f"{mc}.{key}"):
                 f.used.add(f"{mc}.{key}")
                 warnings.append(f"{mc}.{key} = {f.raw(mc + '.' + key)!r}: not yet expressible (model.moe); dropped")
+
+
+def _rope_scaling(f: Fields, mc: str, model: dict) -> dict:
+    """rope_scaling in Hugging Face's spelling (MindFormers' configs copy config.json), read as
+    transformers reads it."""
+    cfg = {"rope_scaling": f.get(f"{mc}.rope_scaling", dict, ir="model.rope_scaling"),
+           "rope_theta": model["rope_theta"]}
+    try:
+        return hf_rope(cfg, f"{f.source}: {mc}", model["max_seq_len"])[1]
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
 
 
 def read_dtypes(f: Fields, layout: Layout, mc: str = MC) -> tuple[str, str]:

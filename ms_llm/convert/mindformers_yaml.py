@@ -2,14 +2,20 @@
 layout: r1.x (configs/llama2/pretrain_*.yaml: LlamaConfig keys, LlamaForCausalLM, which
 MindFormers 2.x still builds with use_legacy: True) or 2.x (use_legacy: False, Hugging Face
 model keys). MindFormers 2.x has no mcore LLaMA: its dense mcore model with configurable q/k norm
-and biases is TeleChat3ForCausalLM, which with qk_layernorm, attention_bias and add_bias_linear
-off is LLaMA's math (RMSNorm, SwiGLU, rotary, GQA), so a 2.x YAML names it. Megatron datasets
+and biases is TeleChat3ForCausalLM, which with qk_layernorm and add_bias_linear off is LLaMA's
+math (RMSNorm, SwiGLU, rotary, GQA), so a 2.x YAML
+names it (attention_bias: MindFormers maps it to add_qkv_bias, q/k/v only); a model with
+q/k norms names Qwen3ForCausalLM. r1.x holds q/k/v biases
+(qkv_has_bias) and rope scaling (extend_method), not q/k norms or a head_dim of its own. Megatron datasets
 (train.data.paths) become a BlendedMegatronDatasetDataLoader section; tokenizer and evaluation
 sections are left to the user."""
 from __future__ import annotations
 
+import math
+
 from ms_llm.config.job import JobConfig, dump_yaml
 from ms_llm.convert.common import Written
+from ms_llm.convert.mindformers_model import EXTEND_METHODS
 from ms_llm.convert.mindformers_train import LR_SCHEDULES
 from ms_llm.convert.mindformers_data import write_data
 
@@ -99,16 +105,23 @@ def _stored_dtype(p, warnings: list[str]) -> str:
 
 
 def _mcore_model_config(m, s, t, warnings: list[str]) -> dict:
+    """Qwen3ForCausalLM when the model normalizes q and k (MindFormers' Qwen3 always builds the
+    norms), else TeleChat3ForCausalLM with them off; q/k/v biases are add_qkv_bias on either."""
     p = s.precision
-    mc: dict = {"model_type": "telechat3", "architectures": ["TeleChat3ForCausalLM"], "vocab_size": m.vocab_size,
+    arch = ("qwen3", "Qwen3ForCausalLM") if m.qk_norm else ("telechat3", "TeleChat3ForCausalLM")
+    mc: dict = {"model_type": arch[0], "architectures": [arch[1]], "vocab_size": m.vocab_size,
                 "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,
                 "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
                 "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "swiglu",
                 "max_position_embeddings": m.max_seq_len, "seq_length": t.seq_len, "rms_norm_eps": m.norm_eps,
                 "tie_word_embeddings": m.tie_embeddings, "rope_theta": m.rope_theta, "position_embedding_type": "rope",
-                "attention_bias": False, "add_bias_linear": False, "qk_layernorm": False,
+                "attention_bias": m.qkv_bias, "add_bias_linear": False, "qk_layernorm": m.qk_norm,
                 "use_flash_attention": m.flash_attention or s.cp > 1, "params_dtype": _stored_dtype(p, warnings),
                 "compute_dtype": p.compute_dtype, **_pipeline_keys(m, s)}
+    if m.rope_scaling.type != "default":
+        warnings.append(f"model.rope_scaling.type = {m.rope_scaling.type}: MindFormers 2.x's training models build "
+                        "plain rotary embeddings (GPTModel rope_scaling=False); not written, use the r1.x layout "
+                        "(--to mindformers: extend_method)")
     if m.num_experts:
         warnings.append(f"model.num_experts = {m.num_experts}: the 2.x layout's MoE keys are written with model.moe "
                         "(a later round); a dense model is written, use the r1.x layout (--to mindformers) for MoE")
@@ -136,13 +149,51 @@ def _model_config(m, s, t, warnings: list[str]) -> dict:
                 "vocab_size": m.vocab_size, "intermediate_size": m.ffn_hidden_size, "rms_norm_eps": m.norm_eps,
                 "theta": m.rope_theta, "max_position_embedding": m.max_seq_len,
                 "tie_word_embeddings": m.tie_embeddings, "compute_dtype": p.compute_dtype,
-                "param_init_type": stored, "use_flash_attention": m.flash_attention or s.cp > 1}
+                "param_init_type": stored, "use_flash_attention": m.flash_attention or s.cp > 1,
+                "qkv_has_bias": m.qkv_bias}
     if s.cp > 1 and not m.flash_attention:
         warnings.append(f"model.flash_attention = False: MindFormers runs context parallel (strategy.cp = {s.cp}) "
                         "only with flash attention; use_flash_attention: True written")
     if m.num_experts:
         mc["moe_config"] = {"expert_num": m.num_experts, "num_experts_chosen": m.moe_top_k}
+    mc.update(_legacy_rope(m, warnings))
+    if m.head_dim * m.num_heads != m.hidden_size:
+        warnings.append(f"model.head_dim = {m.head_dim}: r1.x's LlamaConfig derives it as hidden_size / num_heads "
+                        f"= {m.hidden_size // m.num_heads}; use the 2.x layout (--to mindformers2)")
+    if m.qk_norm:
+        warnings.append("model.qk_norm: r1.x's LLaMA has no q/k norms; use the 2.x layout (--to mindformers2: "
+                        "Qwen3ForCausalLM)")
     return {**mc, **_pipeline_keys(m, s)}
+
+
+def _legacy_rope(m, warnings: list[str]) -> dict:
+    """model.rope_scaling as r1.x FreqsMgr's extend_method + scaling_factor (mindformers_model.EXTEND_METHODS)."""
+    r = m.rope_scaling
+    if r.type == "default":
+        return {}
+    if r.type == "linear":
+        return {"extend_method": "PI", "scaling_factor": r.factor}
+    if r.type == "dynamic":
+        warnings.append("model.rope_scaling.type = dynamic: MindFormers has no dynamic NTK (equal to plain rotary "
+                        "within max_seq_len); not written")
+        return {}
+    values = {"factor": float(r.factor), "low_freq_factor": float(r.low_freq_factor),
+              "high_freq_factor": float(r.high_freq_factor), "original_max_position_embeddings": r.original_max_seq_len,
+              "beta_fast": float(r.beta_fast), "beta_slow": float(r.beta_slow)}
+    if r.type == "yarn":
+        # MindFormers scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim): mscale_all_dim 0
+        # leaves the numerator, which mscale sets to the attention factor (default 0.1 ln(factor) + 1).
+        ln = math.log(r.factor) if r.factor > 1 else 0.0
+        attention = r.attention_factor if r.attention_factor is not None else 0.1 * ln + 1.0
+        values.update(mscale=(attention - 1.0) / (0.1 * ln) if ln else 1.0, mscale_all_dim=0.0)
+        if not r.truncate:
+            warnings.append("model.rope_scaling.truncate = False: MindFormers rounds YaRN's ramp bounds; written as "
+                            "True")
+        if not ln and attention != 1.0:
+            warnings.append(f"model.rope_scaling.attention_factor = {attention}: MindFormers derives 1 at factor 1; "
+                            "not written")
+    return {"extend_method": r.type.upper(),
+            "scaling_factor": {k: values[k] for k in EXTEND_METHODS[r.type.upper()]}}
 
 
 def _recompute(s, warnings: list[str], mcore: bool) -> dict:

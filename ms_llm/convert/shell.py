@@ -211,10 +211,13 @@ def launch_command(text: str, source: str) -> Launch:
             sh.notes.append(f"{exc}; line skipped")
             continue
         script = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
+        if script is None:                  # `torchrun ... -m torchtitan.train --flags`: the last -m module
+            script = next((i for i in range(len(words) - 1, 0, -1) if words[i - 1] == "-m"), None)
         if script is not None and any(w.startswith("--") for w in words[script + 1:]):
-            launch = Launch(words[:script], words[script], words[script + 1:])
+            launcher = words[:script - 1] if words[script - 1] == "-m" else words[:script]
+            launch = Launch(launcher, words[script], words[script + 1:])
     if launch is None:
-        raise ConversionError(f"{source}: no command that runs a .py program with --arguments (e.g. "
+        raise ConversionError(f"{source}: no command that runs a .py program or -m module with --arguments (e.g. "
                               "`torchrun ... pretrain_gpt.py --tensor-model-parallel-size 8 ...`); "
                               "pass the script that launches Megatron-LM, or a file holding just its arguments")
     launch.notes = sh.notes

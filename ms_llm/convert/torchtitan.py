@@ -1,4 +1,6 @@
-"""torchtitan v0.2.x job TOML -> IR (torchtitan_toml.py writes it back).
+"""torchtitan jobs -> IR: v0.2.x TOML (torchtitan_toml.py writes it back) and 0.3 jobs, a
+registered config plus command-line overrides (torchtitan_args.py reads them into the same sections;
+torchtitan_job.py writes them).
 
 Resolved as torchtitan does: data_parallel_shard_degree = -1 takes the ranks left after
 replicate * cp * tp * pp (so the world size must be known: --world-size, the NGPU of
@@ -11,6 +13,7 @@ configs/models, others need --model or a configs/models/<flavor>.yaml.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -18,6 +21,7 @@ from pathlib import Path
 from ms_llm.config.job import CONFIG_ROOT, load_section
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import to_dict
+from ms_llm.convert import torchtitan_args
 from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOptions, make_job
 
 FLAVORS = {("llama3", "8B"): "llama3_8b", ("llama3", "70B"): "llama3_70b"}
@@ -37,13 +41,18 @@ def _tomllib():
 
 
 def read(text: str, source: str, options: ReadOptions) -> Converted:
-    tomllib = _tomllib()
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConversionError(f"{source}: not valid TOML ({exc})") from None
-    f = Fields(data, source)
-    warnings: list[str] = []
+    """A v0.2.x TOML, or a 0.3 job (module + config + overrides: torchtitan_job.py)."""
+    if torchtitan_args.is_job(text):
+        data, warnings, launched = torchtitan_args.sections(text, source)
+        f = Fields(data, source, text=True)
+        options = dataclasses.replace(options, world_size=options.world_size or launched)
+    else:
+        tomllib = _tomllib()
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConversionError(f"{source}: not valid TOML ({exc})") from None
+        f, warnings, launched = Fields(data, source), [], None
     model = _model(f, options, warnings)
     par = "parallelism"
     rep = f.get(f"{par}.data_parallel_replicate_degree", int, 1, ir="strategy.dp")

@@ -7,13 +7,15 @@ import json
 
 from ms_llm.config.job import JobConfig, load_section
 from ms_llm.config.model import ModelConfig
+from ms_llm.config.train import DataConfig
 from ms_llm.convert.common import Written
 from ms_llm.convert.torchtitan import FLAVORS, fqn_parts
 
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B",
                   "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "rope_theta", "norm_eps", "tie_embeddings", "num_experts", "moe_top_k")
+                "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "norm_eps", "tie_embeddings",
+                "num_experts", "moe_top_k")
 
 
 def toml_value(value: object) -> str:
@@ -48,6 +50,15 @@ def _flavor(m: ModelConfig, warnings: list[str]) -> tuple[str, str]:
 
 
 def write(job: JobConfig, world_size: int) -> Written:
+    sections, expressed, warnings = job_sections(job)
+    header = (f"# {job.name}: {job.model.name} on {world_size} GPUs; written by ms-llm convert-strategy.\n"
+              f"# torchtitan v0.2.x job config: NGPU={world_size} ./run_train.sh --job.config_file <this file>\n")
+    return Written(toml_dumps(sections, header), expressed, warnings)
+
+
+def job_sections(job: JobConfig) -> tuple[dict, set[str], list[str]]:
+    """The job as torchtitan's config sections (v0.2.x names; torchtitan_job.py renames 0.3's few
+    changes), the IR paths they carry, and what they cannot say."""
     m, s, t = job.model, job.strategy, job.train
     warnings: list[str] = []
     expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep",
@@ -92,11 +103,9 @@ def write(job: JobConfig, world_size: int) -> Written:
         warnings.append("train.schedule.decay = constant: torchtitan decays linearly, cosine or sqrt; written as "
                         "linear with min_lr_factor 1.0")
         sections["lr_scheduler"].update(decay_type="linear", min_lr_factor=1.0)
-    if t.data.source != "stdlib" or t.data.token_dtype != "uint16":
+    if t.data != DataConfig():
         warnings.append("train.data: torchtitan names datasets in [training] dataset; not written")
-    header = (f"# {job.name}: {m.name} on {world_size} GPUs; written by ms-llm convert-strategy.\n"
-              f"# torchtitan v0.2.x job config: NGPU={world_size} ./run_train.sh --job.config_file <this file>\n")
-    return Written(toml_dumps(sections, header), expressed, warnings)
+    return sections, expressed, warnings
 
 
 def _precision_notes(s, warnings: list[str]) -> None:
@@ -159,7 +168,10 @@ def _checkpoint(ck, warnings: list[str]) -> dict:
     if ck.interval == "auto":
         warnings.append("train.checkpoint.interval = 'auto': torchtitan needs a step interval; checkpointing off")
     out: dict = {"enable": isinstance(ck.interval, int) and ck.interval > 0,
-                 "async_mode": "async" if ck.async_save else "disabled", "keep_latest_k": ck.keep_last}
+                 "async_mode": "async" if ck.async_save else "disabled", "keep_latest_k": max(2, ck.keep_last)}
+    if ck.keep_last == 1:
+        warnings.append("train.checkpoint.keep_last = 1: torchtitan keeps at least 2 (the newest may still be "
+                        "saving); 2 written")
     if out["enable"]:
         out["interval"] = ck.interval
     if ck.load:
