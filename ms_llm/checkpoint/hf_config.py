@@ -96,7 +96,7 @@ def _check_unmodelled(cfg: dict, kind: str, where: str) -> None:
             raise _refuse(where, "layer_types", layer_types, "every layer has full causal attention")
 
 
-def _rope(cfg: dict, where: str, max_pos: Any) -> tuple[Any, dict]:
+def rope_from_hf(cfg: dict, where: str, max_pos: Any) -> tuple[Any, dict]:
     """(rope_theta, our rope_scaling dict) from rope_parameters or rope_theta + rope_scaling."""
     params = cfg.get("rope_parameters")
     key = "rope_parameters"
@@ -160,7 +160,7 @@ def model_from_hf_config(cfg: object, where: str, weights_dtype: Optional[str] =
     _check_unmodelled(cfg, kind, where)
     defaults = CLASS_DEFAULTS[kind]
     max_pos = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
-    theta, scaling = _rope(cfg, where, max_pos)
+    theta, scaling = rope_from_hf(cfg, where, max_pos)
     dtype_key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
     dtype = cfg.get(dtype_key) or weights_dtype
     if dtype not in DTYPES:

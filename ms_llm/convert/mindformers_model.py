@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import to_dict
-from ms_llm.checkpoint.hf_config import RENAMES, _rope as hf_rope
+from ms_llm.checkpoint.hf_config import RENAMES, rope_from_hf
 from ms_llm.convert.common import DTYPES, ConversionError, Fields
 from ms_llm.errors import CheckpointError
 
@@ -243,7 +243,7 @@ def _rope_scaling(f: Fields, mc: str, model: dict) -> dict:
     cfg = {"rope_scaling": f.get(f"{mc}.rope_scaling", dict, ir="model.rope_scaling"),
            "rope_theta": model["rope_theta"]}
     try:
-        return hf_rope(cfg, f"{f.source}: {mc}", model["max_seq_len"])[1]
+        return rope_from_hf(cfg, f"{f.source}: {mc}", model["max_seq_len"])[1]
     except CheckpointError as exc:
         raise ConversionError(str(exc)) from None
 
