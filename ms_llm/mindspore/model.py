@@ -310,17 +310,19 @@ class CrossEntropy(nn.Cell):
 
 
 class LossCell(nn.Cell):
-    """(inputs, labels) (B, T) -> mean token cross-entropy, plus the MoE router losses: their value
-    (gradient stopped; it reaches the routers through moe.AuxLoss), so the loss reported is
-    torch's TrainStep's."""
+    """(inputs, labels) (B, T) -> mean token cross-entropy, plus in training the MoE router losses:
+    their value (gradient stopped; it reaches the routers through moe.AuxLoss), so the loss
+    reported is torch's TrainStep's; validation (router_losses False) is cross-entropy alone, as
+    torch's evaluate."""
 
-    def __init__(self, net: Transformer):
+    def __init__(self, net: Transformer, router_losses: bool = True):
         super().__init__(auto_prefix=False)      # keep the HF parameter names
-        self.net = net
+        self.net, self.router_losses = net, router_losses
         self.loss = CrossEntropy()
         self.reshape = ops.Reshape()
 
     def construct(self, inputs, labels):
         logits, aux = self.net.with_aux(inputs)
         v = logits.shape[-1]
-        return self.loss(self.reshape(logits, (-1, v)), self.reshape(labels, (-1,))) + ops.stop_gradient(aux)
+        loss = self.loss(self.reshape(logits, (-1, v)), self.reshape(labels, (-1,)))
+        return loss + ops.stop_gradient(aux) if self.router_losses else loss
