@@ -20,11 +20,13 @@ from ms_llm.run.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(name="resume", vocab_size=264, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=64, max_seq_len=32, dtype="float32")
+MOE = yaml.safe_load((ROOT / "configs" / "models" / "tiny_moe.yaml").read_text())
 FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
 
 
-def _job(tmp: Path, name: str, tokens: Path, strategy: dict, interval: int, load: str = "") -> Path:
-    job = {"name": name, "backend": "torch", "device": "cpu", "model": MODEL,
+def _job(tmp: Path, name: str, tokens: Path, strategy: dict, interval: int, load: str = "",
+         model: dict = MODEL) -> Path:
+    job = {"name": name, "backend": "torch", "device": "cpu", "model": model,
            "strategy": {**strategy, "precision": FP32},
            "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "steps": 6, "seed": 7,
                      "log_every": 1, "optimizer": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.01},
@@ -89,6 +91,21 @@ def test_resume_under_another_strategy(reference, strategy, request):
     losses = _train(_job(tmp, name, tokens, strategy, 0, load), run, 6)
     assert sorted(losses) == [4, 5, 6]
     assert [losses[k] for k in (4, 5, 6)] == pytest.approx([ref[k] for k in (4, 5, 6)], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_moe_resume_restores_the_expert_optimizer(reference):
+    """tiny_moe under ep2 with the shared engine: the routed experts' AdamW moments (their own
+    optimizer beside the engine) are saved split over ep; resumed under ep2, and under data
+    parallel only, the loss curve is the uninterrupted one."""
+    tmp, tokens, _, _ = reference
+    ref_run = tmp / "moe_ref"
+    ref = _train(_job(tmp, "moe_ref", tokens, {"dp": 2, "ep": 2}, 3, model=MOE), ref_run, 6)
+    load = str(ref_run / "checkpoints" / "step_00000003")
+    for name, strategy in (("moe_ep2", {"dp": 2, "ep": 2}), ("moe_dp2", {"dp": 2})):
+        losses = _train(_job(tmp, name, tokens, strategy, 0, load, MOE), tmp / name, 6)
+        assert sorted(losses) == [4, 5, 6]
+        assert [losses[k] for k in (4, 5, 6)] == pytest.approx([ref[k] for k in (4, 5, 6)], abs=1e-6), name
 
 
 @pytest.mark.slow

@@ -82,6 +82,24 @@ def test_fp16_with_dynamic_loss_scaling_is_finite_and_close_to_fp32(fp32_run, to
     assert np.abs(losses - np.array([r["loss"] for r in records])).max() <= 1e-3      # measured: 1.4e-4
 
 
+def test_tiny_moe_follows_the_torch_backend_with_router_losses(tokens, tmp_path):
+    """tiny_moe (load-balancing and z losses on) at world 1: the loss MindSpore reports and trains
+    on (cross-entropy + router losses, their gradient through moe.AuxLoss) is torch's TrainStep's."""
+    job = job_dict(tokens)
+    job["model"] = yaml.safe_load((ROOT / "configs" / "models" / "tiny_moe.yaml").read_text())
+    job["model"]["moe"] |= {"aux_loss_coeff": 0.1, "z_loss_coeff": 0.01}
+    job["train"] = job["train"] | {"steps": 3, "checkpoint": {"interval": 0}}
+    ours = run_worker(tmp_path / "ms", job)
+    config = tmp_path / "torch.yaml"
+    config.write_text(yaml.safe_dump(job | {"backend": "torch"}))
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(tmp_path / "torch")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    torch_losses = [r["loss"] for r in read_metrics(tmp_path / "torch" / "metrics.jsonl") if "loss" in r]
+    assert len(ours) == len(torch_losses) == 3
+    assert np.abs(np.array([r["loss"] for r in ours]) - np.array(torch_losses)).max() <= 1e-4, (ours, torch_losses)
+
+
 @pytest.mark.parametrize("strategy,pipeline", [
     ({"dp": 2, "tp": 2, "pp": 2, "sequence_parallel": True}, True),
     ({"dp": 2, "tp": 2, "recompute": {"policy": "full"}}, False),

@@ -63,10 +63,21 @@ def _shared_engine_state(engine, plan: ModelPlan, rank: int) -> Held:
     return held
 
 
-def _optimizer_state(step_fn: TrainStep, weights: dict[str, torch.Tensor], plan: ModelPlan, rank: int,
+def _torch_optimizer(step_fn: TrainStep):
+    """The torch optimizer whose per-parameter states this rank holds: the step's own, or under
+    the shared engine the routed experts' one beside it (parallelize.ep.ExpertGrads; None
+    without experts)."""
+    if _zero_engine(step_fn) is None:
+        return step_fn.optimizer
+    experts = step_fn.m.dp.experts
+    return experts.optimizer if experts is not None else None
+
+
+def _optimizer_state(optimizer, weights: dict[str, torch.Tensor], plan: ModelPlan, rank: int,
                      create: bool) -> Held:
-    """Per-parameter states of a torch optimizer; `create` makes Adam's before its first step."""
-    optimizer, held = step_fn.optimizer, {}
+    """Per-parameter states of a torch optimizer; `create` makes Adam's before its first step.
+    Expert states take their weight's layout (split over ep), so they reshard like it."""
+    held = {}
     owner = isinstance(optimizer, ZeroRedundancyOptimizer)
     local = optimizer.optim if owner else optimizer
     mine = {id(p) for g in local.param_groups for p in g["params"]}
@@ -96,8 +107,9 @@ def training_state(step_fn: TrainStep, plan: ModelPlan, rank: int, create: bool 
     held: Held = {}
     if engine is not None:
         held.update(_shared_engine_state(engine, plan, rank))
-    else:
-        held.update(_optimizer_state(step_fn, weights, plan, rank, create))
+    optimizer = _torch_optimizer(step_fn)
+    if optimizer is not None:
+        held.update(_optimizer_state(optimizer, weights, plan, rank, create))
     for name, p in weights.items():
         if name not in held:                # ZeRO-3 shards of the shared engine are already in
             held[name] = (_piece(name, p, plan, rank, name), p)
@@ -131,12 +143,12 @@ class TorchTrainerState:
         engine = _zero_engine(self.step_fn)
         if engine is not None:
             engine.step_count = steps
-            return
-        optimizer = self.step_fn.optimizer
-        local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-        for state in local.state.values():
-            if "step" in state:
-                state["step"].fill_(steps)
+        optimizer = _torch_optimizer(self.step_fn)
+        if optimizer is not None:
+            local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+            for state in local.state.values():
+                if "step" in state:
+                    state["step"].fill_(steps)
 
     def rank_state(self) -> dict:
         return {"torch_rng": torch.get_rng_state().numpy().tobytes()}

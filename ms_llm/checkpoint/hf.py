@@ -1,21 +1,23 @@
-"""Hugging Face LLaMA / Qwen2 / Qwen3 export and import.
+"""Hugging Face LLaMA / Qwen2 / Qwen3 / Mixtral export and import.
 
 Canonical tensor names are Hugging Face names, so export is a copy: full tensors
 into model-0000i-of-0000n.safetensors + model.safetensors.index.json, and a config.json
 that transformers 5 reads (hf_config.py). Import wraps the HF files as a checkpoint
-source (no copy) that `reshard` lays out for any strategy.
+source (no copy; Mixtral's per-expert tensors are stacked into one staged file first) that
+`reshard` lays out for any strategy.
 """
 from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from ms_llm.checkpoint.boxes import Region
-from ms_llm.checkpoint.hf_moe import is_mixtral, mixtral_config, mixtral_names
+from ms_llm.checkpoint.hf_moe import is_mixtral, mixtral_config, mixtral_names, stack_experts
 from ms_llm.checkpoint.format import Index, ShardEntry, TensorEntry, split_optim_name
 from ms_llm.checkpoint.hf_config import hf_config, model_from_hf_config
 from ms_llm.checkpoint.reader import Checkpoint
@@ -107,8 +109,10 @@ def hf_read(ckpt: Checkpoint, name: str, expert: Optional[int]) -> np.ndarray:
     return ckpt.read(name, Region((expert,) + (0,) * (len(shape) - 1), (1,) + tuple(shape[1:])))[0]
 
 
-def hf_source(folder: str | Path) -> Checkpoint:
-    """A Hugging Face folder opened as a (read-only, checksum-less) checkpoint of full tensors."""
+def hf_source(folder: str | Path, staging: Optional[Path] = None) -> Checkpoint:
+    """A Hugging Face folder opened as a (read-only, checksum-less) checkpoint of full tensors.
+    Mixtral keeps one tensor per expert where ms_llm stacks them: its weights are first written
+    to `staging` under canonical names, experts stacked (hf_moe.stack_experts)."""
     folder = Path(folder)
     config = _read_json(folder, "config.json")
     if (folder / INDEX_NAME).is_file():
@@ -121,19 +125,36 @@ def hf_source(folder: str | Path) -> Checkpoint:
         files = [SINGLE_NAME]
     else:
         raise CheckpointError(f"{folder}: neither {INDEX_NAME} nor {SINGLE_NAME}; only safetensors weights import")
+    tensors = _file_tensors(folder, files, f"a file in {INDEX_NAME} 'weight_map'")
+    stored = {t.dtype for t in tensors.values()}
+    model = model_from_hf_config(config, str(folder / "config.json"), stored.pop() if len(stored) == 1 else None)
+    if model.moe is not None:
+        if staging is None:
+            raise CheckpointError(f"{folder}: Mixtral keeps one tensor per expert; import it with "
+                                  "`ms-llm convert-checkpoint HF_DIR DST --from hf`, which stacks them")
+        hub = Checkpoint(folder, _index(tensors, {}))
+        stack_experts(hub, layout_plan(model, ParallelStrategy(dp=1), 1).params, model.num_experts,
+                      str(confined(staging, SINGLE_NAME, "the stacked experts")))
+        hub.close()
+        folder, tensors = staging, _file_tensors(staging, [SINGLE_NAME], "the stacked experts")
+    if model.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return Checkpoint(folder, _index(tensors, {"backend": "hf", "model": to_dict(model, full=True)}))
+
+
+def _file_tensors(folder: Path, files: list[str], what: str) -> dict[str, TensorEntry]:
+    """Every tensor of the safetensors `files`, each one whole shard."""
     tensors = {}
     for fname in files:
-        spans, _, _ = read_header(str(confined(folder, fname, f"a file in {INDEX_NAME} 'weight_map'")))
+        spans, _, _ = read_header(str(confined(folder, fname, what)))
         for key, span in spans.items():
             region = Region((0,) * len(span.shape), span.shape)
             tensors[key] = TensorEntry(key, span.shape, span.dtype, "", [ShardEntry(fname, key, region, 0, ())])
-    stored = {t.dtype for t in tensors.values()}
-    model = model_from_hf_config(config, str(folder / "config.json"), stored.pop() if len(stored) == 1 else None)
-    if model.tie_embeddings:
-        tensors.pop("lm_head.weight", None)
-    index = Index(step=0, world_size=1, config={"backend": "hf", "model": to_dict(model, full=True)},
-                  state={}, rank_states={}, tensors=tensors)
-    return Checkpoint(folder, index)
+    return tensors
+
+
+def _index(tensors: dict[str, TensorEntry], config: dict) -> Index:
+    return Index(step=0, world_size=1, config=config, state={}, rank_states={}, tensors=tensors)
 
 
 def _read_json(folder: Path, name: str) -> object:
@@ -149,6 +170,9 @@ def _read_json(folder: Path, name: str) -> object:
 def import_hf(folder: str | Path, dst_root: str | Path, target=None) -> Path:
     """Write Hugging Face weights as an ms_llm checkpoint laid out for `target` (a ModelPlan;
     default one rank holding full tensors)."""
-    source = hf_source(folder)
-    target = target or layout_plan(source.model_config(), ParallelStrategy(dp=1), 1)
-    return reshard(source, dst_root, target, backend="hf")
+    dst_root = Path(dst_root)
+    dst_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".hf-stacked-", dir=dst_root) as staging:
+        source = hf_source(folder, Path(staging))
+        target = target or layout_plan(source.model_config(), ParallelStrategy(dp=1), 1)
+        return reshard(source, dst_root, target, backend="hf")

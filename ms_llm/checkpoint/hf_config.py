@@ -1,4 +1,5 @@
-"""Hugging Face config.json <-> ModelConfig for LLaMA, Qwen2 and Qwen3.
+"""Hugging Face config.json <-> ModelConfig for LLaMA, Qwen2 and Qwen3 (and Mixtral on import;
+hf_moe.mixtral_config writes its export).
 
 Import reads every field that changes the math, in both the transformers 4 spelling
 (`rope_theta`, `rope_scaling`, `torch_dtype`) and the transformers 5 one (`rope_parameters`,
@@ -12,15 +13,19 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from ms_llm.checkpoint.hf_moe import MIXTRAL, mixtral_moe
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.errors import CheckpointError, MsLlmError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Fields whose transformers default differs between the three classes.
+IMPORTABLE = (*ARCHITECTURES, MIXTRAL)
+# Fields whose transformers default differs between the classes.
 CLASS_DEFAULTS = {"llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
                   "qwen2": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 32},
-                  "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32}}
+                  "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
+                  MIXTRAL: {"max_position_embeddings": 131072, "head_dim": None, "num_key_value_heads": 8,
+                            "rope_theta": 1e6}}
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -88,7 +93,12 @@ def _check_unmodelled(cfg: dict, kind: str, where: str) -> None:
                       "it biases o_proj too; only q/k/v biases (Qwen2) are modelled")
     if kind == "llama" and cfg.get("mlp_bias", False) is not False:
         raise _refuse(where, "mlp_bias", cfg["mlp_bias"], "the MLP has no biases")
-    if kind != "llama":
+    if kind == MIXTRAL:
+        if cfg.get("sliding_window") is not None:
+            raise _refuse(where, "sliding_window", cfg["sliding_window"], "attention is full causal")
+        if cfg.get("router_jitter_noise", 0.0) not in (0, 0.0):
+            raise _refuse(where, "router_jitter_noise", cfg["router_jitter_noise"], "the router adds no noise")
+    elif kind != "llama":
         if cfg.get("use_sliding_window", False) is not False:
             raise _refuse(where, "use_sliding_window", cfg["use_sliding_window"], "attention is full causal")
         layer_types = cfg.get("layer_types") or []
@@ -96,17 +106,17 @@ def _check_unmodelled(cfg: dict, kind: str, where: str) -> None:
             raise _refuse(where, "layer_types", layer_types, "every layer has full causal attention")
 
 
-def rope_from_hf(cfg: dict, where: str, max_pos: Any) -> tuple[Any, dict]:
+def rope_from_hf(cfg: dict, where: str, max_pos: Any, default_theta: float = 10000.0) -> tuple[Any, dict]:
     """(rope_theta, our rope_scaling dict) from rope_parameters or rope_theta + rope_scaling."""
     params = cfg.get("rope_parameters")
     key = "rope_parameters"
     if params is None:
         params, key = cfg.get("rope_scaling") or {}, "rope_scaling"
-        params = {**params, "rope_theta": cfg.get("rope_theta", 10000.0)} if isinstance(params, dict) else params
+        params = {**params, "rope_theta": cfg.get("rope_theta", default_theta)} if isinstance(params, dict) else params
     if not isinstance(params, dict):
         raise CheckpointError(f"{where}: {key} is {type(params).__name__}; expected a JSON object "
                               "(one set of rope parameters for every layer)")
-    theta = params.get("rope_theta", 10000.0)
+    theta = params.get("rope_theta", default_theta)
     if key == "rope_parameters" and "rope_theta" in cfg and not cfg["rope_theta"] == theta:
         raise CheckpointError(f"{where}: rope_theta={cfg['rope_theta']!r} disagrees with {key}.rope_theta="
                               f"{theta!r}; keep one")
@@ -151,8 +161,8 @@ def model_from_hf_config(cfg: object, where: str, weights_dtype: Optional[str] =
     """The ModelConfig of a config.json, through the config schema (types, bounds, finiteness).
     `weights_dtype`: the one dtype the safetensors hold, used when config.json names none."""
     kind = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
-    if not isinstance(kind, str) or kind not in ARCHITECTURES:
-        raise CheckpointError(f"{where}: model_type {kind!r}; importable: {', '.join(map(repr, ARCHITECTURES))}")
+    if not isinstance(kind, str) or kind not in IMPORTABLE:
+        raise CheckpointError(f"{where}: model_type {kind!r}; importable: {', '.join(map(repr, IMPORTABLE))}")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if k not in cfg]
     if missing:
@@ -160,7 +170,7 @@ def model_from_hf_config(cfg: object, where: str, weights_dtype: Optional[str] =
     _check_unmodelled(cfg, kind, where)
     defaults = CLASS_DEFAULTS[kind]
     max_pos = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
-    theta, scaling = rope_from_hf(cfg, where, max_pos)
+    theta, scaling = rope_from_hf(cfg, where, max_pos, defaults.get("rope_theta", 10000.0))
     dtype_key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
     dtype = cfg.get(dtype_key) or weights_dtype
     if dtype not in DTYPES:
@@ -176,6 +186,8 @@ def model_from_hf_config(cfg: object, where: str, weights_dtype: Optional[str] =
               "qk_norm": kind == "qwen3", "dtype": dtype}
     if kind == "qwen2":
         fields.pop("head_dim")              # Qwen2 has no head_dim field: hidden_size / heads
+    if kind == MIXTRAL:
+        fields["moe"] = mixtral_moe(cfg)
     try:
         return from_dict(ModelConfig, fields, "model")
     except MsLlmError as exc:

@@ -10,8 +10,16 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from ms_llm.config.model import ModelConfig
+import numpy as np
 
+from ms_llm.checkpoint.reader import Checkpoint
+from ms_llm.checkpoint.safetensors_io import write_file
+from ms_llm.config.model import ModelConfig
+from ms_llm.errors import CheckpointError
+from ms_llm.strategy.plan import ParamPlan
+from ms_llm.zero.partition import EXPERT_KINDS
+
+MIXTRAL = "mixtral"           # config.json model_type
 # canonical stacked projection -> the Hub's per-expert weight
 EXPERT_WEIGHTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _CANONICAL = re.compile(r"^(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.(gate_proj|up_proj|down_proj)\.weight)$")
@@ -36,11 +44,40 @@ def mixtral_names(name: str, num_experts: int) -> Optional[list[str]]:
     return [f"{prefix}block_sparse_moe.experts.{e}.{EXPERT_WEIGHTS[proj]}.weight" for e in range(num_experts)]
 
 
+def mixtral_moe(cfg: dict) -> dict:
+    """model.moe of a Mixtral config.json (transformers' MixtralConfig defaults for absent keys)."""
+    return {"num_experts": cfg.get("num_local_experts", 8), "top_k": cfg.get("num_experts_per_tok", 2),
+            "aux_loss_coeff": cfg.get("router_aux_loss_coef", 0.001)}
+
+
 def mixtral_config(model: ModelConfig, dtype: str, llama: dict) -> dict:
     """config.json for transformers' MixtralForCausalLM, from the LLaMA one (`llama`)."""
     m = model.moe
     drop = ("attention_bias", "mlp_bias")
     return {**{k: v for k, v in llama.items() if k not in drop}, "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral", "num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+            "model_type": MIXTRAL, "num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k,
             "router_aux_loss_coef": m.aux_loss_coeff, "router_jitter_noise": 0.0, "sliding_window": None,
             "torch_dtype": dtype}
+
+
+def stack_experts(hub: Checkpoint, params: dict[str, ParamPlan], num_experts: int, path: str) -> None:
+    """Write the weights of Hub checkpoint `hub` to safetensors `path` under their canonical
+    names `params`, each expert projection stacked from its per-expert tensors; one stacked
+    tensor is in memory at a time."""
+    sources, entries = {}, []
+    for name, p in params.items():
+        hub_names = mixtral_names(name, num_experts) or [name]
+        missing = [h for h in hub_names if h not in hub.index.tensors]
+        if missing:
+            raise CheckpointError(f"{hub.folder}: lacks {missing[0]!r} (part of {name}); not a Mixtral checkpoint?")
+        dtypes = {hub.entry(h).dtype for h in hub_names}
+        if len(dtypes) > 1:
+            raise CheckpointError(f"{hub.folder}: the tensors of {name} mix dtypes {sorted(dtypes)}")
+        sources[name] = hub_names
+        entries.append((name, dtypes.pop(), tuple(p.shape)))
+
+    def fetch(name: str) -> np.ndarray:
+        arrays = [hub.read_full(h) for h in sources[name]]
+        return np.stack(arrays) if params[name].kind in EXPERT_KINDS else arrays[0]
+
+    write_file(path, entries, fetch)

@@ -204,12 +204,22 @@ class DecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg)
         self.add = ops.Add()
+        self.no_aux = Tensor(0.0, ms.float32)
 
     def construct(self, x, cos, sin, mask):
+        return self.with_aux(x, cos, sin, mask)[0]
+
+    def with_aux(self, x, cos, sin, mask):
+        """(output, this layer's MoE router losses; 0 for a dense layer)."""
         x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, mask))
-        return self.add(x, self.mlp(self.post_attention_layernorm(x)))
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            y, aux = self.mlp.route(h)
+            return self.add(x, y), aux
+        return self.add(x, self.mlp(h)), self.no_aux
 
 
 class Backbone(nn.Cell):
@@ -235,6 +245,7 @@ class Transformer(nn.Cell):
         cos, sin = rotary_tables(cfg)
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
         self.mask = Tensor(np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), MASK_VALUE, np.float32), 1))
+        self.no_aux = Tensor(0.0, ms.float32)
         self.use_flash = uses_flash_attention(cfg)
         if cfg.flash_attention:
             # MindFormers' flash mask: (B, 1, T, T) uint8, 1 above the diagonal; tiled over the batch
@@ -244,16 +255,21 @@ class Transformer(nn.Cell):
             self.mask_tile = ops.Tile()
 
     def construct(self, tokens):
+        return self.with_aux(tokens)[0]
+
+    def with_aux(self, tokens):
+        """(logits, the MoE layers' router losses summed)."""
         b, t = tokens.shape
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         if self.use_flash:
             mask = self.mask_tile(self.flash_mask[:, :, :t, :t], (b, 1, 1, 1))
         else:
             mask = self.mask[:t, :t]
-        x = self.model.embed_tokens(tokens)
+        x, aux = self.model.embed_tokens(tokens), self.no_aux
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask)
-        return self.lm_head(self.model.norm(x))
+            x, layer_aux = layer.with_aux(x, cos, sin, mask)
+            aux = aux + layer_aux
+        return self.lm_head(self.model.norm(x)), aux
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Same values as the torch backend for the same seed (ms_llm.init)."""
@@ -294,15 +310,19 @@ class CrossEntropy(nn.Cell):
 
 
 class LossCell(nn.Cell):
-    """(inputs, labels) (B, T) -> mean token cross-entropy."""
+    """(inputs, labels) (B, T) -> mean token cross-entropy, plus in training the MoE router losses:
+    their value (gradient stopped; it reaches the routers through moe.AuxLoss), so the loss
+    reported is torch's TrainStep's; validation (router_losses False) is cross-entropy alone, as
+    torch's evaluate."""
 
-    def __init__(self, net: Transformer):
+    def __init__(self, net: Transformer, router_losses: bool = True):
         super().__init__(auto_prefix=False)      # keep the HF parameter names
-        self.net = net
+        self.net, self.router_losses = net, router_losses
         self.loss = CrossEntropy()
         self.reshape = ops.Reshape()
 
     def construct(self, inputs, labels):
-        logits = self.net(inputs)
+        logits, aux = self.net.with_aux(inputs)
         v = logits.shape[-1]
-        return self.loss(self.reshape(logits, (-1, v)), self.reshape(labels, (-1,)))
+        loss = self.loss(self.reshape(logits, (-1, v)), self.reshape(labels, (-1,)))
+        return loss + ops.stop_gradient(aux) if self.router_losses else loss

@@ -89,6 +89,11 @@ class MoE(nn.Cell):
         self.on, self.off = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
 
     def construct(self, x):
+        return self.route(x)[0]
+
+    def route(self, x):
+        """(output, router losses): their gradient joins through AuxLoss, their value is for the
+        reported loss (model.LossCell adds it with its gradient stopped, as torch's TrainStep does)."""
         b, t, h = x.shape
         n = b * t
         tokens = x.reshape((n, h))
@@ -111,8 +116,9 @@ class MoE(nn.Cell):
             y = y + self.shared_experts(tokens)
         y = y.reshape((b, t, h))
         if self.aux_coeff > 0 or self.z_coeff > 0:
-            y = self.aux_loss(y, self.router_losses(logits, probs, chosen))
-        return y
+            aux = self.router_losses(logits, probs, chosen)
+            return self.aux_loss(y, aux), aux
+        return y, self.off
 
     def router_losses(self, logits, probs, chosen):
         """aux_coeff * E * sum_e f_e P_e + z_coeff * mean logsumexp(logits)^2 (torch_backend.moe)."""

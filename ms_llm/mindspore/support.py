@@ -28,7 +28,7 @@ ENGINES = (NONE, GRAD_REDUCER, SHARED, PARALLEL_OPTIMIZER)
 def refusals(plan: ModelPlan, machine: Machine) -> list[str]:
     """Every reason MindSpore cannot run `plan` on `machine` (empty: it can)."""
     ascend = machine.accelerator == "ascend"
-    problems = _model(plan)
+    problems = _model(plan) + _moe(plan, ascend)
     if not ascend:
         problems += _without_ascend(plan, machine)
     problems += _engine(plan, ascend)[1]
@@ -67,12 +67,29 @@ def _model(plan: ModelPlan) -> list[str]:
     s, problems = plan.strategy, []
     if s.cp > 1:
         problems += cp_refusals(plan)
-    if plan.model.moe is not None:
-        problems.append("model.moe: the MindSpore model builds MoE layers but its lowering and trainer are dense "
-                        "only; train MoE with --backend torch, or set moe: null")
     if s.pp > 1 and s.pipeline.schedule not in SCHEDULES:
         problems.append(f"strategy.pipeline.schedule: MindSpore has no {s.pipeline.schedule!r} scheduler; "
                         f"use one of {', '.join(SCHEDULES)}")
+    return problems
+
+
+def _moe(plan: ModelPlan, ascend: bool) -> list[str]:
+    """MoE trains data parallel through the compiled step (every expert on every rank); the
+    router losses' gradient is not loss-scaled there, and the shared engine does not scale it
+    per micro-batch."""
+    if plan.model.moe is None:
+        return []
+    s = plan.strategy
+    if ascend:
+        return ["model.moe: the MindSpore lowering has no MoE strategies yet (expert_parallel); train MoE with "
+                "--backend torch, or on a CPU machine data parallel"]
+    problems = []
+    if _engine(plan, ascend)[0] == SHARED:
+        problems.append("strategy.zero: MindSpore trains MoE through its compiled step only; use zero.stage 0 "
+                        "without engine 'shared' (or --backend torch for ZeRO with experts)")
+    if s.precision.loss_scale != "none":
+        problems.append(f"strategy.precision.loss_scale: {s.precision.loss_scale} does not scale the MindSpore "
+                        "MoE router losses' gradient; use float32 compute with loss_scale none, or --backend torch")
     return problems
 
 
