@@ -296,3 +296,20 @@ def test_qwen_math_in_both_layouts():
               "param_init_type": "float32", **llama3}
     r = read(yaml.safe_dump({"model": {"model_config": legacy}}), "l.yaml", "mindformers").job.model
     assert (r.rope_scaling.type, r.rope_scaling.original_max_seq_len, r.qkv_bias) == ("llama3", 8192, True)
+
+
+@pytest.mark.parametrize("change,algorithm,warned", [
+    ("", "allgather", False), ("  context_parallel_algo: ulysses_cp\n", "ulysses", False),
+    ("  context_parallel_algo: hybrid_cp\n", "allgather", True)])
+def test_context_parallel_algo_and_ring_attention(change, algorithm, warned):
+    """colossalai_cp (MindFormers' default) gathers K/V, ulysses_cp is Ulysses, use_ring_attention
+    passes K/V around a ring; hybrid_cp has no IR name and is named."""
+    conv = read(CP2_SP.replace("  context_parallel: 2\n", "  context_parallel: 2\n" + change), "cp.yaml")
+    assert conv.job.strategy.context_parallel.algorithm == algorithm
+    assert any("context_parallel_algo" in w for w in conv.warnings) is warned
+    ring = CP2_SP.replace("    use_flash_attention: True", "    use_flash_attention: True\n    use_ring_attention: True")
+    assert read(ring, "ring.yaml").job.strategy.context_parallel.algorithm == "ring"
+    with pytest.raises(ConversionError, match="use_ring_attention: ring attention runs with context_parallel_algo "
+                                              "colossalai_cp, not ulysses_cp"):
+        read(ring.replace("  context_parallel: 2\n", "  context_parallel: 2\n  context_parallel_algo: ulysses_cp\n"),
+             "ring.yaml")
