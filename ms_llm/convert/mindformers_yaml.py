@@ -136,29 +136,28 @@ def _mcore_model_config(m, s, t, warnings: list[str]) -> dict:
                         "plain rotary embeddings (GPTModel rope_scaling=False); not written, use the r1.x layout "
                         "(--to mindformers: extend_method)")
     if m.moe is not None:
-        mc.update(_mcore_moe(m))
+        mc.update(_mcore_moe(m, warnings))
     return mc
 
 
-def _mcore_moe(m) -> dict:
-    """model.moe as the flat keys MindFormers' TransformerConfig reads (mindformers_model.MOE_FIELDS);
-    first_k_dense_replace overrides moe_layer_freq there, so both together are one list."""
+def _mcore_moe(m, warnings: list[str]) -> dict:
+    """model.moe as the flat keys MindFormers' TransformerConfig reads (mindformers_model.MOE_FIELDS).
+    Qwen3MoeForCausalLM builds every layer from one MoE spec, so dense layers cannot be placed."""
     moe = m.moe
+    if moe.first_dense_layers or moe.layer_freq > 1:
+        warnings.append(f"model.moe.first_dense_layers = {moe.first_dense_layers}, model.moe.layer_freq = "
+                        f"{moe.layer_freq}: MindFormers 2.1's Qwen3MoeForCausalLM makes every layer MoE "
+                        "(first_k_dense_replace and moe_layer_freq are not used by its layer spec); not written")
     out = {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
            "moe_intermediate_size": m.expert_ffn_size, "norm_topk_prob": moe.normalize_top_k,
-           "moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_score_function": "softmax"}
+           "moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_score_function": "softmax",
+           "moe_grouped_gemm": True}                  # MindFormers 2.1 builds grouped-GEMM experts only
     if moe.shared_experts:
         out["moe_shared_expert_intermediate_size"] = moe.shared_experts * m.expert_ffn_size
     if moe.z_loss_coeff:
         out["moe_z_loss_coeff"] = moe.z_loss_coeff
     if moe.capacity_factor > 0:
         out.update(moe_expert_capacity_factor=moe.capacity_factor, moe_token_drop_policy="position")
-    if moe.first_dense_layers and moe.layer_freq > 1:
-        out["moe_layer_freq"] = [int(m.is_moe_layer(i)) for i in range(m.num_layers)]
-    elif moe.first_dense_layers:
-        out["first_k_dense_replace"] = moe.first_dense_layers
-    elif moe.layer_freq > 1:
-        out["moe_layer_freq"] = moe.layer_freq
     return out
 
 
