@@ -42,7 +42,19 @@ def _jobs() -> dict:
         out[path.stem] = from_job(job, None if job.strategy.dp > 0 else 1024, str(path))
     out.update({path.stem: load(path) for path in EXAMPLES})
     out["mindformers_qwen3_32b"] = load(ORACLES / "configs" / "qwen3" / "pretrain_qwen3_32b_4k.yaml")
+    out["moe_cp_ulysses"] = _moe_cp_job()
     return out
+
+
+def _moe_cp_job():
+    """Every model.moe field the peers hold, on a dp2 x cp2 x ep2 Ulysses job."""
+    moe = {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32, "shared_experts": 2, "normalize_top_k": False,
+           "capacity_factor": 1.5, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001, "layer_freq": 2}
+    job = job_from_dict({"name": "moe_cp", "model": {**vars(load_section("model", "tiny")), "moe": moe},
+                         "strategy": {"dp": 2, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ulysses"}},
+                         "train": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 64, "steps": 10}},
+                        ROOT / "configs")
+    return from_job(job, 4, "moe_cp")
 
 
 JOBS = _jobs()
@@ -112,6 +124,15 @@ def test_megatron_core_reads_our_arguments(name, megatron):
     assert (c["qk_layernorm"], c["add_qkv_bias"]) == (m.qk_norm, m.qkv_bias)
     assert c["gated_linear_unit"] and not c["add_bias_linear"] and c["normalization"] == "RMSNorm"
     assert c["recompute_granularity"] == {"none": None, "selective": "selective", "full": "full"}[s.recompute.policy]
+    assert c["cp_comm_type"] == {"ring": "p2p", "ulysses": "a2a", "allgather": "all_gather"}.get(
+        s.context_parallel.algorithm) if s.cp > 1 else c["cp_comm_type"] is None
+    if m.moe is not None:
+        shared = m.moe.shared_experts * m.expert_ffn_size or None
+        assert (c["num_moe_experts"], c["moe_router_topk"], c["moe_ffn_hidden_size"], c["moe_shared_expert_intermediate_size"],
+                not c["moe_router_pre_softmax"], c["moe_aux_loss_coeff"], c["moe_z_loss_coeff"],
+                c["moe_expert_capacity_factor"], c["moe_layer_freq"], c["expert_model_parallel_size"]) == \
+            (m.moe.num_experts, m.moe.top_k, m.expert_ffn_size, shared, m.moe.normalize_top_k, m.moe.aux_loss_coeff,
+             m.moe.z_loss_coeff, m.moe.capacity_factor, m.moe.layer_freq, s.ep)
 
 
 # ---- DeepSpeed: DeepSpeedConfig with the job's data-parallel size ------------------------------------
