@@ -3,8 +3,9 @@ PYTHONPATH=.oracles (megatron-core 0.16.1 ships the config classes, not Megatron
 
 argv[1]: a JSON file {name: {flag: value or true}}. Each argument list becomes TransformerConfig
 keywords the way Megatron-LM's core_transformer_config_from_args builds them (every field whose
-name is an argument, --num-experts as num_moe_experts, --bf16/--fp16 as params_dtype and pipeline_dtype, --swiglu as a gated SiLU,
---num-layers-per-virtual-pipeline-stage as virtual stages); its __post_init__ checks them.
+name is an argument, --num-experts as num_moe_experts, --bf16/--fp16 as params_dtype and
+pipeline_dtype, --swiglu as a gated SiLU, --num-layers-per-virtual-pipeline-stage as virtual
+stages); its __post_init__ checks them.
 argv[2]: JSON out, {name: {"ok": fields read back} or {"error": message}}.
 """
 from __future__ import annotations

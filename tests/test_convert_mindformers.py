@@ -307,7 +307,8 @@ def test_context_parallel_algo_and_ring_attention(change, algorithm, warned):
     conv = read(CP2_SP.replace("  context_parallel: 2\n", "  context_parallel: 2\n" + change), "cp.yaml")
     assert conv.job.strategy.context_parallel.algorithm == algorithm
     assert any("context_parallel_algo" in w for w in conv.warnings) is warned
-    ring = CP2_SP.replace("    use_flash_attention: True", "    use_flash_attention: True\n    use_ring_attention: True")
+    flash = "    use_flash_attention: True"
+    ring = CP2_SP.replace(flash, flash + "\n    use_ring_attention: True")
     assert read(ring, "ring.yaml").job.strategy.context_parallel.algorithm == "ring"
     with pytest.raises(ConversionError, match="use_ring_attention: ring attention runs with context_parallel_algo "
                                               "colossalai_cp, not ulysses_cp"):

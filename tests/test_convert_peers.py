@@ -128,9 +128,10 @@ def test_megatron_core_reads_our_arguments(name, megatron):
         s.context_parallel.algorithm) if s.cp > 1 else c["cp_comm_type"] is None
     if m.moe is not None:
         shared = m.moe.shared_experts * m.expert_ffn_size or None
-        assert (c["num_moe_experts"], c["moe_router_topk"], c["moe_ffn_hidden_size"], c["moe_shared_expert_intermediate_size"],
-                not c["moe_router_pre_softmax"], c["moe_aux_loss_coeff"], c["moe_z_loss_coeff"],
-                c["moe_expert_capacity_factor"], c["moe_layer_freq"], c["expert_model_parallel_size"]) == \
+        assert (c["num_moe_experts"], c["moe_router_topk"], c["moe_ffn_hidden_size"],
+                c["moe_shared_expert_intermediate_size"], not c["moe_router_pre_softmax"], c["moe_aux_loss_coeff"],
+                c["moe_z_loss_coeff"], c["moe_expert_capacity_factor"], c["moe_layer_freq"],
+                c["expert_model_parallel_size"]) == \
             (m.moe.num_experts, m.moe.top_k, m.expert_ffn_size, shared, m.moe.normalize_top_k, m.moe.aux_loss_coeff,
              m.moe.z_loss_coeff, m.moe.capacity_factor, m.moe.layer_freq, s.ep)
 

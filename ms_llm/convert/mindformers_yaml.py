@@ -128,7 +128,8 @@ def _mcore_model_config(m, s, t, warnings: list[str]) -> dict:
                 "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "swiglu",
                 "max_position_embeddings": m.max_seq_len, "seq_length": t.seq_len, "rms_norm_eps": m.norm_eps,
                 "tie_word_embeddings": m.tie_embeddings, "rope_theta": m.rope_theta, "position_embedding_type": "rope",
-                "attention_bias": m.qkv_bias, "add_bias_linear": False, "qk_layernorm": m.qk_norm or arch[0] == "qwen3_moe",
+                "attention_bias": m.qkv_bias, "add_bias_linear": False,
+                "qk_layernorm": m.qk_norm or arch[0] == "qwen3_moe",
                 "use_flash_attention": m.flash_attention or s.cp > 1, "params_dtype": _stored_dtype(p, warnings),
                 "compute_dtype": p.compute_dtype, **_pipeline_keys(m, s)}
     if m.rope_scaling.type != "default":
