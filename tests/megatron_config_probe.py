@@ -3,8 +3,9 @@ PYTHONPATH=.oracles (megatron-core 0.16.1 ships the config classes, not Megatron
 
 argv[1]: a JSON file {name: {flag: value or true}}. Each argument list becomes TransformerConfig
 keywords the way Megatron-LM's core_transformer_config_from_args builds them (every field whose
-name is an argument, --bf16/--fp16 as params_dtype and pipeline_dtype, --swiglu as a gated SiLU,
---num-layers-per-virtual-pipeline-stage as virtual stages); its __post_init__ checks them.
+name is an argument, --num-experts as num_moe_experts, --bf16/--fp16 as params_dtype and
+pipeline_dtype, --swiglu as a gated SiLU, --num-layers-per-virtual-pipeline-stage as virtual
+stages); its __post_init__ checks them.
 argv[2]: JSON out, {name: {"ok": fields read back} or {"error": message}}.
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ def config(flags: dict) -> TransformerConfig:
         kw.update(gated_linear_unit=True, activation_func=F.silu)
     if args.get("disable_bias_linear"):
         kw["add_bias_linear"] = False
+    if "num_experts" in args:
+        kw["num_moe_experts"] = args["num_experts"]
     if not args.get("group_query_attention"):
         kw.pop("num_query_groups", None)
     if "num_layers_per_virtual_pipeline_stage" in args:
@@ -59,7 +62,10 @@ def main(cases: dict) -> dict:
             "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
             "expert_model_parallel_size", "sequence_parallel", "virtual_pipeline_model_parallel_size",
             "recompute_granularity", "recompute_method", "recompute_num_layers", "gated_linear_unit",
-            "add_bias_linear", "add_qkv_bias", "qk_layernorm", "normalization", "bf16", "fp16")}}
+            "add_bias_linear", "add_qkv_bias", "qk_layernorm", "normalization", "bf16", "fp16", "cp_comm_type",
+            "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+            "moe_router_pre_softmax", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+            "moe_layer_freq")}}
     return out
 
 

@@ -23,6 +23,13 @@ from mindspore.communication import init
 MODES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
 
 
+# TransformerConfig fields that carry model.moe, the expert-parallel degree and the cp algorithm.
+MOE_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+            "norm_topk_prob", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+            "first_k_dense_replace", "moe_layer_freq", "expert_model_parallel_size", "context_parallel_algo",
+            "use_ring_attention")
+
+
 def check(path: str, build: bool) -> dict:
     from mindformers.core.context.build_context import MFContextOperator, is_legacy_model
     from mindformers.core.parallel_config import build_parallel_config
@@ -51,6 +58,7 @@ def check(path: str, build: bool) -> dict:
     out["layers_per_stage"] = setting.layer_list.tolist()
     out["degrees"] = [transformer.data_parallel_size, transformer.tensor_model_parallel_size,
                       transformer.pipeline_model_parallel_size, transformer.context_parallel_size]
+    out["moe"] = {key: getattr(transformer, key, None) for key in MOE_KEYS}
     if not build:
         return out
     for key in ("data_parallel", "model_parallel", "pipeline_stage", "context_parallel", "expert_parallel",
@@ -62,13 +70,15 @@ def check(path: str, build: bool) -> dict:
     cfg.model.model_config.pp_interleave_num = 1
     ms.reset_auto_parallel_context()
     build_parallel_config(cfg)
-    if cfg.model.model_config.model_type == "qwen3":
-        # Qwen3ForCausalLM.__new__ asks MindFormers' global Context for the mode, whose first build pins
-        # CPU affinity per device and divides by zero on a CPU-only host: build the class it returns in
-        # graph mode from the same converted config.
+    if cfg.model.model_config.model_type in ("qwen3", "qwen3_moe"):
+        # Qwen3ForCausalLM.__new__ (and Qwen3MoeForCausalLM's) asks MindFormers' global Context for the
+        # mode, whose first build pins CPU affinity per device and divides by zero on a CPU-only host:
+        # build the class it returns in graph mode from the same converted config.
         from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
-        net = TrainingQwen3ForCausalLM(get_model_config(cfg.model, default_args={"parallel_config":
-                                                                                  cfg.parallel_config}))
+        from mindformers.models.qwen3_moe.modeling_qwen3_moe_train import TrainingQwen3MoeForCausalLM
+        train = {"qwen3": TrainingQwen3ForCausalLM, "qwen3_moe": TrainingQwen3MoeForCausalLM}
+        net = train[cfg.model.model_config.model_type](get_model_config(cfg.model, default_args={
+            "parallel_config": cfg.parallel_config}))
     else:
         net = build_network(cfg.model, default_args={"parallel_config": cfg.parallel_config})
     out["model"] = type(net).__name__

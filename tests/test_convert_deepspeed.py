@@ -79,3 +79,17 @@ def test_fp16_pipeline_hybrid_and_autotp():
     assert (s.precision.loss_scale, s.precision.initial_loss_scale) == ("dynamic", 4096.0)
     assert (s.recompute.policy, s.zero.shard_size) == ("full", 2)
     assert any("partition" in w for w in conv.warnings)                 # "parameters" read as uniform
+
+
+def test_ulysses_and_autoep():
+    """sequence_parallel_size is DeepSpeed-Ulysses: cp with the ulysses algorithm; AutoEP's
+    autoep_size is ep, for an MoE --model only."""
+    moe = load_section("model", "tiny_moe")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+           "expert_parallel": {"enabled": True, "autoep_size": 2, "top_k": "auto"}}
+    conv = read(json.dumps(cfg), "ds.json", options=ReadOptions(world_size=8, model=moe))
+    s = conv.job.strategy
+    assert (s.dp, s.cp, s.ep, s.context_parallel.algorithm) == (4, 2, 2, "ulysses")
+    assert not any("sequence_parallel_size" in w or "expert_parallel" in w for w in conv.warnings)
+    with pytest.raises(ConversionError, match="ds.json: expert_parallel.enabled: AutoEP needs an MoE model"):
+        _read(cfg)

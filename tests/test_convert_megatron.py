@@ -103,6 +103,50 @@ def test_qwen_arguments_and_weighted_data_read_and_write_back():
         read(ARGS + " --data-path 0.3 /data/a /data/b", "p.args", options=ReadOptions(world_size=32))
 
 
+MOE_ARGS = ("--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024 --expert-model-parallel-size 4 "
+            "--moe-shared-expert-intermediate-size 2048 --moe-router-pre-softmax --moe-aux-loss-coeff 1e-3 "
+            "--moe-z-loss-coeff 1e-4 --moe-expert-capacity-factor 1.25 --moe-token-drop-policy position "
+            "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --context-parallel-size 2 ")
+
+
+@pytest.mark.parametrize("extra,layers", [
+    ("--moe-layer-freq 2", (2, 0)), ("--moe-layer-freq '([0]*2+[1]*30)'", (1, 2)),
+    ("--moe-layer-freq [0,0]+[1,0]*15", (2, 2)), ("", (1, 0))])
+def test_moe_and_cp_flags_are_model_moe_and_the_algorithm(extra, layers):
+    """Megatron's MoE flags and layer patterns read into model.moe, --cp-comm-type into the
+    algorithm (p2p, Megatron's default, is ring); the script we write reads back the same."""
+    conv = read(ARGS + MOE_ARGS + extra, "moe.args", options=ReadOptions(world_size=64))
+    m, s = conv.job.model, conv.job.strategy
+    assert (m.moe.num_experts, m.moe.top_k, m.moe.expert_ffn_hidden_size, m.moe.shared_experts) == (8, 2, 1024, 2)
+    assert (m.moe.normalize_top_k, m.moe.aux_loss_coeff, m.moe.z_loss_coeff, m.moe.capacity_factor) == \
+        (False, 1e-3, 1e-4, 1.25)
+    assert (m.moe.layer_freq, m.moe.first_dense_layers) == layers and m.ffn_hidden_size == 14336
+    assert (s.cp, s.ep, s.context_parallel.algorithm) == (2, 4, "ring") and conv.warnings == []
+    written = dump(conv, "megatron")
+    assert written.warnings == []
+    back = read(written.text, "moe.sh")
+    assert back.job.model == m and back.job.strategy == s
+
+
+@pytest.mark.parametrize("kind,algorithm,warned", [
+    ("p2p", "ring", False), ("a2a", "ulysses", False), ("all_gather", "allgather", False),
+    ("a2a+p2p", "ring", True), ("a2a p2p", "ulysses", True)])
+def test_cp_comm_type(kind, algorithm, warned):
+    conv = read(ARGS + f"--context-parallel-size 2 --cp-comm-type {kind}", "cp.args",
+                options=ReadOptions(world_size=64))
+    assert conv.job.strategy.context_parallel.algorithm == algorithm
+    assert any(w.startswith("--cp-comm-type") for w in conv.warnings) is warned
+
+
+@pytest.mark.parametrize("pattern,message", [
+    ("[1]*31", "is not a 0/1 flag for each of the 32 layers"),
+    ("[1,0,0]+[1]*29", "leading dense layers, then every N-th layer"),
+    ("[__import__('os')]", "expected an integer or a list expression"), ("two", "expected an integer")])
+def test_unreadable_moe_layer_patterns_name_the_flag(pattern, message):
+    with pytest.raises(ConversionError, match=f"--moe-layer-freq: .*{message}"):
+        read(ARGS + MOE_ARGS + f"--moe-layer-freq \"{pattern}\"", "moe.args", options=ReadOptions(world_size=64))
+
+
 @pytest.mark.parametrize("change,message", [
     ("--bf16", "--fp16: given together with --bf16"),
     ("--recompute-method block", "--recompute-granularity: full needs --recompute-method"),

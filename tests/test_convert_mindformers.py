@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ms_llm.config.model import MoEConfig
 from ms_llm.convert import ConversionError, ReadOptions, dump, from_job, load, read
 from ms_llm.convert.mindformers import mindformers_ffn
 from ms_llm.errors import ConfigError
@@ -200,8 +201,8 @@ def test_every_shipped_pretrain_config_converts_or_names_the_key(path):
             load(path, "mindformers", _shipped_options(path))
         return
     conv = load(path, "mindformers", _shipped_options(path))
-    # each layout keeps every model field it does not warn about (2.x writes dense models until model.moe lands)
-    for fmt in ("mindformers",) + (() if conv.job.model.num_experts else ("mindformers2",)):
+    # each layout keeps every model field it does not warn about
+    for fmt in ("mindformers", "mindformers2"):
         out = dump(conv, fmt)
         back = read(out.text, "back.yaml", "mindformers")
         lost = {w.split(" ")[0].rstrip(":").split(".")[1] for w in out.warnings if w.startswith("model.")}
@@ -228,14 +229,17 @@ def test_qwen3_32b_2x_layout():
     assert "overrides optimizer.learning_rate" not in text        # 2.x gives the rate in lr_schedule only
 
 
-def test_moe_keys_are_named_one_by_one():
+def test_qwen3_moe_reads_model_moe_and_names_the_routing_it_cannot_express():
     conv = load(SHIPPED / "qwen3_moe" / "pretrain_qwen3_30b_a3b_4k.yaml", "mindformers")
     m, s = conv.job.model, conv.job.strategy
-    assert (m.num_experts, m.moe_top_k, m.ffn_hidden_size, s.ep) == (128, 8, 768, 1)
+    assert (m.ffn_hidden_size, s.ep) == (6144, 1)
+    assert m.moe == MoEConfig(num_experts=128, top_k=8, expert_ffn_hidden_size=768, normalize_top_k=False,
+                              aux_loss_coeff=0.001)
     text = "\n".join(conv.warnings)
     assert "parallel_config.expert_parallel = 4: experts spread over tensor-parallel ranks" in text
-    for key in ("norm_topk_prob", "routed_scaling_factor", "moe_router_load_balancing_type"):
-        assert f"model.model_config.{key} = " in text and "not yet expressible (model.moe)" in text
+    unread = next(w for w in conv.warnings if w.startswith("model.model_config:"))
+    assert "routed_scaling_factor = 1.5" in unread and "moe_router_load_balancing_type = 'gbs_aux_loss'" in unread
+    assert "norm_topk_prob" not in text and "router_aux_loss_coef" not in text     # read, or the same value
     assert (m.head_dim, m.qk_norm) == (128, True)                                  # not 2048 / 32 = 64
 
 
@@ -292,3 +296,21 @@ def test_qwen_math_in_both_layouts():
               "param_init_type": "float32", **llama3}
     r = read(yaml.safe_dump({"model": {"model_config": legacy}}), "l.yaml", "mindformers").job.model
     assert (r.rope_scaling.type, r.rope_scaling.original_max_seq_len, r.qkv_bias) == ("llama3", 8192, True)
+
+
+@pytest.mark.parametrize("change,algorithm,warned", [
+    ("", "allgather", False), ("  context_parallel_algo: ulysses_cp\n", "ulysses", False),
+    ("  context_parallel_algo: hybrid_cp\n", "allgather", True)])
+def test_context_parallel_algo_and_ring_attention(change, algorithm, warned):
+    """colossalai_cp (MindFormers' default) gathers K/V, ulysses_cp is Ulysses, use_ring_attention
+    passes K/V around a ring; hybrid_cp has no IR name and is named."""
+    conv = read(CP2_SP.replace("  context_parallel: 2\n", "  context_parallel: 2\n" + change), "cp.yaml")
+    assert conv.job.strategy.context_parallel.algorithm == algorithm
+    assert any("context_parallel_algo" in w for w in conv.warnings) is warned
+    flash = "    use_flash_attention: True"
+    ring = CP2_SP.replace(flash, flash + "\n    use_ring_attention: True")
+    assert read(ring, "ring.yaml").job.strategy.context_parallel.algorithm == "ring"
+    with pytest.raises(ConversionError, match="use_ring_attention: ring attention runs with context_parallel_algo "
+                                              "colossalai_cp, not ulysses_cp"):
+        read(ring.replace("  context_parallel: 2\n", "  context_parallel: 2\n  context_parallel_algo: ulysses_cp\n"),
+             "ring.yaml")

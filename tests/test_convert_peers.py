@@ -42,7 +42,19 @@ def _jobs() -> dict:
         out[path.stem] = from_job(job, None if job.strategy.dp > 0 else 1024, str(path))
     out.update({path.stem: load(path) for path in EXAMPLES})
     out["mindformers_qwen3_32b"] = load(ORACLES / "configs" / "qwen3" / "pretrain_qwen3_32b_4k.yaml")
+    out["moe_cp_ulysses"] = _moe_cp_job()
     return out
+
+
+def _moe_cp_job():
+    """Every model.moe field the peers hold, on a dp2 x cp2 x ep2 Ulysses job."""
+    moe = {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32, "shared_experts": 2, "normalize_top_k": False,
+           "capacity_factor": 1.5, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001, "layer_freq": 2}
+    job = job_from_dict({"name": "moe_cp", "model": {**vars(load_section("model", "tiny")), "moe": moe},
+                         "strategy": {"dp": 2, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ulysses"}},
+                         "train": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 64, "steps": 10}},
+                        ROOT / "configs")
+    return from_job(job, 4, "moe_cp")
 
 
 JOBS = _jobs()
@@ -53,15 +65,20 @@ TINY = {"dp2_tp2_pp2_sp_zero3_uneven": ({"dp": 2, "tp": 2, "pp": 2, "sequence_pa
         "tp2_pp2_vpp2_zero2": ({"dp": 1, "tp": 2, "pp": 2, "zero": {"stage": 2},
                                 "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}, 4),
         "dp2_cp2_flash_zero1": ({"dp": 2, "cp": 2, "zero": {"stage": 1}}, 4),
-        "qwen3_tp2_bias_head_dim": ({"dp": 1, "tp": 2}, 2)}
+        "qwen3_tp2_bias_head_dim": ({"dp": 1, "tp": 2}, 2),
+        "qwen3_moe_dp2_cp2_ep2_ring": ({"dp": 2, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ring"}}, 4)}
 # Qwen3's q/k norms, Qwen2's q/k/v biases and a head_dim apart from hidden / heads, on the tiny model.
 QWEN = {"qk_norm": True, "qkv_bias": True, "head_dim": 64}
+# Fine-grained routed experts, a shared one, capacity, z-loss and raw top-k weights (Qwen3-MoE has q/k norms).
+MOE = {"qk_norm": True, "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 32, "shared_experts": 1,
+                                "normalize_top_k": False, "capacity_factor": 1.5, "z_loss_coeff": 0.001}}
 
 
 def _tiny(name: str):
     strategy, world = TINY[name]
     flash = strategy.get("cp", 1) > 1
-    model = {**vars(load_section("model", "tiny")), "flash_attention": flash, **(QWEN if "qwen" in name else {})}
+    extra = MOE if "moe" in name else QWEN if "qwen" in name else {}
+    model = {**vars(load_section("model", "tiny")), "flash_attention": flash, **extra}
     job = job_from_dict({"name": name, "model": model,
                          "device": "910b", "backend": "mindspore", "strategy": strategy,
                          "train": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 64, "steps": 10,
@@ -107,6 +124,16 @@ def test_megatron_core_reads_our_arguments(name, megatron):
     assert (c["qk_layernorm"], c["add_qkv_bias"]) == (m.qk_norm, m.qkv_bias)
     assert c["gated_linear_unit"] and not c["add_bias_linear"] and c["normalization"] == "RMSNorm"
     assert c["recompute_granularity"] == {"none": None, "selective": "selective", "full": "full"}[s.recompute.policy]
+    assert c["cp_comm_type"] == {"ring": "p2p", "ulysses": "a2a", "allgather": "all_gather"}.get(
+        s.context_parallel.algorithm) if s.cp > 1 else c["cp_comm_type"] is None
+    if m.moe is not None:
+        shared = m.moe.shared_experts * m.expert_ffn_size or None
+        assert (c["num_moe_experts"], c["moe_router_topk"], c["moe_ffn_hidden_size"],
+                c["moe_shared_expert_intermediate_size"], not c["moe_router_pre_softmax"], c["moe_aux_loss_coeff"],
+                c["moe_z_loss_coeff"], c["moe_expert_capacity_factor"], c["moe_layer_freq"],
+                c["expert_model_parallel_size"]) == \
+            (m.moe.num_experts, m.moe.top_k, m.expert_ffn_size, shared, m.moe.normalize_top_k, m.moe.aux_loss_coeff,
+             m.moe.z_loss_coeff, m.moe.capacity_factor, m.moe.layer_freq, s.ep)
 
 
 # ---- DeepSpeed: DeepSpeedConfig with the job's data-parallel size ------------------------------------
@@ -200,6 +227,13 @@ def _expected_parameters(m) -> dict:
         if m.qk_norm:
             out.update({p + "self_attention.q_layernorm.weight": [m.head_dim],
                         p + "self_attention.k_layernorm.weight": [m.head_dim]})
+        if m.moe is not None:        # grouped-GEMM experts: gate/up of every expert in weight1, down in weight2
+            e, fe, shared = m.moe.num_experts, m.expert_ffn_size, m.moe.shared_experts * m.expert_ffn_size
+            del out[p + "mlp.linear_fc1.weight"], out[p + "mlp.linear_fc2.weight"]
+            out.update({p + "mlp.router.weight": [e, h], p + "mlp.router.fi_accu": [e],
+                        p + "mlp.experts.weight1": [e * h, 2 * fe], p + "mlp.experts.weight2": [e * fe, h],
+                        p + "mlp.shared_experts.linear_fc1.weight": [2 * shared, h],
+                        p + "mlp.shared_experts.linear_fc2.weight": [h, shared]})
     return out
 
 
@@ -207,9 +241,21 @@ def _expected_parameters(m) -> dict:
 def test_mindformers_builds_the_2x_yaml_we_write(name, mindformers):
     result, conv = mindformers[name], _tiny(name)
     s, m = conv.job.strategy, conv.job.model
-    arch = "TrainingQwen3ForCausalLM" if m.qk_norm else "TrainingTeleChat3ForCausalLM"
+    arch = "TrainingQwen3MoeForCausalLM" if m.moe else "TrainingQwen3ForCausalLM" if m.qk_norm else \
+        "TrainingTeleChat3ForCausalLM"
     assert result["use_legacy"] is False and result["model"] == arch
     assert result["degrees"] == [s.dp, s.tp, s.pp, s.cp]
+    algorithm = {"ring": ("colossalai_cp", True), "allgather": ("colossalai_cp", False),
+                 "ulysses": ("ulysses_cp", False)}.get(s.context_parallel.algorithm, ("colossalai_cp", False))
+    moe = result["moe"]
+    assert (moe["context_parallel_algo"], moe["use_ring_attention"]) == algorithm
+    if m.moe is not None:           # MindFormers' TransformerConfig holds every model.moe field we write
+        shared = m.moe.shared_experts * m.expert_ffn_size or None
+        assert (moe["num_moe_experts"], moe["moe_router_topk"], moe["moe_ffn_hidden_size"],
+                moe["moe_shared_expert_intermediate_size"], moe["norm_topk_prob"], moe["moe_aux_loss_coeff"],
+                moe["moe_z_loss_coeff"], moe["moe_expert_capacity_factor"], moe["expert_model_parallel_size"]) == \
+            (m.moe.num_experts, m.moe.top_k, m.expert_ffn_size, shared, m.moe.normalize_top_k, m.moe.aux_loss_coeff,
+             m.moe.z_loss_coeff, m.moe.capacity_factor, s.ep)
     chunks = s.pp * s.pipeline.virtual_stages
     split = list(s.pipeline.layer_split or [m.num_layers // chunks] * chunks)
     assert result["layers_per_stage"] == [split[v * s.pp:(v + 1) * s.pp] for v in range(s.pipeline.virtual_stages)]

@@ -1,5 +1,6 @@
 """X -> ms_llm -> X keeps every IR field; every cross conversion either keeps a field or says so in
 a warning; cross conversions produce what a practitioner would write by hand."""
+import dataclasses
 import json
 import math
 import tomllib
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ms_llm.config.job import load_job, load_section
+from ms_llm.config.job import job_from_dict, load_job, load_section
 from ms_llm.config.schema import to_dict
 from ms_llm.convert import (FORMATS, ConversionError, ReadOptions, convert, detect_format, dump, from_job, load,
                             read)
@@ -203,3 +204,51 @@ def test_flash_attention_to_torchtitan_is_reported_not_dropped():
     assert "flash" not in text
     assert "write: model.flash_attention = True: torchtitan's attention is SDPA, which picks the flash kernel itself; " \
         "no field written" in warnings
+
+
+# Every model.moe field away from its default, on the tiny model (q/k norms: MindFormers 2.x's MoE model has them).
+MOE = {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 32, "shared_experts": 1, "normalize_top_k": False,
+       "capacity_factor": 1.5, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001, "first_dense_layers": 1}
+ALGORITHMS = ("ring", "ulysses", "allgather")
+# The algorithms each format names (DeepSpeed runs Ulysses; torchtitan 0.3 gathers K/V, v0.2.x also rings) and
+# the formats whose files hold model.moe (DeepSpeed and torchtitan take the model from --model / the flavor).
+NAMES_CP = {"ms_llm": ALGORITHMS, "megatron": ALGORITHMS, "mindformers": ALGORITHMS, "mindformers2": ALGORITHMS,
+            "deepspeed": ("ulysses",), "torchtitan": ("allgather",), "torchtitan_toml": ("ring", "allgather")}
+HOLDS_MOE = ("ms_llm", "megatron", "mindformers", "mindformers2")
+
+
+def _moe_cp_job(algorithm: str):
+    job = load_job(Path(__file__).parents[1] / "configs" / "train" / "tiny_torch_dp2.yaml")
+    model = {**to_dict(job.model), "moe": MOE, "qk_norm": True, "flash_attention": True}
+    strategy = {"dp": 2, "cp": 2, "ep": 2, "context_parallel": {"algorithm": algorithm}}
+    data = {"name": "moe_cp", "model": model, "strategy": strategy, "train": to_dict(job.train), "device": "h100"}
+    return from_job(job_from_dict(data), 4)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cp_algorithm_and_moe_survive_or_are_named(fmt, algorithm):
+    """Each format keeps the context-parallel algorithm and model.moe where it can say them, and
+    names them in a warning where it cannot."""
+    conv = _moe_cp_job(algorithm)
+    out = dump(conv, fmt)
+    given = None if fmt in HOLDS_MOE else conv.job.model        # read the file's own model where it has one
+    back = read(out.text, "converted" + SUFFIX[fmt], fmt, ReadOptions(world_size=4, model=given))
+    s = back.job.strategy
+    assert (s.cp, s.ep) == (2, 2)
+    named = [w for w in out.warnings if "strategy.context_parallel.algorithm" in w]
+    assert (s.context_parallel.algorithm == algorithm) is (algorithm in NAMES_CP[fmt]) is not bool(named)
+    if fmt in HOLDS_MOE:
+        # MindFormers' LLaMA (r1.x) and Qwen3MoeForCausalLM (2.x) make every layer MoE
+        want = dataclasses.replace(conv.job.model.moe, first_dense_layers=0) if fmt.startswith("mindformers") else \
+            conv.job.model.moe
+        assert back.job.model.moe == want
+    _assert_explained(differences(ir(conv), ir(back)), out.warnings, f"moe cp {algorithm} -> {fmt}")
+
+
+def test_auto_cp_algorithm_is_written_as_the_cost_models_pick():
+    conv = _moe_cp_job("auto")
+    out = dump(conv, "megatron")
+    pick = next(w for w in out.warnings if w.startswith("strategy.context_parallel.algorithm = auto"))
+    algorithm = read(out.text, "x.sh", "megatron", ReadOptions(world_size=4)).job.strategy.context_parallel.algorithm
+    assert algorithm in ALGORITHMS and f", {algorithm}, is written" in pick

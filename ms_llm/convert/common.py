@@ -187,6 +187,20 @@ def annotate(problem: str, sources: dict[str, str]) -> str:
     return problem
 
 
+def cp_algorithm(job: JobConfig, target: str, warnings: list[str]) -> str:
+    """The context-parallel algorithm a writer names: the job's, or for 'auto' (with cp > 1) the cost
+    model's pick on the job's device, said in a warning since the target file has no 'auto'."""
+    from ms_llm.strategy.cost import cp_algorithm as pick, shape_of
+    from ms_llm.strategy.devices import get_device
+    s = job.strategy
+    if s.context_parallel.algorithm != "auto" or s.cp == 1:
+        return s.context_parallel.algorithm
+    chosen = pick(shape_of(job.model, s, job.train), get_device(job.device))
+    warnings.append(f"strategy.context_parallel.algorithm = auto: {target} names one; the cost model's pick on "
+                    f"{job.device}, {chosen}, is written")
+    return chosen
+
+
 def make_job(fields: Fields, *, name: str, model: ModelConfig | dict, strategy: dict, train: dict,
              device: str = "h100", backend: str = "torch") -> JobConfig:
     """JobConfig from plain sections; a range or type error names the IR field and the source key."""

@@ -1,8 +1,10 @@
 """DeepSpeed JSON config <-> IR.
 
 A DeepSpeed config holds no model shape (pass --model) and no sequence length. Its degrees are
-`tensor_parallel.autotp_size`, `pipeline.stages` and `sequence_parallel_size` (Ulysses, read as
-context parallel); dp is the rest of the world. The batch triple is resolved as DeepSpeed's
+`tensor_parallel.autotp_size`, `pipeline.stages`, `sequence_parallel_size` (DeepSpeed-Ulysses:
+context parallel with the ulysses algorithm) and AutoEP's `expert_parallel.autoep_size` (ep; the
+experts are the --model's: DeepSpeed MoE layers are built in model code, not in the config); dp
+is the rest of the world. The batch triple is resolved as DeepSpeed's
 config.py does: train_batch_size = micro_batch * gradient_accumulation * dp, any two give the
 third, one alone means gradient_accumulation_steps = 1; with all three given and no --world-size,
 dp (hence the world size) follows from them. Absent keys take DeepSpeed's defaults: no gradient
@@ -43,9 +45,6 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
         stages = 1
     pp = f.get("pipeline.stages", int) if stages != 1 else 1
     cp = f.get("sequence_parallel_size", int, 1, ir="strategy.cp")
-    if cp > 1:
-        warnings.append(f"sequence_parallel_size = {cp} (Ulysses all-to-all) read as context parallel cp = {cp} "
-                        "(ms_llm splits the sequence with ring attention)")
     world = options.world_size
     dp = None
     if world:
@@ -55,7 +54,8 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
         dp = world // (tp * pp * cp)
     gbs, mbs, dp = _batch(f, dp, warnings)
     world = dp * tp * pp * cp
-    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": _zero(f, warnings),
+    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": _expert_parallel(f, model),
+                "context_parallel": {"algorithm": "ulysses" if cp > 1 else "auto"}, "zero": _zero(f, warnings),
                 "precision": _precision(f), "recompute": _recompute(f, warnings)}
     strategy["offload"] = strategy["zero"].pop("offload")
     if pp > 1 and f.get("pipeline.partition", str, "best") != "uniform":
@@ -73,6 +73,17 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     job = make_job(f, name=source.rsplit("/", 1)[-1].rsplit(".", 1)[0], model=model_dict, strategy=strategy,
                    train=train, device=options.device or "h100")
     return Converted(job, world, warnings + f.unused(), f.sources)
+
+
+def _expert_parallel(f: Fields, model) -> int:
+    """AutoEP's expert_parallel section: autoep_size is ep; the experts themselves are the model's
+    (--model), which a DeepSpeed config does not describe."""
+    if not f.get("expert_parallel.enabled", bool, False, ir="strategy.ep"):
+        return 1
+    if model.moe is None:
+        raise f.error("expert_parallel.enabled", f"AutoEP needs an MoE model; --model {model.name} is dense")
+    f.accept_usual({"top_k": ("auto", model.moe.top_k)}, "expert_parallel.")
+    return f.get("expert_parallel.autoep_size", int, 1, ir="strategy.ep")
 
 
 def _batch_value(f: Fields, key: str, warnings: list[str]) -> int | None:
@@ -228,6 +239,7 @@ def write(job: JobConfig, world_size: int) -> Written:
     warnings = [f"model: a DeepSpeed config holds no model shape; read it back with --model (here {m.name})",
                 f"train.seq_len = {t.seq_len}: a DeepSpeed config holds no sequence length"]
     expressed = {"model", "train.seq_len", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp",
+                 "strategy.context_parallel", "strategy.ep",
                  "strategy.pipeline.micro_batches", "strategy.zero", "strategy.offload", "strategy.precision",
                  "strategy.recompute.policy", "train.global_batch_size", "train.micro_batch_size", "train.log_every",
                  "train.optimizer", "train.schedule", "train.steps"}
@@ -248,8 +260,11 @@ def write(job: JobConfig, world_size: int) -> Written:
         out["tensor_parallel"] = {"autotp_size": s.tp}
     if s.cp > 1:
         out["sequence_parallel_size"] = s.cp
-        warnings.append(f"strategy.cp = {s.cp}: written as DeepSpeed-Ulysses sequence_parallel_size (all-to-all "
-                        "over heads instead of ring attention)")
+        if s.context_parallel.algorithm != "ulysses":
+            warnings.append(f"strategy.context_parallel.algorithm = {s.context_parallel.algorithm}: DeepSpeed's "
+                            "sequence_parallel_size is DeepSpeed-Ulysses (all-to-all over heads); ulysses written")
+    if s.ep > 1:
+        out["expert_parallel"] = {"enabled": True, "autoep_size": s.ep}    # AutoEP (DeepSpeed >= 0.19)
     if s.sequence_parallel:
         warnings.append("strategy.sequence_parallel: DeepSpeed has no Megatron-style sequence parallel setting")
     if s.pp > 1:
@@ -271,8 +286,6 @@ def write(job: JobConfig, world_size: int) -> Written:
         else:
             out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
                                                "contiguous_memory_optimization": False}
-    if s.ep > 1:
-        warnings.append(f"strategy.ep = {s.ep}: DeepSpeed sets expert parallel in the model code (ep_size)")
     return Written(json.dumps(out, indent=2) + "\n", expressed, warnings)
 
 

@@ -9,6 +9,7 @@ padded to a multiple of make-vocab-size-divisible-by * tp, embeddings tied unles
 """
 from __future__ import annotations
 
+import ast
 import math
 import shlex
 from pathlib import Path
@@ -17,6 +18,9 @@ from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOption
 from ms_llm.convert.shell import launch_command
 
 GPT2_BPE_VOCAB = 50257          # Megatron's GPT2BPETokenizer (the GPT-3 examples' --vocab-file/--merge-file)
+# --cp-comm-type (megatron-core TransformerConfig.cp_comm_type) <-> strategy.context_parallel.algorithm;
+# a2a+p2p (hierarchical: a2a inside --hierarchical-context-parallel-sizes groups, p2p across) has no IR name.
+CP_COMM_TYPES = {"p2p": "ring", "a2a": "ulysses", "all_gather": "allgather"}
 # megatron-core's RotaryEmbedding._apply_scaling: Llama-3.1's bands fixed, only the factor is an argument.
 MEGATRON_LLAMA3 = {"type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_seq_len": 8192}
 DECAY_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant"}
@@ -84,7 +88,8 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
                               f"(Megatron computes dp = world / (tp*pp*cp)); pass --world-size N with a multiple "
                               f"of {tp * pp * cp}")
     model, tie_note = _model(f, tp, pp, warnings)
-    strategy = {"dp": dp or -1, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    strategy = {"dp": dp or -1, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+                "context_parallel": {"algorithm": _cp_algorithm(f, cp, warnings)}}
     sp = f.get("--sequence-parallel", bool, False, ir="strategy.sequence_parallel")
     if sp and tp == 1:
         warnings.append("--sequence-parallel with tp = 1: Megatron turns it off, and so does this conversion")
@@ -114,9 +119,6 @@ def _model(f: Fields, tp: int, pp: int, warnings: list[str]) -> tuple[dict, str]
     swiglu = f.get("--swiglu", bool, False)
     default_ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
     ffn = f.get("--ffn-hidden-size", int, default_ffn, ir="model.ffn_hidden_size")
-    experts = f.get("--num-experts", int, 0, ir="model.num_experts")
-    if experts:
-        ffn = f.get("--moe-ffn-hidden-size", int, ffn, ir="model.ffn_hidden_size")
     if not swiglu:
         if (2 * ffn) % 3:
             raise f.error("--ffn-hidden-size", f"a {ffn}-wide GELU MLP has no SwiGLU equivalent of equal size "
@@ -152,15 +154,108 @@ def _model(f: Fields, tp: int, pp: int, warnings: list[str]) -> tuple[dict, str]
              "max_seq_len": f.get("--max-position-embeddings", int, seq, ir="model.max_seq_len"),
              "rope_theta": f.get("--rotary-base", float, 10000.0, ir="model.rope_theta"),
              "norm_eps": f.get("--norm-epsilon", float, 1e-5, ir="model.norm_eps"), "tie_embeddings": tie,
-             "flash_attention": _flash_attention(f, warnings), "num_experts": experts,
+             "flash_attention": _flash_attention(f, warnings), "moe": _moe(f, layers, ffn, warnings),
              "qkv_bias": f.get("--add-qkv-bias", bool, False, ir="model.qkv_bias"),
              "qk_norm": f.get("--qk-layernorm", bool, False, ir="model.qk_norm"),
              "rope_scaling": _rope_scaling(f)}
     if f.has("--kv-channels"):
         model["head_dim"] = f.get("--kv-channels", int, ir="model.head_dim")
-    if experts:
-        model["moe_top_k"] = f.get("--moe-router-topk", int, 2, ir="model.moe_top_k")
     return model, note
+
+
+def _cp_algorithm(f: Fields, cp: int, warnings: list[str]) -> str:
+    """--cp-comm-type (one value, or one per layer); Megatron's default is p2p, i.e. ring."""
+    given = f.raw("--cp-comm-type", ir="strategy.context_parallel.algorithm")
+    if given is None:
+        return "ring" if cp > 1 else "auto"
+    kinds = sorted(set([given] if isinstance(given, str) else given))
+    if len(kinds) > 1:
+        warnings.append(f"--cp-comm-type {' '.join(given)}: one type per layer is not modelled; "
+                        f"{given[0]} is read for every layer")
+    kind = given if isinstance(given, str) else given[0]
+    if kind == "a2a+p2p":
+        warnings.append("--cp-comm-type a2a+p2p (hierarchical context parallel) has no ms_llm equivalent; read as "
+                        "ring (p2p) over the whole cp group")
+        return "ring"
+    if kind not in CP_COMM_TYPES:
+        raise f.error("--cp-comm-type", f"got {kind!r}; expected one of p2p, a2a, all_gather, a2a+p2p")
+    return CP_COMM_TYPES[kind]
+
+
+def _moe(f: Fields, layers: int, ffn: int, warnings: list[str]) -> dict | None:
+    """--num-experts and the --moe-* flags -> model.moe. Megatron's router (softmax after top-k, or
+    --moe-router-pre-softmax: softmax over all experts, top-k weights kept raw) is ms_llm's with
+    normalize_top_k true / false; its aux-loss coefficient defaults to 0."""
+    experts = f.get("--num-experts", int, 0, ir="model.moe.num_experts")
+    if not experts:
+        return None
+    width = f.get("--moe-ffn-hidden-size", int, ffn, ir="model.moe.expert_ffn_hidden_size")
+    moe: dict = {"num_experts": experts, "top_k": f.get("--moe-router-topk", int, 2, ir="model.moe.top_k"),
+                 "expert_ffn_hidden_size": -1 if width == ffn else width,
+                 "normalize_top_k": not f.get("--moe-router-pre-softmax", bool, False, ir="model.moe.normalize_top_k"),
+                 "aux_loss_coeff": f.get("--moe-aux-loss-coeff", float, 0.0, ir="model.moe.aux_loss_coeff"),
+                 "z_loss_coeff": f.get("--moe-z-loss-coeff", float, 0.0, ir="model.moe.z_loss_coeff")}
+    shared = f.get("--moe-shared-expert-intermediate-size", int, 0, ir="model.moe.shared_experts")
+    if shared % width:
+        raise f.error("--moe-shared-expert-intermediate-size", f"{shared} is not a multiple of the expert width "
+                                                               f"{width}; ms_llm's shared experts are expert-wide")
+    moe["shared_experts"] = shared // width
+    capacity = f.get("--moe-expert-capacity-factor", float, -1.0, ir="model.moe.capacity_factor")
+    moe["capacity_factor"] = capacity if capacity > 0 else -1.0
+    policy = f.get("--moe-token-drop-policy", ("probs", "position"), "probs")
+    if capacity > 0 and policy == "probs":
+        warnings.append("--moe-token-drop-policy probs: an over-full expert drops its lowest-weight tokens in "
+                        "Megatron; ms_llm drops the latest ones (position)")
+    scaling = f.get("--moe-router-topk-scaling-factor", float, 1.0)
+    if scaling != 1.0:
+        warnings.append(f"--moe-router-topk-scaling-factor {scaling}: routing weights are not scaled in ms_llm")
+    f.accept_usual({"--moe-grouped-gemm": None, "--moe-token-dispatcher-type": None,
+                    "--moe-router-load-balancing-type": ("aux_loss",), "--moe-router-score-function": ("softmax",)})
+    if f.has("--moe-layer-freq"):
+        moe.update(_moe_layer_pattern(f, layers))
+    return moe
+
+
+def _moe_layer_pattern(f: Fields, layers: int) -> dict:
+    """--moe-layer-freq N, or a pattern such as "([0]*3+[1]*29)" -> layer_freq + first_dense_layers."""
+    text = f.get("--moe-layer-freq", str, ir="model.moe.layer_freq")
+    if "[" not in text:
+        return {"layer_freq": f.get("--moe-layer-freq", int)}
+    pattern = _list_expression(f, text)
+    if len(pattern) != layers or set(pattern) - {0, 1} or 1 not in pattern:
+        raise f.error("--moe-layer-freq", f"{text!r} is not a 0/1 flag for each of the {layers} layers "
+                                          "with at least one MoE layer")
+    first = pattern.index(1)
+    for freq in range(1, layers + 1):
+        if pattern == [int(i >= first and i % freq == 0) for i in range(layers)]:
+            return {"layer_freq": freq, "first_dense_layers": first}
+    raise f.error("--moe-layer-freq", f"{text!r}: ms_llm places MoE layers as leading dense layers, then every "
+                                      "N-th layer; this pattern is neither")
+
+
+def _list_expression(f: Fields, text: str) -> list:
+    """Megatron evaluates the pattern as Python; here only lists of ints, + and * are accepted."""
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int) \
+                    and 0 <= right <= 1 << 16:
+                return left * right
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+        raise ValueError
+    try:
+        out = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        raise f.error("--moe-layer-freq", f"{text!r}: expected an integer or a list expression such as "
+                                          "[0]*3+[1]*29") from None
+    if not isinstance(out, list):
+        raise f.error("--moe-layer-freq", f"{text!r}: expected a list of 0/1 flags")
+    return out
 
 
 def _rope_scaling(f: Fields) -> dict:

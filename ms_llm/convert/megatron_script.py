@@ -6,9 +6,12 @@ from __future__ import annotations
 import shlex
 
 from ms_llm.config.job import JobConfig
-from ms_llm.convert.common import ConversionError, Written
-from ms_llm.convert.megatron import MEGATRON_LLAMA3
+from ms_llm.convert.common import ConversionError, Written, cp_algorithm
+from ms_llm.convert.megatron import CP_COMM_TYPES, MEGATRON_LLAMA3
 from ms_llm.strategy.devices import get_device
+
+
+COMM_TYPES = {algorithm: kind for kind, algorithm in CP_COMM_TYPES.items()}
 
 
 def num(x: float) -> str:
@@ -39,7 +42,7 @@ def write(job: JobConfig, world_size: int) -> Written:
                  "strategy.precision", "strategy.zero.stage", "strategy.pipeline.virtual_stages",
                  "strategy.pipeline.schedule", "strategy.recompute.num_layers", "strategy.pipeline.layer_split",
                  "strategy.zero.shard_size", "train.data.paths", "train.data.weights", "train.data.split",
-                 "train.data.tokenizer"}
+                 "train.data.tokenizer", "strategy.context_parallel"}
     model = [f"--num-layers {m.num_layers}", f"--hidden-size {m.hidden_size}",
              f"--ffn-hidden-size {m.ffn_hidden_size}", f"--num-attention-heads {m.num_heads}"]
     if m.num_kv_heads != m.num_heads:
@@ -58,8 +61,7 @@ def write(job: JobConfig, world_size: int) -> Written:
     if m.qk_norm:
         model.append("--qk-layernorm")
     model += _write_rope_scaling(m.rope_scaling, warnings)
-    if m.num_experts:
-        model += [f"--num-experts {m.num_experts}", f"--moe-router-topk {m.moe_top_k}"]
+    model += _write_moe(m)
     if m.flash_attention:
         model.append("--attention-backend flash")
 
@@ -76,6 +78,9 @@ def write(job: JobConfig, world_size: int) -> Written:
 
     parallel = [f"--tensor-model-parallel-size {s.tp}", f"--pipeline-model-parallel-size {s.pp}",
                 f"--context-parallel-size {s.cp}"]
+    algorithm = cp_algorithm(job, "Megatron's --cp-comm-type", warnings)
+    if algorithm != "auto":
+        parallel.append(f"--cp-comm-type {COMM_TYPES[algorithm]}")
     if s.ep > 1:
         parallel.append(f"--expert-model-parallel-size {s.ep}")
     if s.sequence_parallel:
@@ -113,6 +118,31 @@ def write(job: JobConfig, world_size: int) -> Written:
     lines.append("torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py \\")
     lines += [f"    ${{{name}[@]}} \\" for name in groups] + ["    ${DATA_ARGS[@]}"]
     return Written("\n".join(lines) + "\n", expressed, warnings)
+
+
+def _write_moe(m) -> list[str]:
+    """model.moe as megatron.read's _moe reads it back (every field has a flag)."""
+    moe = m.moe
+    if moe is None:
+        return []
+    out = [f"--num-experts {moe.num_experts}", f"--moe-router-topk {moe.top_k}",
+           f"--moe-ffn-hidden-size {m.expert_ffn_size}", f"--moe-aux-loss-coeff {num(moe.aux_loss_coeff)}"]
+    if moe.z_loss_coeff:
+        out.append(f"--moe-z-loss-coeff {num(moe.z_loss_coeff)}")
+    if moe.shared_experts:
+        out.append(f"--moe-shared-expert-intermediate-size {moe.shared_experts * m.expert_ffn_size}")
+    if not moe.normalize_top_k:
+        out.append("--moe-router-pre-softmax")
+    if moe.capacity_factor > 0:
+        out += [f"--moe-expert-capacity-factor {num(moe.capacity_factor)}", "--moe-token-drop-policy position"]
+    if moe.first_dense_layers:
+        pattern = [int(m.is_moe_layer(i)) for i in range(m.num_layers)]
+        text = f"[0]*{moe.first_dense_layers}+[1]*{m.num_layers - moe.first_dense_layers}" \
+            if moe.layer_freq == 1 else str(pattern).replace(" ", "")
+        out.append(f"--moe-layer-freq {shlex.quote(text)}")
+    elif moe.layer_freq > 1:
+        out.append(f"--moe-layer-freq {moe.layer_freq}")
+    return out
 
 
 def _write_data(data) -> list[str]:

@@ -31,6 +31,8 @@ PARALLEL_MODES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel
 SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zbv", "seqpipe": "1f1b", "seqvpp": "1f1b",
              "seqsmartvpp": "1f1b"}
 OPTIMIZER_LEVELS = {"level1": 1, "level2": 2, "level3": 3}
+# context_parallel_algo -> strategy.context_parallel.algorithm (hybrid_cp has no IR name: _cp_algorithm).
+CP_ALGOS = {"colossalai_cp": "allgather", "ulysses_cp": "ulysses", "hybrid_cp": None}
 CHECKPOINT_CALLBACKS = ("CheckpointMonitor", "CheckpointMointor")   # the second is MindFormers' historical alias
 DEVICES = {"Ascend": "910b", "GPU": "h100", "CPU": "cpu"}
 # Keys whose usual values say nothing the IR models (how MindSpore runs, not how work is split).
@@ -41,7 +43,7 @@ NEUTRAL = {"use_parallel": (True,), "run_mode": ("train",), "parallel.gradients_
            "micro_batch_interleave_num": (1,), "parallel_config.vocab_emb_dp": (False,),
            "trainer.type": ("CausalLanguageModelingTrainer",), "model.arch.type": ("LlamaForCausalLM",),
            "runner_wrapper.type": ("MFTrainOneStepCell",), "do_eval": (False,),
-           "parallel_config.context_parallel_algo": ("colossalai_cp",), "use_legacy": (True, False),
+           "use_legacy": (True, False),
            "train_dataset.data_loader.datasets_type": ("GPTDataset",), "train_dataset_task.type":
            ("CausalLanguageModelDataset",)}
 
@@ -76,18 +78,16 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if f.raw(f"{pc}.vocab_emb_dp", False) is True and tp > 1 and pp == 1:
         warnings.append(f"{pc}.vocab_emb_dp: a replicated embedding is not modelled; ms_llm splits the vocabulary "
                         "over model_parallel")
-    algo = f.raw(f"{pc}.context_parallel_algo", "colossalai_cp")
-    if algo != "colossalai_cp":
-        warnings.append(f"{pc}.context_parallel_algo = {algo}: not yet expressible "
-                        "(strategy.context_parallel.algorithm); read as ring context parallel")
     model = read_model(f, layout, warnings, given=options.model)
+    algorithm = _cp_algorithm(f, cp, warnings)
     if cp > 1 and not model["flash_attention"]:
         raise f.error(f"{pc}.context_parallel", f"needs {MC}.use_flash_attention: True (MindFormers refuses "
                                                  "context parallel without it)")
-    ep = _expert_parallel(f, ep, dp * cp, model["num_experts"], warnings)
+    ep = _expert_parallel(f, ep, dp * cp, (model["moe"] or {}).get("num_experts", 0), warnings)
     precision = _precision(f, layout, warnings)
     model["dtype"] = precision["param_dtype"]
     strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": sp,
+                "context_parallel": {"algorithm": algorithm},
                 "zero": _zero(f, dp, warnings), "pipeline": _pipeline(f, model["num_layers"], pp, warnings),
                 "recompute": _recompute(f, warnings), "precision": precision}
     train = _train(f, dp, pp, warnings)
@@ -96,6 +96,24 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     model["name"] = name
     job = make_job(f, name=name, model=model, strategy=strategy, train=train, device=device, backend="mindspore")
     return Converted(job, world, warnings + f.unused(), f.sources)
+
+
+def _cp_algorithm(f: Fields, cp: int, warnings: list[str]) -> str:
+    """context_parallel_algo (colossalai_cp: K/V all-gathered; ulysses_cp: all-to-all over heads) and
+    model_config.use_ring_attention (colossalai_cp's sharding with K/V passed around a ring)."""
+    algo = f.get("parallel_config.context_parallel_algo", tuple(CP_ALGOS), "colossalai_cp",
+                 ir="strategy.context_parallel.algorithm")
+    ring = f.get(f"{MC}.use_ring_attention", bool, False, ir="strategy.context_parallel.algorithm")
+    if cp == 1:
+        return "auto"
+    if ring and algo != "colossalai_cp":
+        raise f.error(f"{MC}.use_ring_attention", f"ring attention runs with context_parallel_algo colossalai_cp, "
+                                                  f"not {algo}; keep one of them")
+    if algo == "hybrid_cp":
+        warnings.append("parallel_config.context_parallel_algo = hybrid_cp (Ulysses inside ulysses_degree_in_cp, "
+                        "K/V all-gathered across) has no ms_llm equivalent; read as allgather over the whole cp group")
+        return "allgather"
+    return "ring" if ring else CP_ALGOS[algo]
 
 
 def _expert_parallel(f: Fields, ep: int, dp_cp: int, experts: int, warnings: list[str]) -> int:

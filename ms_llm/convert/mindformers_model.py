@@ -3,8 +3,9 @@
 r1.x (and MindFormers 2.x with use_legacy: True) writes LlamaConfig keys (num_layers, num_heads,
 n_kv_heads, theta, param_init_type); 2.x with use_legacy: False writes Hugging Face keys
 (num_hidden_layers, num_attention_heads, num_key_value_heads, rope_theta, params_dtype) read by
-its mcore model configs, with MoE as flat keys (num_experts or n_routed_experts,
-num_experts_per_tok, moe_intermediate_size). One table per layout names each key; the IR field
+its mcore model configs, with MoE as flat keys (MOE_FIELDS: num_experts or n_routed_experts,
+num_experts_per_tok, moe_intermediate_size, n_shared_experts, first_k_dense_replace, ...); r1.x
+holds MoE in a moe_config section (LEGACY_MOE_FIELDS). One table per layout names each key; the IR field
 is the same. A key whose value changes the math in a way the IR cannot express yet is named in
 a warning of its own (the model is still read, as the nearest LLaMA).
 """
@@ -56,7 +57,8 @@ NEUTRAL = {"hidden_act": ("silu", "swiglu", "fusedswiglu"), "position_embedding_
            "offset": (0,)}
 # What MindFormers' config class fills in for a key the YAML leaves out (shipped configs rely on it).
 CLASS_DEFAULTS = {"qwen3": {"head_dim": 128}, "deepseek_v3": {"num_attention_heads": 128, "n_routed_experts": 256,
-                                  "num_experts_per_tok": 8}}
+                                  "num_experts_per_tok": 8},
+                  "qwen3_moe": {"norm_topk_prob": False}}
 # Architectures whose mcore model builds q/k RMSNorm whatever qk_layernorm says.
 QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # 2.x spellings of Qwen2's q/k/v biases (MindFormers' TransformerConfig maps all three to add_qkv_bias).
@@ -68,14 +70,33 @@ EXTEND_METHODS = {"None": (), "PI": (), "LLAMA3": ("factor", "low_freq_factor", 
                                                    "original_max_position_embeddings"),
                   "YARN": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                            "mscale_all_dim")}
-# Not yet in the IR: a later round adds model.moe (routing, shared experts, dense first layers).
-MOE_KEYS = ("first_k_dense_replace", "n_shared_experts", "moe_shared_expert_intermediate_size", "routed_scaling_factor",
-            "norm_topk_prob", "scoring_func", "moe_router_pre_softmax", "moe_token_drop_policy",
-            "moe_router_load_balancing_type", "moe_aux_loss_coeff", "router_aux_loss_coef",
-            "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "n_group", "topk_group",
-            "moe_token_dispatcher_type", "use_fused_ops_topkrouter", "moe_router_score_function",
-            "moe_router_group_topk", "moe_router_force_expert_balance", "moe_router_dtype", "use_pad_tokens")
-
+# model.moe from the 2.x flat keys: IR field -> the spellings MindFormers' transformer_config_utils maps
+# to one TransformerConfig field (first found wins). Shared experts are a count or a total width.
+MOE_FIELDS = {"num_experts": ("num_experts", "n_routed_experts", "num_moe_experts"),
+              "top_k": ("num_experts_per_tok", "moe_router_topk"),
+              "expert_ffn_hidden_size": ("moe_intermediate_size", "moe_ffn_hidden_size"),
+              "shared_experts": ("n_shared_experts", "shared_expert_num"),
+              "normalize_top_k": ("norm_topk_prob",),
+              "aux_loss_coeff": ("moe_aux_loss_coeff", "router_aux_loss_coef"),
+              "z_loss_coeff": ("moe_z_loss_coeff", "z_loss_factor"),
+              "capacity_factor": ("moe_expert_capacity_factor", "capacity_factor"),
+              "first_dense_layers": ("first_k_dense_replace",),
+              "layer_freq": ("moe_layer_freq",)}
+# r1.x moe_config keys (MindFormers' modules/transformer/moe.py MoEConfig) -> model.moe.
+LEGACY_MOE_FIELDS = {"num_experts": "expert_num", "top_k": "num_experts_chosen",
+                     "expert_ffn_hidden_size": "moe_intermediate_size", "shared_experts": "shared_expert_num",
+                     "normalize_top_k": "norm_topk_prob", "aux_loss_coeff": "aux_loss_factor",
+                     "z_loss_coeff": "z_loss_factor", "capacity_factor": "capacity_factor"}
+# r1.x MoEConfig defaults that differ from the IR's (its capacity_factor 1.1 drops tokens; 0.05 aux loss).
+LEGACY_MOE_DEFAULTS = {"top_k": 1, "capacity_factor": 1.1, "aux_loss_coeff": 0.05}
+# 2.x routing and dispatch keys at values that are ms_llm's router (softmax top-k, no bias, no groups).
+MOE_NEUTRAL = {"moe_router_score_function": ("softmax",), "scoring_func": ("softmax",),
+               "moe_router_enable_expert_bias": (False,), "routed_scaling_factor": (1.0, 1),
+               "moe_router_topk_scaling_factor": (None, 1.0, 1), "moe_router_load_balancing_type": ("aux_loss",),
+               "moe_token_dispatcher_type": None, "use_fused_ops_topkrouter": None, "moe_router_dtype": None,
+               "moe_router_pre_softmax": (True, False), "moe_token_drop_policy": ("position",),
+               "moe_shared_expert_overlap": (True, False), "moe_permute_fusion": (True, False),
+               "use_pad_tokens": (True, False), "moe_router_fusion": (True, False)}
 
 def layout_of(f: Fields) -> Layout:
     """2.x when the YAML says use_legacy: False (or writes the mcore key names), r1.x otherwise."""
@@ -185,14 +206,19 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def _legacy_moe(f: Fields, mc: str, model: dict) -> None:
-    """r1.x MoE: a moe_config section (in model_config or at the top); its other keys (routing,
-    capacity, aux loss) are named by the unused-key warnings until the IR's model.moe lands."""
+    """r1.x MoE: a moe_config section (in model_config or at the top), MindSpore's MoEConfig keys."""
     section = f"{mc}.moe_config" if f.has(f"{mc}.moe_config") else "moe_config"
-    experts = f.get(f"{section}.expert_num", int, 0, ir="model.num_experts")
-    model["num_experts"] = experts
-    if experts:
-        model["moe_top_k"] = f.get(f"{section}.num_experts_chosen", int, 1, ir="model.moe_top_k")
-
+    if not f.get(f"{section}.expert_num", int, 0, ir="model.moe.num_experts"):
+        model["moe"] = None
+        return
+    moe = {}
+    for field, key in LEGACY_MOE_FIELDS.items():
+        kind = bool if field == "normalize_top_k" else float if "coeff" in field or "factor" in field else int
+        if f.has(f"{section}.{key}"):
+            moe[field] = f.get(f"{section}.{key}", kind, ir=f"model.moe.{field}")
+        elif field in LEGACY_MOE_DEFAULTS:
+            moe[field] = LEGACY_MOE_DEFAULTS[field]
+    model["moe"] = _moe_with_widths(moe, model)
 
 def _mcore_math(f: Fields, mc: str, model: dict, warnings: list[str]) -> None:
     """2.x keys that change the math: read what the IR models, name the rest one by one."""
@@ -220,22 +246,48 @@ def _mcore_math(f: Fields, mc: str, model: dict, warnings: list[str]) -> None:
         f.used.update(f"{mc}.{k}" for k in mla_keys + ["multi_latent_attention"])
         warnings.append(f"{mc}.multi_latent_attention = True ({', '.join(mla_keys)}): latent attention is not "
                         "expressible; read as grouped-query attention with num_attention_heads heads")
-    experts_key = f"{mc}.num_experts" if f.has(f"{mc}.num_experts") else f"{mc}.n_routed_experts"
-    experts = f.get(experts_key, int, 0, ir="model.num_experts") if f.raw(experts_key) is not None else 0
-    model["num_experts"] = experts
-    if experts:
-        model["moe_top_k"] = f.get(f"{mc}.num_experts_per_tok", int, 2, ir="model.moe_top_k")
-        if f.has(f"{mc}.moe_intermediate_size"):
-            dense = model["ffn_hidden_size"]
-            model["ffn_hidden_size"] = f.get(f"{mc}.moe_intermediate_size", int, ir="model.ffn_hidden_size")
-            if dense != model["ffn_hidden_size"] and f.has(f"{mc}.intermediate_size"):
-                warnings.append(f"{mc}.intermediate_size = {dense}: the width of dense MLP layers, which the IR "
-                                "does not hold beside experts; every layer read as MoE with moe_intermediate_size")
-        for key in MOE_KEYS:
-            if f.has(f"{mc}.{key}"):
-                f.used.add(f"{mc}.{key}")
-                warnings.append(f"{mc}.{key} = {f.raw(mc + '.' + key)!r}: not yet expressible (model.moe); dropped")
+    model["moe"] = _mcore_moe(f, mc, model)
 
+
+def _mcore_moe(f: Fields, mc: str, model: dict) -> dict | None:
+    """model.moe from the flat 2.x keys (MOE_FIELDS); routing keys at other values than ms_llm's
+    router stay unread, so the unused-key warnings name them."""
+    moe = {}
+    for field, keys in MOE_FIELDS.items():
+        key = next((f"{mc}.{k}" for k in keys if f.raw(f"{mc}.{k}") is not None), None)
+        if key is None:
+            continue
+        kind = bool if field == "normalize_top_k" else float if "coeff" in field or "factor" in field else int
+        moe[field] = f.get(key, kind, ir=f"model.moe.{field}")
+        f.accept_usual({k: (f.peek(key),) for k in keys}, f"{mc}.")     # the same value spelled twice
+    if not moe.get("num_experts"):
+        return None
+    moe.setdefault("aux_loss_coeff", 0.0)          # TransformerConfig.moe_aux_loss_coeff's default
+    f.accept_usual(MOE_NEUTRAL, f"{mc}.")
+    if "capacity_factor" not in moe:            # dropless: no token is dropped, by any policy
+        f.accept_usual({"moe_token_drop_policy": None}, f"{mc}.")
+    if f.raw(f"{mc}.moe_shared_expert_intermediate_size") is not None and "shared_experts" not in moe:
+        moe["shared_width"] = f.get(f"{mc}.moe_shared_expert_intermediate_size", int, ir="model.moe.shared_experts")
+    return _moe_with_widths(moe, model, f, mc)
+
+
+def _moe_with_widths(moe: dict, model: dict, f: Fields | None = None, mc: str = "") -> dict:
+    """Expert width -1 when it is the dense width; a shared width as a count of experts; no
+    capacity (None, or MindFormers' negative) as -1, dropless."""
+    width = moe.get("expert_ffn_hidden_size", -1)
+    if width == model["ffn_hidden_size"]:
+        moe["expert_ffn_hidden_size"] = width = -1
+    shared = moe.pop("shared_width", 0)
+    if shared:
+        each = model["ffn_hidden_size"] if width == -1 else width
+        if shared % each:
+            raise f.error(f"{mc}.moe_shared_expert_intermediate_size", f"{shared} is not a multiple of the expert "
+                                                                       f"width {each}; ms_llm's shared experts are "
+                                                                       "expert-wide")
+        moe["shared_experts"] = shared // each
+    if moe.get("capacity_factor") is not None and moe["capacity_factor"] <= 0:
+        moe["capacity_factor"] = -1.0
+    return moe
 
 def _rope_scaling(f: Fields, mc: str, model: dict) -> dict:
     """rope_scaling in Hugging Face's spelling (MindFormers' configs copy config.json), read as

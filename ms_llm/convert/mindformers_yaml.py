@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from ms_llm.config.job import JobConfig, dump_yaml
-from ms_llm.convert.common import Written
+from ms_llm.convert.common import Written, cp_algorithm
 from ms_llm.convert.mindformers_model import EXTEND_METHODS
 from ms_llm.convert.mindformers_train import LR_SCHEDULES
 from ms_llm.convert.mindformers_data import write_data
@@ -22,6 +22,9 @@ from ms_llm.convert.mindformers_data import write_data
 SCHEDULERS = {"1f1b": "1f1b", "interleaved_1f1b": "1f1b", "gpipe": "gpipe", "zbv": "zero_bubble_v"}
 LR_TYPES = {decay: name for name, decay in LR_SCHEDULES.items()}
 TARGETS = {"910b": "Ascend", "cpu": "CPU"}
+# strategy.context_parallel.algorithm -> context_parallel_algo; ring is colossalai_cp's sharding with
+# model_config.use_ring_attention (mindformers.read's _cp_algorithm reads both back).
+CP_ALGOS = {"allgather": "colossalai_cp", "ulysses": "ulysses_cp", "ring": "colossalai_cp"}
 
 
 def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
@@ -32,7 +35,7 @@ def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
                  "strategy.sequence_parallel", "strategy.pipeline", "strategy.zero.stage", "strategy.zero.shard_size",
                  "strategy.recompute", "strategy.precision", "train.global_batch_size", "train.micro_batch_size",
                  "train.seq_len", "train.steps", "train.seed", "train.log_every", "train.optimizer", "train.schedule",
-                 "train.checkpoint.interval", "train.checkpoint.load"}
+                 "train.checkpoint.interval", "train.checkpoint.load", "strategy.context_parallel"}
     if t.checkpoint.interval:
         expressed |= {"train.checkpoint.async_save", "train.checkpoint.keep_last"}     # on the CheckpointMonitor
     micro = t.global_batch_size // (t.micro_batch_size * s.dp)
@@ -54,6 +57,9 @@ def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
     parallel_config = {"data_parallel": s.dp, "model_parallel": s.tp, "context_parallel": s.cp,
                        "pipeline_stage": s.pp, "expert_parallel": s.ep, "use_seq_parallel": s.sequence_parallel,
                        "micro_batch_num": micro if s.pp > 1 else 1, "vocab_emb_dp": False}
+    algorithm = cp_algorithm(job, "MindFormers' context_parallel_algo", warnings)
+    if algorithm in ("ulysses", "allgather"):
+        parallel_config["context_parallel_algo"] = CP_ALGOS[algorithm]
     out: dict = {"seed": t.seed, "load_checkpoint": t.checkpoint.load, "run_mode": "train",
                  "trainer": {"type": "CausalLanguageModelingTrainer", "model_name": m.name},
                  "runner_config": {"batch_size": t.micro_batch_size, "sink_mode": True, "sink_size": 1,
@@ -71,6 +77,8 @@ def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
                  "model": {"model_config": _mcore_model_config(m, s, t, warnings)} if mcore else
                  {"model_config": _model_config(m, s, t, warnings), "arch": {"type": "LlamaForCausalLM"}},
                  "runner_wrapper": _wrapper(s, t)}
+    if algorithm == "ring":
+        out["model"]["model_config"]["use_ring_attention"] = True
     if mcore:
         out = {"use_legacy": False, **out}
     if t.data.paths:
@@ -109,23 +117,49 @@ def _mcore_model_config(m, s, t, warnings: list[str]) -> dict:
     norms), else TeleChat3ForCausalLM with them off; q/k/v biases are add_qkv_bias on either."""
     p = s.precision
     arch = ("qwen3", "Qwen3ForCausalLM") if m.qk_norm else ("telechat3", "TeleChat3ForCausalLM")
+    if m.moe is not None:
+        arch = ("qwen3_moe", "Qwen3MoeForCausalLM")
+        if not m.qk_norm:
+            warnings.append("model.qk_norm = False: MindFormers 2.x's grouped-query MoE model, Qwen3MoeForCausalLM, "
+                            "always builds q/k norms; written with them (the r1.x layout, --to mindformers, has none)")
     mc: dict = {"model_type": arch[0], "architectures": [arch[1]], "vocab_size": m.vocab_size,
                 "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,
                 "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
                 "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "swiglu",
                 "max_position_embeddings": m.max_seq_len, "seq_length": t.seq_len, "rms_norm_eps": m.norm_eps,
                 "tie_word_embeddings": m.tie_embeddings, "rope_theta": m.rope_theta, "position_embedding_type": "rope",
-                "attention_bias": m.qkv_bias, "add_bias_linear": False, "qk_layernorm": m.qk_norm,
+                "attention_bias": m.qkv_bias, "add_bias_linear": False,
+                "qk_layernorm": m.qk_norm or arch[0] == "qwen3_moe",
                 "use_flash_attention": m.flash_attention or s.cp > 1, "params_dtype": _stored_dtype(p, warnings),
                 "compute_dtype": p.compute_dtype, **_pipeline_keys(m, s)}
     if m.rope_scaling.type != "default":
         warnings.append(f"model.rope_scaling.type = {m.rope_scaling.type}: MindFormers 2.x's training models build "
                         "plain rotary embeddings (GPTModel rope_scaling=False); not written, use the r1.x layout "
                         "(--to mindformers: extend_method)")
-    if m.num_experts:
-        warnings.append(f"model.num_experts = {m.num_experts}: the 2.x layout's MoE keys are written with model.moe "
-                        "(a later round); a dense model is written, use the r1.x layout (--to mindformers) for MoE")
+    if m.moe is not None:
+        mc.update(_mcore_moe(m, warnings))
     return mc
+
+
+def _mcore_moe(m, warnings: list[str]) -> dict:
+    """model.moe as the flat keys MindFormers' TransformerConfig reads (mindformers_model.MOE_FIELDS).
+    Qwen3MoeForCausalLM builds every layer from one MoE spec, so dense layers cannot be placed."""
+    moe = m.moe
+    if moe.first_dense_layers or moe.layer_freq > 1:
+        warnings.append(f"model.moe.first_dense_layers = {moe.first_dense_layers}, model.moe.layer_freq = "
+                        f"{moe.layer_freq}: MindFormers 2.1's Qwen3MoeForCausalLM makes every layer MoE "
+                        "(first_k_dense_replace and moe_layer_freq are not used by its layer spec); not written")
+    out = {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+           "moe_intermediate_size": m.expert_ffn_size, "norm_topk_prob": moe.normalize_top_k,
+           "moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_score_function": "softmax",
+           "moe_grouped_gemm": True}                  # MindFormers 2.1 builds grouped-GEMM experts only
+    if moe.shared_experts:
+        out["moe_shared_expert_intermediate_size"] = moe.shared_experts * m.expert_ffn_size
+    if moe.z_loss_coeff:
+        out["moe_z_loss_coeff"] = moe.z_loss_coeff
+    if moe.capacity_factor > 0:
+        out.update(moe_expert_capacity_factor=moe.capacity_factor, moe_token_drop_policy="position")
+    return out
 
 
 def _pipeline_keys(m, s) -> dict:
@@ -154,8 +188,8 @@ def _model_config(m, s, t, warnings: list[str]) -> dict:
     if s.cp > 1 and not m.flash_attention:
         warnings.append(f"model.flash_attention = False: MindFormers runs context parallel (strategy.cp = {s.cp}) "
                         "only with flash attention; use_flash_attention: True written")
-    if m.num_experts:
-        mc["moe_config"] = {"expert_num": m.num_experts, "num_experts_chosen": m.moe_top_k}
+    if m.moe is not None:
+        mc["moe_config"] = _legacy_moe(m, warnings)
     mc.update(_legacy_rope(m, warnings))
     if m.head_dim * m.num_heads != m.hidden_size:
         warnings.append(f"model.head_dim = {m.head_dim}: r1.x's LlamaConfig derives it as hidden_size / num_heads "
@@ -164,6 +198,23 @@ def _model_config(m, s, t, warnings: list[str]) -> dict:
         warnings.append("model.qk_norm: r1.x's LLaMA has no q/k norms; use the 2.x layout (--to mindformers2: "
                         "Qwen3ForCausalLM)")
     return {**mc, **_pipeline_keys(m, s)}
+
+
+def _legacy_moe(m, warnings: list[str]) -> dict:
+    """model.moe as r1.x's moe_config (MindSpore MoEConfig keys, mindformers_model.LEGACY_MOE_FIELDS)."""
+    moe = m.moe
+    out = {"expert_num": moe.num_experts, "num_experts_chosen": moe.top_k, "moe_intermediate_size": m.expert_ffn_size,
+           "shared_expert_num": moe.shared_experts, "norm_topk_prob": moe.normalize_top_k,
+           "z_loss_factor": moe.z_loss_coeff, "capacity_factor": moe.capacity_factor}
+    if 0 < moe.aux_loss_coeff < 1:
+        out["aux_loss_factor"] = moe.aux_loss_coeff
+    else:
+        warnings.append(f"model.moe.aux_loss_coeff = {moe.aux_loss_coeff}: r1.x's MoEConfig takes an "
+                        "aux_loss_factor in (0, 1); its default 0.05 applies")
+    if moe.first_dense_layers or moe.layer_freq > 1:
+        warnings.append(f"model.moe.first_dense_layers = {moe.first_dense_layers}, model.moe.layer_freq = "
+                        f"{moe.layer_freq}: r1.x's LLaMA makes every layer MoE; use the 2.x layout (--to mindformers2)")
+    return out
 
 
 def _legacy_rope(m, warnings: list[str]) -> dict:

@@ -25,6 +25,10 @@ from ms_llm.convert import torchtitan_args
 from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOptions, make_job
 
 FLAVORS = {("llama3", "8B"): "llama3_8b", ("llama3", "70B"): "llama3_70b"}
+# v0.2.x context_parallel_rotate_method (PyTorch's _RotateMethod): alltoall passes K/V shards around
+# the ring, allgather gathers them. 0.3 has no such setting: its SDPA dispatcher runs PyTorch's
+# default, allgather (and FlexAttention gathers K/V itself), so a 0.3 job reads as allgather.
+ROTATE_METHODS = {"allgather": "allgather", "alltoall": "ring"}
 SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved_1f1b",
              "interleavedzerobubble": "zero_bubble", "zbvzerobubble": "zbv", "dualpipev": "zbv",
              "loopedbfs": "interleaved_1f1b"}
@@ -68,7 +72,10 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     shard = world // (rep * cp * tp * pp) if shard == -1 else shard
     dp = rep * shard
     fsdp = shard * cp > 1
+    rotate = f.get(f"{par}.context_parallel_rotate_method", tuple(ROTATE_METHODS), "allgather",
+                   ir="strategy.context_parallel.algorithm")
     strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": tp > 1,
+                "context_parallel": {"algorithm": ROTATE_METHODS[rotate] if cp > 1 else "auto"},
                 "zero": {"stage": 3, "shard_size": shard} if fsdp else {},
                 "precision": _precision(f, fsdp, tp, pp, warnings)}
     model_dict = {**to_dict(model, full=True), "dtype": strategy["precision"]["param_dtype"]}

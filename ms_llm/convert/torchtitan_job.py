@@ -20,6 +20,10 @@ CONFIGS = {"llama3_8b": "llama3", "llama3_70b": "llama3", "qwen3_32b": "qwen3"}
 def write(job: JobConfig, world_size: int) -> Written:
     sections, expressed, warnings = job_sections(job)
     module, config = _config(job, warnings)
+    algorithm = job.strategy.context_parallel.algorithm
+    if job.strategy.cp > 1 and algorithm != "allgather":
+        warnings.append(f"strategy.context_parallel.algorithm = {algorithm}: torchtitan 0.3 has no rotate method; its "
+                        "context parallel all-gathers K/V (PyTorch's default allgather rotation), which is what runs")
     args = [f"--module {module}", f"--config {config}"]
     for section, values in sections.items():
         if section in ("job", "model", "optimizer", AC):

@@ -8,14 +8,13 @@ import json
 from ms_llm.config.job import JobConfig, load_section
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import DataConfig
-from ms_llm.convert.common import Written
-from ms_llm.convert.torchtitan import FLAVORS, fqn_parts
+from ms_llm.convert.common import Written, cp_algorithm
+from ms_llm.convert.torchtitan import FLAVORS, ROTATE_METHODS, fqn_parts
 
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B",
                   "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "norm_eps", "tie_embeddings",
-                "num_experts", "moe_top_k")
+                "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "norm_eps", "tie_embeddings", "moe")
 
 
 def toml_value(value: object) -> str:
@@ -51,6 +50,13 @@ def _flavor(m: ModelConfig, warnings: list[str]) -> tuple[str, str]:
 
 def write(job: JobConfig, world_size: int) -> Written:
     sections, expressed, warnings = job_sections(job)
+    if job.strategy.cp > 1:
+        algorithm = cp_algorithm(job, "torchtitan's context_parallel_rotate_method", warnings)
+        if algorithm == "ulysses":
+            warnings.append("strategy.context_parallel.algorithm = ulysses: torchtitan's context parallel rotates K/V "
+                            "(allgather or alltoall, a ring), it has no all-to-all over heads; allgather written")
+        rotate = {a: m for m, a in ROTATE_METHODS.items()}.get(algorithm, "allgather")
+        sections["parallelism"]["context_parallel_rotate_method"] = rotate
     header = (f"# {job.name}: {job.model.name} on {world_size} GPUs; written by ms-llm convert-strategy.\n"
               f"# torchtitan v0.2.x job config: NGPU={world_size} ./run_train.sh --job.config_file <this file>\n")
     return Written(toml_dumps(sections, header), expressed, warnings)
@@ -63,7 +69,8 @@ def job_sections(job: JobConfig) -> tuple[dict, set[str], list[str]]:
     warnings: list[str] = []
     expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep",
                  "strategy.zero.stage", "strategy.zero.shard_size", "strategy.pipeline", "strategy.recompute",
-                 "strategy.precision", "strategy.offload", "strategy.sequence_parallel", "train"}
+                 "strategy.precision", "strategy.offload", "strategy.sequence_parallel", "train",
+                 "strategy.context_parallel"}
     name, flavor = _flavor(m, warnings)
     if m.flash_attention:
         warnings.append("model.flash_attention = True: torchtitan's attention is SDPA, which picks the flash kernel "
