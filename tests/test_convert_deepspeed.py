@@ -7,7 +7,7 @@ import pytest
 from ms_llm.config.job import load_section
 from ms_llm.convert import ConversionError, ReadOptions, load, read
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "configs" / "examples"    # the peers' configs users convert
 LLAMA7 = load_section("model", "llama2_7b")
 
 

@@ -6,7 +6,7 @@ import pytest
 from ms_llm.convert import ConversionError, ReadOptions, dump, load, read
 from ms_llm.convert.shell import launch_command
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "configs" / "examples"    # the peers' configs users convert
 
 
 def test_gpt3_175b_script():

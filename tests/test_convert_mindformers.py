@@ -10,8 +10,8 @@ from ms_llm.convert import ConversionError, ReadOptions, dump, from_job, load, r
 from ms_llm.convert.mindformers import mindformers_ffn
 from ms_llm.errors import ConfigError
 
-FIXTURES = Path(__file__).parent / "fixtures"
-SEVEN_B = (FIXTURES / "mindformers_llama2_7b.yaml").read_text()
+FIXTURES = Path(__file__).resolve().parents[1] / "configs" / "examples"    # the peers' configs users convert
+SEVEN_B = (FIXTURES / "mindformers_r1_llama2_7b.yaml").read_text()
 # the 7B recipe on dp2 * mp2 * cp2 with use_seq_parallel (flash attention on, as the recipe has it)
 CP2_SP = SEVEN_B.replace("  data_parallel: 8", "  data_parallel: 2") \
     .replace("  model_parallel: 1", "  model_parallel: 2\n  context_parallel: 2") \
@@ -19,7 +19,7 @@ CP2_SP = SEVEN_B.replace("  data_parallel: 8", "  data_parallel: 2") \
 
 
 def test_llama2_7b_pretrain():
-    conv = load(FIXTURES / "mindformers_llama2_7b.yaml")
+    conv = load(FIXTURES / "mindformers_r1_llama2_7b.yaml")
     job = conv.job
     m, s, t = job.model, job.strategy, job.train
     assert (job.device, job.backend, conv.world_size) == ("910b", "mindspore", 8)
@@ -37,7 +37,7 @@ def test_llama2_7b_pretrain():
 
 
 def test_llama2_70b_pretrain():
-    conv = load(FIXTURES / "mindformers_llama2_70b.yaml")
+    conv = load(FIXTURES / "mindformers_r1_llama2_70b.yaml")
     m, s, t = conv.job.model, conv.job.strategy, conv.job.train
     assert conv.world_size == 64                                       # 2*4*8, whatever the comment says
     assert (s.dp, s.tp, s.pp, s.sequence_parallel, s.zero.stage) == (2, 4, 8, True, 1)
@@ -53,7 +53,7 @@ def test_mindformers_ffn_rule_differs_from_meta():
 
 
 def test_gradient_accumulation_is_ignored_under_pipeline_parallel():
-    text = (FIXTURES / "mindformers_llama2_70b.yaml").read_text().replace(
+    text = (FIXTURES / "mindformers_r1_llama2_70b.yaml").read_text().replace(
         "gradient_accumulation_steps: 1", "gradient_accumulation_steps: 4")
     conv = read(text, "70b.yaml")
     assert conv.job.train.global_batch_size == 256

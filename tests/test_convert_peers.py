@@ -27,10 +27,10 @@ from ms_llm.convert.shell import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLES = ROOT / ".oracles"
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "configs" / "examples"    # the peers' configs users convert
 EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml"))
 SOURCES = {"megatron_gpt3_175b.sh": ReadOptions(), "megatron_llama3_8b.sh": ReadOptions(),
-           "mindformers_llama2_70b.yaml": ReadOptions(), "torchtitan_llama3_8b.toml": ReadOptions(world_size=64),
+           "mindformers_r1_llama2_70b.yaml": ReadOptions(), "torchtitan_llama3_8b.toml": ReadOptions(world_size=64),
            "deepspeed_zero3_offload.json": ReadOptions(model=load_section("model", "llama2_7b"))}
 
 

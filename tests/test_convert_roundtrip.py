@@ -17,14 +17,14 @@ from ms_llm.convert.common import flatten
 from ms_llm.convert.megatron import parse_args
 from ms_llm.convert.shell import launch_command
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "configs" / "examples"    # the peers' configs users convert
 SUFFIX = {"ms_llm": ".yaml", "megatron": ".sh", "deepspeed": ".json", "mindformers": ".yaml", "mindformers2": ".yaml",
           "torchtitan": ".sh", "torchtitan_toml": ".toml"}
 SOURCES = {
     "megatron_gpt3_175b.sh": ReadOptions(),
     "megatron_llama3_8b.sh": ReadOptions(),
-    "mindformers_llama2_7b.yaml": ReadOptions(),
-    "mindformers_llama2_70b.yaml": ReadOptions(),
+    "mindformers_r1_llama2_7b.yaml": ReadOptions(),
+    "mindformers_r1_llama2_70b.yaml": ReadOptions(),
     "torchtitan_llama3_8b.toml": ReadOptions(world_size=64),
     "deepspeed_zero3_offload.json": ReadOptions(model=load_section("model", "llama2_7b")),
 }
@@ -92,7 +92,7 @@ def _assert_explained(diff: dict, warnings: list[str], what: str) -> None:
 
 
 def test_mindformers_70b_to_megatron_is_what_one_would_write():
-    text, warnings = convert(FIXTURES / "mindformers_llama2_70b.yaml", "megatron")
+    text, warnings = convert(FIXTURES / "mindformers_r1_llama2_70b.yaml", "megatron")
     launch = launch_command(text, "out.sh")
     assert launch.launcher[:5] == ["torchrun", "--nproc_per_node", "8", "--nnodes", "8"]
     args = parse_args(launch.args, "out.sh")
@@ -170,7 +170,7 @@ def test_detection():
 def test_cp_sequence_parallel_and_flash_attention_cross_mindformers_and_megatron():
     """MindFormers dp2*mp2*cp2 with use_seq_parallel and use_flash_attention -> Megatron
     (--context-parallel-size, --sequence-parallel, --attention-backend flash) -> MindFormers keeps all."""
-    text = (FIXTURES / "mindformers_llama2_7b.yaml").read_text().replace("  data_parallel: 8", "  data_parallel: 2") \
+    text = (FIXTURES / "mindformers_r1_llama2_7b.yaml").read_text().replace("  data_parallel: 8", "  data_parallel: 2") \
         .replace("  model_parallel: 1", "  model_parallel: 2\n  context_parallel: 2") \
         .replace("  use_seq_parallel: False", "  use_seq_parallel: True")
     conv = read(text, "7b_cp2_sp.yaml")
@@ -200,7 +200,7 @@ def test_megatron_flash_attention_flags(flags, flash, warned):
 
 
 def test_flash_attention_to_torchtitan_is_reported_not_dropped():
-    text, warnings = convert(FIXTURES / "mindformers_llama2_7b.yaml", "torchtitan", options=ReadOptions(world_size=8))
+    text, warnings = convert(FIXTURES / "mindformers_r1_llama2_7b.yaml", "torchtitan", options=ReadOptions(world_size=8))
     assert "flash" not in text
     assert "write: model.flash_attention = True: torchtitan's attention is SDPA, which picks the flash kernel itself; " \
         "no field written" in warnings

@@ -7,7 +7,7 @@ from ms_llm.config.job import load_section
 from ms_llm.convert import ConversionError, ReadOptions, dump, load, read
 from ms_llm.convert.torchtitan import fqn_parts
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "configs" / "examples"    # the peers' configs users convert
 LLAMA3 = (FIXTURES / "torchtitan_llama3_8b.toml").read_text()
 
 

@@ -10,7 +10,7 @@ from ms_llm.config.job import load_job
 from ms_llm.convert import ReadOptions, load
 
 ROOT = Path(__file__).parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
+FIXTURES = ROOT / "configs" / "examples"
 CORE = ["ms_llm.convert", "ms_llm.commands.convert", "ms_llm.commands.estimate", "ms_llm.commands.search",
         "ms_llm.strategy.search"]
 
@@ -34,7 +34,7 @@ def test_core_modules_import_no_framework():
 
 def test_convert_strategy_writes_a_file(tmp_path, capsys):
     target = tmp_path / "train.sh"
-    assert main(["convert-strategy", str(FIXTURES / "mindformers_llama2_70b.yaml"), "-o", str(target)]) == 0
+    assert main(["convert-strategy", str(FIXTURES / "mindformers_r1_llama2_70b.yaml"), "-o", str(target)]) == 0
     err = capsys.readouterr().err
     assert f"wrote {target} (megatron)" in err and "warning: read: train_dataset" in err
     back = load(target)
@@ -53,10 +53,10 @@ def test_convert_strategy_errors_are_one_line(capsys, tmp_path):
 
 def test_estimate_table_and_plot(tmp_path, capsys):
     png = tmp_path / "memory.png"
-    assert main(["estimate", str(FIXTURES / "mindformers_llama2_70b.yaml"),
+    assert main(["estimate", str(FIXTURES / "mindformers_r1_llama2_70b.yaml"),
                  str(ROOT / "configs" / "train" / "llama2_70b_dp2_tp4_pp8.yaml"), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "mindformers_llama2_70b  64 x 910b" in out and "llama2_70b_dp2_tp4_pp8" in out
+    assert "mindformers_r1_llama2_70b  64 x 910b" in out and "llama2_70b_dp2_tp4_pp8" in out
     assert "activations" in out and "tok/s/dev" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -70,11 +70,11 @@ def test_estimate_json(capsys):
 
 def test_search_writes_the_best_and_ranks_a_reference(tmp_path, capsys):
     best = tmp_path / "best.yaml"
-    args = ["search", str(FIXTURES / "mindformers_llama2_70b.yaml"), "--compare",
-            str(FIXTURES / "mindformers_llama2_70b.yaml"), "--top", "3", "-o", str(best)]
+    args = ["search", str(FIXTURES / "mindformers_r1_llama2_70b.yaml"), "--compare",
+            str(FIXTURES / "mindformers_r1_llama2_70b.yaml"), "--top", "3", "-o", str(best)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "searched" in out and "mindformers_llama2_70b (#" in out and "rank" in out
+    assert "searched" in out and "mindformers_r1_llama2_70b (#" in out and "rank" in out
     job = load_job(best)
     assert job.strategy.dp * job.strategy.tp * job.strategy.pp * job.strategy.cp == 64
     assert job.strategy.precision.param_dtype == "float16"            # kept from the input
