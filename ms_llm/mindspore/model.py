@@ -267,8 +267,13 @@ class Transformer(nn.Cell):
             mask = self.mask[:t, :t]
         x, aux = self.model.embed_tokens(tokens), self.no_aux
         for layer in self.model.layers:
-            x, layer_aux = layer.with_aux(x, cos, sin, mask)
-            aux = aux + layer_aux
+            # Dense layers are called as cells: the shared ZeRO-3 engine gathers a layer's
+            # parameters in the cell's forward hook, which a method call would skip.
+            if layer.is_moe:
+                x, layer_aux = layer.with_aux(x, cos, sin, mask)
+                aux = aux + layer_aux
+            else:
+                x = layer(x, cos, sin, mask)
         return self.lm_head(self.model.norm(x)), aux
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
