@@ -34,6 +34,7 @@ def test_clean_stops_the_keeper_and_removes_leftovers(tmp_path, capsys):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid) and not tier.root.exists()
+    assert not tier.root.parent.exists() or any(tier.root.parent.iterdir())   # no empty base folder left
     assert (run / "checkpoints" / "step_00000010").is_dir() and not (run / "checkpoints" / "step_00000020.tmp").exists()
     assert main(["clean", str(run)]) == 0
     assert "left nothing behind" in capsys.readouterr().out

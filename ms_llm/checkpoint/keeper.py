@@ -9,6 +9,7 @@ Started detached by memory_tier.MemoryTier.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import shutil
@@ -70,6 +71,8 @@ def run(root: Path, ttl_s: float, poll_s: float) -> int:
         time.sleep(poll_s)
     print(f"keeper {os.getpid()}: releasing {root}: {reason}", flush=True)
     shutil.rmtree(root, ignore_errors=True)
+    with contextlib.suppress(OSError):             # the last tier out removes the shared base folder
+        root.parent.rmdir()
     return 0
 
 

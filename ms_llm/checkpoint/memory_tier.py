@@ -16,6 +16,7 @@ keeper's loop.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -89,6 +90,8 @@ class MemoryTier:
             while Path(self.root).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
         shutil.rmtree(self.root, ignore_errors=True)
+        with contextlib.suppress(OSError):         # the last tier out removes the shared base folder
+            Path(self.root).parent.rmdir()
         return True
 
     def latest(self) -> Optional[Path]:
