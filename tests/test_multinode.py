@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ms_llm.elastic.procs import descendants
 from ms_llm.nodes import free_port
 from ms_llm.run.metrics import read_metrics
 
@@ -29,23 +30,6 @@ def start(config: str, run: Path, name: str, *flags: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "ms_llm", "train", config, "--steps", "3", "--run-dir", str(run),
                                  *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun or msrun, their workers), read from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def finish(procs: list[subprocess.Popen]) -> list[int]:

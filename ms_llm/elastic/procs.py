@@ -7,6 +7,7 @@ the launcher it started, kills every process by PID, and waits until none is lef
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -52,10 +53,8 @@ def kill_all(pids: list[int], timeout_s: float = 10.0) -> list[int]:
     """SIGKILL every pid (a stopped one too: SIGKILL needs no SIGCONT) and wait until each is
     gone or a zombie; returns those still alive after `timeout_s` (empty on success)."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):      # already gone: nothing to stop
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     deadline = time.monotonic() + timeout_s
     left = [p for p in pids if alive(p)]
     while left and time.monotonic() < deadline:

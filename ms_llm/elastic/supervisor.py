@@ -18,6 +18,7 @@ rank's first new step) is printed and appended to metrics.jsonl with the cause a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -243,10 +244,8 @@ class Supervisor:
     def _stop(self, proc: subprocess.Popen) -> list[int]:
         """SIGKILL the launcher and every process below it (workers have sessions of their own),
         by PID, the tree read first; wait until all are gone. Returns the survivors."""
-        try:
+        with contextlib.suppress(ProcessLookupError):       # already gone: only its tree is left to stop
             os.kill(proc.pid, signal.SIGSTOP)                  # SIGSTOP: the launcher cannot start anything new meanwhile
-        except ProcessLookupError:
-            pass
         left = kill_all([proc.pid, *descendants(proc.pid)])
         proc.wait()
         if getattr(proc, "echo", None) is not None:

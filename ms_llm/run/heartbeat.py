@@ -11,6 +11,7 @@ renamed, so a reader never sees half a record.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -60,10 +61,8 @@ class Heartbeat:
     def fail(self, step: int, exc: BaseException) -> None:
         """Best effort: on a full disk even this small file may not be written."""
         text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        try:
+        with contextlib.suppress(OSError):                 # the worker's own exit status still reports it
             self.beat(step, phase="failed", error=f"{type(exc).__name__}: {text}", cause=failure_cause(exc))
-        except OSError:
-            pass
 
 
 def read_heartbeats(folder: Path) -> dict[int, dict]:
