@@ -1,7 +1,10 @@
-"""Run one bench script and append what it printed to a Markdown results file, under the
+"""Run one bench script and write what it printed into a Markdown results file, under the
 machine (cores, CPU model, memory) and the date: how `make bench` writes bench/results/latest.md.
 
     .venv/bin/python bench/_results.py bench/results/latest.md bench/zero.py [bench arguments]
+
+The section is appended, or replaces the file's section of the same script in place, so one bench
+can be rerun without rerunning them all.
 
 The bench runs as `python bench/zero.py` would run it (same __main__, same argv); its output
 still reaches the terminal. A bench that fails appends nothing and passes its exit status on.
@@ -74,10 +77,19 @@ def main() -> int:
             print(status, file=sys.stderr)
             return 1
         return status
-    with open(results, "a") as f:
-        f.write(section(script, tee.buffer.getvalue(), time.perf_counter() - start))
+    new = section(script, tee.buffer.getvalue(), time.perf_counter() - start)
+    results.write_text(replace_section(results.read_text() if results.exists() else "", script, new))
     return 0
 
+
+def replace_section(text: str, script: Path, new: str) -> str:
+    """`text` with the section headed by `script` replaced by `new`, or `new` appended."""
+    head = f"## {script.as_posix()}: "
+    at = ("\n" + text).find("\n" + head)
+    if at < 0:
+        return text + new
+    end = text.find("\n## ", at + len(head))
+    return text[:at] + new + (text[end + 1:] if end >= 0 else "")
 
 if __name__ == "__main__":
     sys.exit(main())

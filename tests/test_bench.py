@@ -1,5 +1,6 @@
-"""bench/: every script answers --help without running its benchmark; bench/_results.py appends a
-bench's output under the machine and the date, and nothing for a failed one; gpu_mfu.py checks its
+"""bench/: every script answers --help without running its benchmark; bench/_results.py writes a
+bench's output under the machine and the date (a rerun replaces that bench's section), and nothing
+for a failed one; gpu_mfu.py checks its
 arguments against the cost model before it looks for a GPU."""
 import importlib.util
 import subprocess
@@ -36,6 +37,20 @@ def test_results_appends_each_bench_under_the_machine_and_date(tmp_path):
     machine = text.splitlines()[2]
     assert " cores, " in machine and "GiB memory; date: 20" in machine
     assert "```\nratio ['--x', '1']\n```" in text and "half a table" not in text
+
+
+def test_results_rerun_replaces_only_that_bench_section(tmp_path):
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text('"""First."""\nimport sys\nprint("first", sys.argv[1:])\n')
+    second.write_text('"""Second."""\nprint("second")\n')
+    results = tmp_path / "latest.md"
+    results.write_text("# Benchmark results\n\n")
+    helper = [sys.executable, str(ROOT / "bench" / "_results.py"), str(results)]
+    for args in ([str(first), "old"], [str(second)], [str(first), "new"]):
+        assert subprocess.run(helper + args, capture_output=True, timeout=60).returncode == 0
+    text = results.read_text()
+    assert text.startswith("# Benchmark results\n\n## ") and text.count("## ") == 2
+    assert text.index("first ['new']") < text.index("second") and "first ['old']" not in text
 
 
 def test_gpu_mfu_checks_model_and_fit_before_it_needs_a_gpu():
