@@ -139,7 +139,10 @@ MS_REFUSALS = [
      r"^strategy\.precision\.grad_reduce_dtype: .*set float32"),
     ("offload", {"dp": 2, "zero": {"stage": 1}, "offload": {"optimizer": True}, "precision": FP32}, 2, {},
      [CPU, ASCEND], r"^strategy\.offload: the MindSpore backend does not offload"),
-    ("moe", {"dp": 1, "precision": FP32}, 1, {"num_experts": 4}, [ASCEND], r"^model\.moe: .*--backend torch"),
+    ("moe-parallel-optimizer", {"dp": 2, "ep": 2, "zero": {"stage": 1}}, 2, {"num_experts": 4}, [ASCEND],
+     r"^strategy\.zero\.stage: MindSpore's parallel optimizer would shard the experts' optimizer states"),
+    ("moe-loss-scale", {"precision": FP16}, 1, {"num_experts": 4}, [CPU, ASCEND],
+     r"^strategy\.precision\.loss_scale: dynamic does not scale the MindSpore MoE router losses"),
     ("moe-shared", {"dp": 2, "zero": {"stage": 1}, "precision": FP32}, 2, {"num_experts": 4}, [CPU],
      r"^strategy\.zero: MindSpore trains MoE through its compiled step only"),
     ("moe-ep", {"dp": 2, "ep": 2, "precision": FP32}, 2, {"num_experts": 4}, [CPU], r"^strategy: ep=2 needs"),
@@ -166,6 +169,13 @@ def test_mindspore_refusals_name_the_field(case):
 ])
 def test_what_mindspore_refuses_on_cpu_runs_on_ascend(strategy, world):
     p = plan_for(strategy, world)
+    assert ms_support.refusals(p, CPU)
+    assert ms_support.refusals(p, ASCEND) == []
+
+
+def test_mindspore_moe_expert_parallel_runs_on_ascend():
+    """ep x tp over the MoE layer is lowered (lower_moe.py): refused on CPU, accepted on Ascend."""
+    p = plan_for({"dp": 2, "ep": 2, "tp": 2}, 4, {**MODEL, "num_experts": 4})
     assert ms_support.refusals(p, CPU)
     assert ms_support.refusals(p, ASCEND) == []
 
