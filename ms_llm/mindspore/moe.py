@@ -10,8 +10,9 @@ weighted outputs: the same result as the sorted dispatch, at E / top_k times its
 Under semi_auto_parallel (lower.py) E splits over ep and the tokens over edp, so each rank runs
 its own experts over its expert-data-parallel group's tokens (an all-gather dispatch over ep) and
 the sum over experts is an all-reduce over ep. Every computation is a Primitive attribute, so
-the lowering shards each one. The router losses join the gradient through a pass-through cell
-with a custom bprop, as torch's AuxLoss does.
+the lowering shards each one. The router losses are returned beside the output and added to the
+loss (model.LossCell), as MindFormers adds its MoE extra_loss: their gradient is then scaled with
+the loss (loss scale, micro-batch mean) like every other.
 """
 from __future__ import annotations
 
@@ -52,20 +53,6 @@ class Experts(nn.Cell):
         gate = self.bmm_gate(x, self.gate_proj.weight)                           # (E, N, F)
         h = self.mul(self.silu_mul(gate, self.sigmoid(gate)), self.bmm_up(x, self.up_proj.weight))
         return self.bmm_down(h, self.down_proj.weight)                           # (E, N, H)
-
-
-class AuxLoss(nn.Cell):
-    """Identity on `y`; backward also sends `scale` into `aux` (the router losses)."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = 1.0
-
-    def construct(self, y, aux):
-        return y
-
-    def bprop(self, y, aux, out, dout):
-        return dout, ops.ones_like(aux) * self.scale
 
 
 class RouterLosses(nn.Cell):
@@ -124,15 +111,13 @@ class MoE(nn.Cell):
         self.mul_combine = ops.Mul()
         self.sum_experts = ops.ReduceSum(keep_dims=False)    # (E, N, H) -> (N, H)
         self.router_losses = RouterLosses(m.num_experts, m.top_k, m.aux_loss_coeff, m.z_loss_coeff)
-        self.aux_loss = AuxLoss()
         self.on, self.off = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
 
     def construct(self, x):
         return self.route(x)[0]
 
     def route(self, x):
-        """(output, router losses): their gradient joins through AuxLoss, their value is for the
-        reported loss (model.LossCell adds it with its gradient stopped, as torch's TrainStep does)."""
+        """(output, router losses): model.LossCell adds the losses to the training loss."""
         b, t, h = x.shape
         n = b * t
         tokens = x.reshape((n, h))
@@ -155,6 +140,5 @@ class MoE(nn.Cell):
         if self.has_shared:
             y = self.add(y, self.shared_experts(x))
         if self.has_losses:
-            aux = self.router_losses(logits, probs, chosen)
-            return self.aux_loss(y, aux), aux
+            return y, self.router_losses(logits, probs, chosen)
         return y, self.off

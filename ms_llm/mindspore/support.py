@@ -75,24 +75,21 @@ def _model(plan: ModelPlan) -> list[str]:
 
 def _moe(plan: ModelPlan, ascend: bool) -> list[str]:
     """MoE trains through the compiled step: data parallel on CPU (every expert on every rank), under
-    semi_auto_parallel on Ascend (lower_moe.py: experts over ep, tokens over edp). The router losses'
-    gradient is not loss-scaled there, the shared engine does not scale it per micro-batch, and
-    MindSpore's parallel optimizer would shard the experts' states, which the plan keeps whole."""
+    semi_auto_parallel on Ascend (lower_moe.py: experts over ep, tokens over edp). The shared engine
+    leaves the experts outside its partition (torch updates them beside it; MindSpore has no such
+    path), and MindSpore's parallel optimizer would shard the experts' states, which the plan keeps
+    whole."""
     if plan.model.moe is None:
         return []
-    s, engine = plan.strategy, _engine(plan, ascend)[0]
-    problems = []
+    engine, problems = _engine(plan, ascend)[0], []
     if engine == SHARED:
-        problems.append("strategy.zero: MindSpore trains MoE through its compiled step only; use zero.stage 0 "
-                        "without engine 'shared' (or --backend torch for ZeRO with experts)")
+        problems.append("strategy.zero: MindSpore trains MoE through its compiled step only (the shared ZeRO "
+                        "engine leaves the experts outside its partition); use zero.stage 0 without engine "
+                        "'shared' (or --backend torch for ZeRO with experts)")
     if engine == PARALLEL_OPTIMIZER:
         problems.append("strategy.zero.stage: MindSpore's parallel optimizer would shard the experts' optimizer "
                         "states over their data-parallel ranks, which the plan and its checkpoints keep whole; "
                         "use zero.stage 0 for MoE on MindSpore, or --backend torch for ZeRO with experts")
-    if s.precision.loss_scale != "none":
-        problems.append(f"strategy.precision.loss_scale: {s.precision.loss_scale} does not scale the MindSpore "
-                        "MoE router losses' gradient; use loss_scale none (float32 or bfloat16 compute), or "
-                        "--backend torch")
     return problems
 
 
