@@ -82,8 +82,9 @@ def test_interleaved_in_flight_never_exceeds_the_micro_batches():
 
 
 def test_expert_parallel_trades_expert_memory_for_all_to_all():
-    """Mixtral on 16 H100s (dp 16): ep 8 keeps 1/8 of the experts per rank (not ZeRO-sharded: they
-    are replicated over edp), and pays 4 x tokens x top_k x hidden x (ep-1)/ep per MoE layer."""
+    """Mixtral on 16 H100s (dp 16): ep 8 keeps 1/8 of the experts per rank (replicated over edp,
+    ZeRO-1 shards only their optimizer states over it), and pays 4 x tokens x top_k x hidden x
+    (ep-1)/ep per MoE layer."""
     model = load_section("model", "mixtral_8x7b")
     t = TrainConfig(global_batch_size=32, micro_batch_size=1, seq_len=4096)
     shapes = {ep: shape_of(model, validate(model, from_dict(ParallelStrategy, {"dp": 16, "ep": ep,
