@@ -109,7 +109,8 @@ def test_moe_resume_restores_the_expert_optimizer(reference):
         assert sorted(losses) == [4, 5, 6]
         assert [losses[k] for k in (4, 5, 6)] == pytest.approx([ref[k] for k in (4, 5, 6)], abs=1e-6), name
     sliced = str(tmp / "moe_edp2_zero1" / "checkpoints" / "step_00000005")
-    losses = _train(_job(tmp, "moe_from_sliced", tokens, {"dp": 2, "ep": 2}, 0, sliced, MOE), tmp / "moe_sliced", 6)
+    losses = _train(_job(tmp, "moe_from_sliced", tokens, {"dp": 2, "ep": 2}, 0, sliced, MOE),
+                    tmp / "moe_from_sliced", 6)
     assert losses == pytest.approx({6: ref[6]}, abs=1e-6)
 
 

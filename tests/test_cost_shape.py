@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from ms_llm.config.job import load_section
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.model import ModelConfig, MoEConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.cost import communication, cost_shape, estimate, memory, shape_of
@@ -15,7 +15,7 @@ from ms_llm.strategy.plan import plan
 from ms_llm.strategy.validate import validate
 
 MOE = ModelConfig(name="moe", vocab_size=512, hidden_size=128, num_layers=8, num_heads=8, num_kv_heads=2,
-                  ffn_hidden_size=256, num_experts=8, moe_top_k=2)
+                  ffn_hidden_size=256, moe=MoEConfig(num_experts=8, top_k=2))
 
 CASES = [
     ("llama2_7b", {"dp": 8, "zero": {"stage": 1}}, {"global_batch_size": 64, "seq_len": 4096}, None),

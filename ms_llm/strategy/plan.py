@@ -258,7 +258,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     mesh = MeshSpec(DENSE_AXES, (s.pp, s.dp_replicate, s.dp_shard, s.cp, s.tp))
     stage_mesh = mesh.without("pp")
     expert_mesh = None
-    if model.num_experts:
+    if model.moe is not None:
         expert_mesh = MeshSpec(EXPERT_AXES, (s.pp, s.dp * s.cp // s.ep, s.ep, s.tp))
 
     zero = zero_partition(s, mesh)
@@ -300,7 +300,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
             add(p + "self_attn.k_norm.weight", (model.head_dim,), "head_norm", layer, c)
         add(p + "self_attn.o_proj.weight", (h, q), "row", layer, c, tp_dim=1)
         if model.is_moe_layer(layer):
-            e, fe, fs = model.num_experts, model.expert_ffn_size, model.moe.shared_experts * model.expert_ffn_size
+            e, fe, fs = model.moe.num_experts, model.expert_ffn_size, model.moe.shared_experts * model.expert_ffn_size
             add(p + "mlp.gate.weight", (e, h), "router", layer, c)
             add(p + "mlp.experts.gate_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
             add(p + "mlp.experts.up_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
