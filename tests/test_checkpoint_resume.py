@@ -96,16 +96,22 @@ def test_resume_under_another_strategy(reference, strategy, request):
 @pytest.mark.slow
 def test_moe_resume_restores_the_expert_optimizer(reference):
     """tiny_moe under ep2 with the shared engine: the routed experts' AdamW moments (their own
-    optimizer beside the engine) are saved split over ep; resumed under ep2, and under data
-    parallel only, the loss curve is the uninterrupted one."""
+    optimizer beside the engine) are saved split over ep; resumed under ep2, under data parallel
+    only, and under ep2 x edp2 with ZeRO-1 (the moments sliced over edp, saved so at step 5 and
+    resumed whole under ep2), the loss curve is the uninterrupted one."""
     tmp, tokens, _, _ = reference
     ref_run = tmp / "moe_ref"
     ref = _train(_job(tmp, "moe_ref", tokens, {"dp": 2, "ep": 2}, 3, model=MOE), ref_run, 6)
     load = str(ref_run / "checkpoints" / "step_00000003")
-    for name, strategy in (("moe_ep2", {"dp": 2, "ep": 2}), ("moe_dp2", {"dp": 2})):
-        losses = _train(_job(tmp, name, tokens, strategy, 0, load, MOE), tmp / name, 6)
+    for name, strategy, interval in (("moe_ep2", {"dp": 2, "ep": 2}, 0), ("moe_dp2", {"dp": 2}, 0),
+                                     ("moe_edp2_zero1", {"dp": 4, "ep": 2, "zero": {"stage": 1}}, 5)):
+        losses = _train(_job(tmp, name, tokens, strategy, interval, load, MOE), tmp / name, 6)
         assert sorted(losses) == [4, 5, 6]
         assert [losses[k] for k in (4, 5, 6)] == pytest.approx([ref[k] for k in (4, 5, 6)], abs=1e-6), name
+    sliced = str(tmp / "moe_edp2_zero1" / "checkpoints" / "step_00000005")
+    losses = _train(_job(tmp, "moe_from_sliced", tokens, {"dp": 2, "ep": 2}, 0, sliced, MOE),
+                    tmp / "moe_from_sliced", 6)
+    assert losses == pytest.approx({6: ref[6]}, abs=1e-6)
 
 
 @pytest.mark.slow

@@ -134,13 +134,12 @@ def test_moe_config_errors_name_the_field(moe, message):
         from_dict(ModelConfig, {**tiny, "moe": moe}, "model")
 
 
-def test_moe_shorthand_and_layers():
-    """num_experts / moe_top_k (what the converters write) make the moe section and mirror it."""
+def test_moe_section_and_the_keys_older_configs_used():
+    """model.moe is the one way to say MoE; the flat keys older configs used name where they moved."""
     tiny = {"vocab_size": 64, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 64}
-    short = from_dict(ModelConfig, {**tiny, "num_experts": 8, "moe_top_k": 1}, "model")
-    assert short.moe.num_experts == 8 and short.moe.top_k == 1
     full = from_dict(ModelConfig, {**tiny, "moe": {"num_experts": 8, "layer_freq": 2, "first_dense_layers": 1}})
-    assert full.num_experts == 8 and full.moe_layers == (2,)
+    assert full.moe.num_experts == 8 and full.moe_layers == (2,)
     assert from_dict(ModelConfig, to_dict(full)) == full
-    with pytest.raises(ConfigError, match=r"^model\.num_experts: 4 disagrees with model\.moe \(8\)"):
-        from_dict(ModelConfig, {**tiny, "num_experts": 4, "moe": {"num_experts": 8}}, "model")
+    for key, moved in (("num_experts", "moe.num_experts"), ("moe_top_k", "moe.top_k")):
+        with pytest.raises(ConfigError, match=rf"^model\.{key}: this key moved to model\.{moved}; write it there$"):
+            from_dict(ModelConfig, {**tiny, key: 4}, "model")

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from ms_llm.config.job import load_section
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.model import ModelConfig, MoEConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.cost import communication, cost_shape, estimate, memory, shape_of
@@ -15,7 +15,7 @@ from ms_llm.strategy.plan import plan
 from ms_llm.strategy.validate import validate
 
 MOE = ModelConfig(name="moe", vocab_size=512, hidden_size=128, num_layers=8, num_heads=8, num_kv_heads=2,
-                  ffn_hidden_size=256, num_experts=8, moe_top_k=2)
+                  ffn_hidden_size=256, moe=MoEConfig(num_experts=8, top_k=2))
 
 CASES = [
     ("llama2_7b", {"dp": 8, "zero": {"stage": 1}}, {"global_batch_size": 64, "seq_len": 4096}, None),
@@ -82,8 +82,9 @@ def test_interleaved_in_flight_never_exceeds_the_micro_batches():
 
 
 def test_expert_parallel_trades_expert_memory_for_all_to_all():
-    """Mixtral on 16 H100s (dp 16): ep 8 keeps 1/8 of the experts per rank (not ZeRO-sharded: they
-    are replicated over edp), and pays 4 x tokens x top_k x hidden x (ep-1)/ep per MoE layer."""
+    """Mixtral on 16 H100s (dp 16): ep 8 keeps 1/8 of the experts per rank (replicated over edp,
+    ZeRO-1 shards only their optimizer states over it), and pays 4 x tokens x top_k x hidden x
+    (ep-1)/ep per MoE layer."""
     model = load_section("model", "mixtral_8x7b")
     t = TrainConfig(global_batch_size=32, micro_batch_size=1, seq_len=4096)
     shapes = {ep: shape_of(model, validate(model, from_dict(ParallelStrategy, {"dp": 16, "ep": ep,

@@ -18,6 +18,9 @@ PAIRS = {
     "ep2-to-dp2": (({"dp": 2, "ep": 2, "zero": {"stage": 1}}, 2), ({"dp": 2, "zero": {"stage": 3}}, 2)),
     "ep2_tp2-to-single": (({"dp": 2, "ep": 2, "tp": 2}, 4), ({"dp": 1}, 1)),
     "single-to-ep2_pp2": (({"dp": 1}, 1), ({"dp": 2, "ep": 2, "pp": 2}, 4)),
+    # expert moments sharded over edp (ZeRO-1 over the ranks holding the same experts) and back
+    "ep2_edp2_zero1-to-ep4": (({"dp": 4, "ep": 2, "zero": {"stage": 1}}, 4), ({"dp": 4, "ep": 4}, 4)),
+    "ep4-to-ep2_edp2_zero3": (({"dp": 4, "ep": 4}, 4), ({"dp": 4, "ep": 2, "zero": {"stage": 3}}, 4)),
 }
 
 
@@ -37,6 +40,16 @@ def test_expert_weights_are_named_split_over_ep():
     assert w.layout.local_shape() == (2, 32, 8)
     assert "model.layers.0.mlp.gate_proj.weight" in plan.params         # the leading dense layer
     assert plan.params["model.layers.1.mlp.shared_experts.up_proj.weight"].shape == (16, 32)
+    assert w.optimizer_layout == w.layout                                # zero.stage 0: moments whole
+
+
+def test_expert_moments_are_sharded_over_edp_under_zero():
+    """ZeRO-1 over edp whatever the stage: moments split over the edp ranks, weights and
+    gradients whole on each (the backend's expert path updates them beside the shared partition)."""
+    plan = plan_for({"dp": 4, "ep": 2, "tp": 2, "zero": {"stage": 3}}, 8, MOE)
+    w = plan.params["model.layers.1.mlp.experts.down_proj.weight"]
+    assert w.optimizer_layout.axes_of(0) == ("ep", "edp") and w.optimizer_layout.local_shape() == (1, 32, 8)
+    assert w.stored_layout == w.grad_layout == w.layout
 
 
 @pytest.mark.parametrize("name", list(PAIRS))

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.mindspore
 
 from mindspore import ops as P
 
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.model import ModelConfig, MoEConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.errors import StrategyError
@@ -24,6 +24,8 @@ MODEL = ModelConfig(vocab_size=96, hidden_size=64, num_layers=4, num_heads=4, nu
                     ffn_hidden_size=128, max_seq_len=32, dtype="float32")
 FLASH = dataclasses.replace(MODEL, flash_attention=True)
 QWEN = dataclasses.replace(MODEL, qkv_bias=True, qk_norm=True, head_dim=24)    # every Qwen parameter
+MOE = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4, top_k=2, shared_experts=1, capacity_factor=1.5,
+                                               z_loss_coeff=0.01, first_dense_layers=1))   # every MoE primitive
 STRATEGIES = {
     "dp4": ({"dp": 4}, 4),
     "dp4_zero2": ({"dp": 4, "zero": {"stage": 2}}, 4),
@@ -36,11 +38,14 @@ STRATEGIES = {
     "hsdp_zero3": ({"dp": 4, "zero": {"stage": 3, "shard_size": 2}}, 4),
     "flash_cp2_tp2_sp": ({"dp": 1, "cp": 2, "tp": 2, "sequence_parallel": True}, 1),
     "qwen_dp2_tp2_sp_zero1": ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 1}}, 4),
+    "moe_dp2_ep2_tp2_sp_selective": ({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True,
+                                      "recompute": {"policy": "selective"}}, 4),
+    "moe_dp2_ep2_pp2": ({"dp": 2, "ep": 2, "pp": 2}, 4),
 }
 
 
 def _model(name) -> ModelConfig:
-    return FLASH if name.startswith("flash") else QWEN if name.startswith("qwen") else MODEL
+    return {"flash": FLASH, "qwen": QWEN, "moe": MOE}.get(name.split("_")[0], MODEL)
 
 
 def _plan(name):

@@ -9,7 +9,8 @@ ms = pytest.importorskip("mindspore")
 pytestmark = pytest.mark.mindspore
 
 from ms_llm.config.model import ModelConfig, MoEConfig
-from ms_llm.mindspore.model import Transformer
+from ms_llm.mindspore.model import LossCell, Transformer
+from ms_llm.mindspore.step import ScaledLoss
 from torch_backend.model import Transformer as TorchTransformer
 
 BASE = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
@@ -41,12 +42,15 @@ def test_logits_match_torch(moe):
 
 
 class SumOfLogits(ms.nn.Cell):
+    """sum(logits) + router losses: what torch's AuxLoss backpropagates for sum(logits)."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def construct(self, tokens):
-        return self.model(tokens).sum()
+        logits, aux = self.model.with_aux(tokens)
+        return logits.sum() + aux
 
 
 def test_router_loss_gradient_matches_torch():
@@ -63,3 +67,20 @@ def test_router_loss_gradient_matches_torch():
     for name, p in ref.named_parameters():
         if name.endswith("mlp.gate.weight"):
             assert np.abs(got[name] - p.grad.numpy()).max() <= 1e-4, name
+
+
+def test_router_loss_gradient_scales_with_the_loss():
+    """A loss scale multiplies the loss and divides the gradients (step.TrainCell): the router
+    losses' share of the router gradient is scaled with it, so the unscaled gradient is the same
+    at any scale (float16 training with dynamic loss scaling relies on it)."""
+    cfg = ModelConfig(moe=MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=0.5, z_loss_coeff=0.1), **BASE)
+    model = Transformer(cfg)
+    model.init_weights(5, std=0.2)
+    rows = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 10))
+    x, y = ms.Tensor(rows[:, :-1], ms.int32), ms.Tensor(rows[:, 1:], ms.int32)
+    weights = ms.ParameterTuple(model.trainable_params())
+    grad = ms.grad(ScaledLoss(LossCell(model)), grad_position=None, weights=weights)
+    plain, scaled = grad(x, y, ms.Tensor(1.0, ms.float32)), grad(x, y, ms.Tensor(1024.0, ms.float32))
+    for p, g, h in zip(weights, plain, scaled):
+        if p.name.endswith("mlp.gate.weight"):
+            assert np.abs(g.asnumpy() - h.asnumpy() / 1024).max() <= 1e-6 * np.abs(g.asnumpy()).max(), p.name

@@ -84,7 +84,7 @@ def test_fp16_with_dynamic_loss_scaling_is_finite_and_close_to_fp32(fp32_run, to
 
 def test_tiny_moe_follows_the_torch_backend_with_router_losses(tokens, tmp_path):
     """tiny_moe (load-balancing and z losses on) at world 1: the loss MindSpore reports and trains
-    on (cross-entropy + router losses, their gradient through moe.AuxLoss) is torch's TrainStep's."""
+    on (cross-entropy + router losses, their gradient through the loss) is torch's TrainStep's."""
     job = job_dict(tokens)
     job["model"] = yaml.safe_load((ROOT / "configs" / "models" / "tiny_moe.yaml").read_text())
     job["model"]["moe"] |= {"aux_loss_coeff": 0.1, "z_loss_coeff": 0.01}

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.model import ModelConfig, MoEConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.ir import ParallelStrategy
@@ -115,7 +115,7 @@ def test_zero_layout_splits_the_tp_shard_further():
 
 def test_experts_split_over_ep():
     moe = ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=8, ffn_hidden_size=512,
-                      num_experts=8, moe_top_k=2)
+                      moe=MoEConfig(num_experts=8, top_k=2))
     p = make({"dp": 4, "ep": 4}, 4, model=moe)
     w = p.params["model.layers.0.mlp.experts.gate_proj.weight"]
     assert w.shape == (8, 512, 256) and w.layout.axes_of(0) == ("ep",) and w.layout.local_shape()[0] == 2

@@ -30,6 +30,8 @@ CPU, CUDA, ASCEND = Machine("cpu"), Machine("cuda"), Machine("ascend")
 MODEL = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
              max_seq_len=16, dtype="float32")
 FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
+MOE4 = {"moe": {"num_experts": 4}}
+MOE_MODEL = {**MODEL, **MOE4}
 FP16 = {"param_dtype": "float32", "compute_dtype": "float16", "loss_scale": "dynamic"}
 FIELD = re.compile(r"^(strategy|model)(\.\w+)*: ")
 
@@ -51,11 +53,11 @@ def refused(support, plan, machine, match: str) -> list[str]:
 
 # (id, strategy, world, model overrides, message)
 TORCH_REFUSALS = [
-    ("moe-native", {"dp": 2, "ep": 2, "zero": {"engine": "native"}}, 2, {"num_experts": 4},
+    ("moe-native", {"dp": 2, "ep": 2, "zero": {"engine": "native"}}, 2, MOE4,
      r"^strategy\.zero\.engine: MoE experts .*use engine shared"),
-    ("moe-sp", {"tp": 2, "sequence_parallel": True}, 2, {"num_experts": 4},
+    ("moe-sp", {"tp": 2, "sequence_parallel": True}, 2, MOE4,
      r"^strategy\.sequence_parallel: .*sequence_parallel: false with model\.moe"),
-    ("moe-cp", {"cp": 2}, 2, {"num_experts": 4}, r"^strategy\.cp: .*use cp: 1 with MoE"),
+    ("moe-cp", {"cp": 2}, 2, MOE4, r"^strategy\.cp: .*use cp: 1 with MoE"),
     ("tied-tp", {"tp": 2}, 2, {"tie_embeddings": True}, r"^model\.tie_embeddings: .*untie it or use tp: 1"),
     ("offload-params", {"dp": 2, "zero": {"stage": 3}, "offload": {"params": True}}, 2, {},
      r"^strategy\.offload\.params: .*set it false"),
@@ -139,10 +141,11 @@ MS_REFUSALS = [
      r"^strategy\.precision\.grad_reduce_dtype: .*set float32"),
     ("offload", {"dp": 2, "zero": {"stage": 1}, "offload": {"optimizer": True}, "precision": FP32}, 2, {},
      [CPU, ASCEND], r"^strategy\.offload: the MindSpore backend does not offload"),
-    ("moe", {"dp": 1, "precision": FP32}, 1, {"num_experts": 4}, [ASCEND], r"^model\.moe: .*--backend torch"),
-    ("moe-shared", {"dp": 2, "zero": {"stage": 1}, "precision": FP32}, 2, {"num_experts": 4}, [CPU],
+    ("moe-parallel-optimizer", {"dp": 2, "ep": 2, "zero": {"stage": 1}}, 2, MOE4, [ASCEND],
+     r"^strategy\.zero\.stage: MindSpore's parallel optimizer would shard the experts' optimizer states"),
+    ("moe-shared", {"dp": 2, "zero": {"stage": 1}, "precision": FP32}, 2, MOE4, [CPU],
      r"^strategy\.zero: MindSpore trains MoE through its compiled step only"),
-    ("moe-ep", {"dp": 2, "ep": 2, "precision": FP32}, 2, {"num_experts": 4}, [CPU], r"^strategy: ep=2 needs"),
+    ("moe-ep", {"dp": 2, "ep": 2, "precision": FP32}, 2, MOE4, [CPU], r"^strategy: ep=2 needs"),
     ("zero-bubble", {"pp": 2, "pipeline": {"schedule": "zero_bubble"}, "precision": FP32}, 2, {}, [ASCEND],
      r"^strategy\.pipeline\.schedule: MindSpore has no 'zero_bubble' scheduler"),
     ("shared-with-tp", {"dp": 2, "tp": 2, "zero": {"stage": 1, "engine": "shared"}}, 4, {}, [ASCEND],
@@ -168,6 +171,15 @@ def test_what_mindspore_refuses_on_cpu_runs_on_ascend(strategy, world):
     p = plan_for(strategy, world)
     assert ms_support.refusals(p, CPU)
     assert ms_support.refusals(p, ASCEND) == []
+
+
+def test_mindspore_moe_expert_parallel_runs_on_ascend():
+    """ep x tp over the MoE layer is lowered (lower_moe.py): refused on CPU, accepted on Ascend."""
+    p = plan_for({"dp": 2, "ep": 2, "tp": 2}, 4, MOE_MODEL)
+    assert ms_support.refusals(p, CPU)
+    assert ms_support.refusals(p, ASCEND) == []
+    # float16 with loss scaling: the router losses' gradient is scaled with the loss (test_ms_moe.py)
+    assert ms_support.refusals(plan_for({"dp": 2, "precision": FP16}, 2, MOE_MODEL), CPU) == []
 
 
 @pytest.mark.parametrize("strategy,world,machine,engine", [

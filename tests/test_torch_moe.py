@@ -36,7 +36,7 @@ def from_hub(hub: dict[str, np.ndarray], model: Transformer) -> dict[str, torch.
     """Our state dict from the Hub's tensors, through the name table under test."""
     out = {}
     for name in model.state_dict():
-        names = mixtral_names(name, model.cfg.num_experts) or [name]
+        names = mixtral_names(name, model.cfg.moe.num_experts) or [name]
         arrays = [hub[n] for n in names]
         out[name] = torch.from_numpy(np.stack(arrays) if "experts" in name else arrays[0])
     return out

@@ -1,6 +1,7 @@
 """Expert parallelism trains to the single-process result (gloo, CPU, fp32, tiny_moe, dropless):
 ep2, ep2 x dp2 with shared ZeRO-1 and ZeRO-3, ep2 x tp2, ep2 x pp2. Losses of 3 steps and the
-parameters after them (experts gathered to full tensors) equal the world-1 run within 1e-5."""
+parameters after them (experts gathered to full tensors) equal the world-1 run within 1e-5; under
+ZeRO the experts' optimizer states are sharded over their expert-data-parallel ranks."""
 from __future__ import annotations
 
 import subprocess
@@ -41,3 +42,6 @@ def test_expert_parallel_equals_single_process(matrix, case):
     assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"])) <= TOL
     assert max_diff(ref_t, got_t, "param/") <= TOL
     assert ref["losses"][-1] < ref["losses"][0]
+    # ZeRO with ep2 x dp2 (edp 2): each rank's expert optimizer holds half of its experts' states
+    edp = 2 if case.startswith("ep2_dp2_zero") else 1
+    assert got["expert_state"] == 1 / edp

@@ -47,8 +47,8 @@ CATALOGUE = [
     ("zero-shard-divides", {"dp": 6, "zero": {"stage": 3, "shard_size": 4}}, {}, {"global_batch_size": 12}, 6, r"zero\.shard_size: 4 does not divide dp = 6"),
     ("zero-shard-too-big", {"dp": 2, "zero": {"stage": 3, "shard_size": 4}}, {}, {}, 2, r"zero\.shard_size: 4 exceeds dp = 2"),
     ("ep-dense", {"ep": 2, "dp": 2}, {}, {}, 2, r"strategy\.ep: 2 but the model is dense"),
-    ("ep-experts", {"ep": 4, "dp": 4}, {"num_experts": 6}, {}, 4, r"model\.moe\.num_experts = 6 is not divisible by 4"),
-    ("ep-dp-cp", {"ep": 4, "dp": 2}, {"num_experts": 8}, {}, 2, r"strategy\.ep: 4 must divide dp\*cp = 2"),
+    ("ep-experts", {"ep": 4, "dp": 4}, {"moe": {"num_experts": 6}}, {}, 4, r"model\.moe\.num_experts = 6 is not divisible by 4"),
+    ("ep-dp-cp", {"ep": 4, "dp": 2}, {"moe": {"num_experts": 8}}, {}, 2, r"strategy\.ep: 4 must divide dp\*cp = 2"),
     ("recompute-layers-without-policy", {"dp": 1, "recompute": {"num_layers": 2}}, {}, {}, 1, r"recompute\.num_layers: set but policy is 'none'"),
     ("recompute-too-many-layers", {"pp": 2, "dp": 1, "recompute": {"policy": "full", "num_layers": 6}}, {}, {}, 2, r"recompute\.num_layers: 6 exceeds the 4 layers of a stage"),
     ("fp16-needs-scaling", {"dp": 1, "precision": {"param_dtype": "float16", "compute_dtype": "float16"}}, {}, {}, 1, r"precision\.loss_scale: fp16 needs loss scaling"),
@@ -63,7 +63,7 @@ CATALOGUE = [
 @pytest.mark.parametrize("case", CATALOGUE, ids=[c[0] for c in CATALOGUE])
 def test_invalid_strategy_is_refused_with_a_fix(case):
     _, strategy, model, train, world, message = case
-    m = ModelConfig(**{**MODEL, **model})
+    m = from_dict(ModelConfig, {**MODEL, **model}, "model")
     t = TrainConfig(**{**TRAIN, **train})
     with pytest.raises(StrategyError, match=message) as info:
         validate(m, from_dict(ParallelStrategy, strategy, "strategy"), t, world)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.model import ModelConfig, MoEConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import OptimizerConfig, TrainConfig
 from ms_llm.strategy import cost
@@ -175,7 +175,7 @@ def test_planned_bytes_match_the_cost_formula(stage, dtype, optimizer):
 
 def test_moe_partitions_the_dense_parameters_and_leaves_the_experts_to_their_group():
     moe = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden_size=64,
-                      num_experts=4, dtype="float32")
+                      moe=MoEConfig(num_experts=4), dtype="float32")
     p = make({"dp": 2, "ep": 2, "zero": {"stage": 3}}, 2, model=moe)
     names = {s.name for b in zero_plan(p).buckets for s in b.slots}
     experts = {n for n, q in p.params.items() if q.kind.startswith("expert")}

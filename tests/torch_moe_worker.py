@@ -73,6 +73,16 @@ def full_params(parts, plan, meshes) -> dict[str, torch.Tensor]:
     return out
 
 
+def expert_state(dp) -> float:
+    """Elements the experts' optimizer keeps states for, over the local expert elements (1 =
+    whole on every edp rank; 1/edp under ZeRO-1 over edp)."""
+    experts = getattr(dp, "experts", None)
+    if experts is None:
+        return 1.0
+    held = sum(p.numel() for g in experts.optimizer.param_groups for p in g["params"])
+    return held / sum(p.numel() for p in experts.params.values())
+
+
 def run_case(case: str, tokens, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     job = job_for(case)
@@ -91,7 +101,7 @@ def run_case(case: str, tokens, out: Path) -> None:
     if dp_rank == 0 and meshes.coord("tp") == 0:
         save_file(tensors, out / f"{case}-rank{rank}.safetensors")
     if rank == 0:
-        (out / f"{case}.json").write_text(json.dumps({"losses": losses}))
+        (out / f"{case}.json").write_text(json.dumps({"losses": losses, "expert_state": expert_state(lowered.dp)}))
     dist.barrier()
 
 

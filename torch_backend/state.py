@@ -73,10 +73,20 @@ def _torch_optimizer(step_fn: TrainStep):
     return experts.optimizer if experts is not None else None
 
 
+def _expert_slices(step_fn: TrainStep) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the slice of a routed expert weight whose optimizer states this rank holds
+    under the shared engine's ZeRO-1 over edp (parallelize.ep.ExpertGrads); {} when whole."""
+    experts = step_fn.m.dp.experts if _zero_engine(step_fn) is not None else None
+    if experts is None:
+        return {}
+    return {canonical_name(n): p for n, p in experts.state_params().items() if n in experts.shards}
+
+
 def _optimizer_state(optimizer, weights: dict[str, torch.Tensor], plan: ModelPlan, rank: int,
-                     create: bool) -> Held:
+                     create: bool, sliced: frozenset[str] = frozenset()) -> Held:
     """Per-parameter states of a torch optimizer; `create` makes Adam's before its first step.
-    Expert states take their weight's layout (split over ep), so they reshard like it."""
+    Expert states take their weight's layout (split over ep), so they reshard like it; those of
+    `sliced` weights (ZeRO-1 over edp) the weight's optimizer_layout."""
     held = {}
     owner = isinstance(optimizer, ZeroRedundancyOptimizer)
     local = optimizer.optim if owner else optimizer
@@ -93,7 +103,10 @@ def _optimizer_state(optimizer, weights: dict[str, torch.Tensor], plan: ModelPla
             if not torch.is_tensor(value) or value.dim() == 0:
                 continue
             name = optim_name(key, weight)
-            piece = _piece(name, value, plan, rank, weight)
+            if weight in sliced:
+                piece = layout_piece(name, plan.params[weight].optimizer_layout, plan.stage_rank(rank))
+            else:
+                piece = _piece(name, value, plan, rank, weight)
             if owner:                       # only the owning rank has it, whole
                 piece = Piece(name, piece.shape, Region((0,) * len(piece.shape), piece.shape), True)
             held[name] = (piece, value)
@@ -109,7 +122,8 @@ def training_state(step_fn: TrainStep, plan: ModelPlan, rank: int, create: bool 
         held.update(_shared_engine_state(engine, plan, rank))
     optimizer = _torch_optimizer(step_fn)
     if optimizer is not None:
-        held.update(_optimizer_state(optimizer, weights, plan, rank, create))
+        sliced = _expert_slices(step_fn)
+        held.update(_optimizer_state(optimizer, {**weights, **sliced}, plan, rank, create, frozenset(sliced)))
     for name, p in weights.items():
         if name not in held:                # ZeRO-3 shards of the shared engine are already in
             held[name] = (_piece(name, p, plan, rank, name), p)

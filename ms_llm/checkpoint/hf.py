@@ -88,7 +88,7 @@ def hf_tensors(ckpt: Checkpoint, model: ModelConfig) -> dict[str, tuple[str, Opt
     for name in ckpt.names():
         if split_optim_name(name) is not None:
             continue
-        hub = mixtral_names(name, model.num_experts) if model.moe is not None else None
+        hub = mixtral_names(name, model.moe.num_experts) if model.moe is not None else None
         if hub is None or len(hub) == 1:
             out[(hub or [name])[0]] = (name, None)
         else:
@@ -133,7 +133,7 @@ def hf_source(folder: str | Path, staging: Optional[Path] = None) -> Checkpoint:
             raise CheckpointError(f"{folder}: Mixtral keeps one tensor per expert; import it with "
                                   "`ms-llm convert-checkpoint HF_DIR DST --from hf`, which stacks them")
         hub = Checkpoint(folder, _index(tensors, {}))
-        stack_experts(hub, layout_plan(model, ParallelStrategy(dp=1), 1).params, model.num_experts,
+        stack_experts(hub, layout_plan(model, ParallelStrategy(dp=1), 1).params, model.moe.num_experts,
                       str(confined(staging, SINGLE_NAME, "the stacked experts")))
         hub.close()
         folder, tensors = staging, _file_tensors(staging, [SINGLE_NAME], "the stacked experts")

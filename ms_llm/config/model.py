@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from ms_llm.config.schema import spec
 from ms_llm.errors import ConfigError
@@ -107,11 +107,10 @@ class ModelConfig:
     tie_embeddings: bool = spec(False, "Share embed_tokens and lm_head weights.")
     dtype: DType = spec("bfloat16", "Parameter dtype on the device.")
     moe: Optional[MoEConfig] = spec(None, "Mixture-of-experts feed-forward; null = every layer dense.")
-    num_experts: int = spec(0, "Mirror of moe.num_experts (0 = dense), the shorthand the converters write; "
-                               "given alone it makes a moe section with moe_top_k.", ge=0, le=MAX_HEADS)
-    moe_top_k: int = spec(2, "Mirror of moe.top_k, with num_experts.", ge=1, le=MAX_HEADS)
     flash_attention: bool = spec(False, "Fused attention kernel where the backend has one (MindSpore: "
                                         "FlashAttentionScore on Ascend); the same math as plain attention.")
+    # Keys older configs used, and where they live now (config.schema names the move).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"num_experts": "moe.num_experts", "moe_top_k": "moe.top_k"}
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -130,25 +129,12 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"model.num_kv_heads: {self.num_kv_heads} must divide "
                               f"model.num_heads={self.num_heads} (each kv head serves a group of query heads)")
-        self._sync_moe()
-        if self.num_params() > MAX_PARAMS:
-            raise ConfigError(f"model: {self.num_params():.3g} parameters is more than {MAX_PARAMS:.0e}; check "
-                              "hidden_size, ffn_hidden_size, num_layers, vocab_size and num_experts")
-
-    def _sync_moe(self) -> None:
-        """moe is the truth; num_experts / moe_top_k mirror it (or, given alone, make it)."""
-        if self.moe is None:
-            if self.num_experts:
-                object.__setattr__(self, "moe", MoEConfig(num_experts=self.num_experts, top_k=self.moe_top_k))
-            return
-        for mirror, value, default in (("num_experts", self.moe.num_experts, 0), ("moe_top_k", self.moe.top_k, 2)):
-            if getattr(self, mirror) not in (default, value):
-                raise ConfigError(f"model.{mirror}: {getattr(self, mirror)} disagrees with model.moe ({value}); "
-                                  f"leave {mirror} out")
-            object.__setattr__(self, mirror, value)
-        if self.moe.first_dense_layers >= self.num_layers:
+        if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
             raise ConfigError(f"model.moe.first_dense_layers: {self.moe.first_dense_layers} leaves no MoE layer "
                               f"in {self.num_layers}; use fewer, or moe: null for a dense model")
+        if self.num_params() > MAX_PARAMS:
+            raise ConfigError(f"model: {self.num_params():.3g} parameters is more than {MAX_PARAMS:.0e}; check "
+                              "hidden_size, ffn_hidden_size, num_layers, vocab_size and moe.num_experts")
 
     def is_moe_layer(self, layer: int) -> bool:
         """DeepSeek's and Megatron's rule: past the leading dense layers, every layer_freq-th."""

@@ -137,6 +137,11 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(f"{path or cls.__name__}: got {data!r}; expected a mapping of {cls.__name__} fields")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    moved = [k for k in data if k in getattr(cls, "MOVED_KEYS", {})]     # keys older configs used
+    if moved:
+        key = moved[0]
+        raise ConfigError(f"{_join(path, str(key))}: this key moved to {_join(path, cls.MOVED_KEYS[key])}; "
+                          "write it there")
     unknown = [k for k in data if k not in fields]
     if unknown:
         key = unknown[0]

@@ -8,6 +8,7 @@ q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence
 parallel: allgather or ulysses, MindFormers' colossalai_cp / ulysses_cp, _attention_core). For the
 cases MindFormers covers the results equal the strategies of MindFormers' own LLaMA, built and
 read by tests/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
+MoE layers are lowered by lower_moe.py (experts over ep, their tokens over edp).
 
 A strategy is a tuple of split counts when MindSpore's default device matrix for it (split
 dims in tensor order, replicas innermost) puts the ranks where the mesh does; otherwise
@@ -267,6 +268,9 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
         # sequence), k/v with their own kv heads (the kernel serves GQA), the mask split like score rows.
         ops.append(_op(p + "self_attn.flash_attention", [q_core, k_all, v_all, _one_head(score)]))
     ops += _norm_ops(p + "post_attention_layernorm.", hidden, w[p + "post_attention_layernorm.weight"])
+    if plan.model.is_moe_layer(i):
+        from ms_llm.mindspore.lower_moe import moe_ops     # it builds on this module's _op and _flat
+        return ops + moe_ops(plan, i)
     mh = a["mlp_hidden"]
     ops += [_op(f"{p}mlp.{proj}.matmul", [_flat(a["mlp_input"]), w[f"{p}mlp.{proj}.weight"]])
             for proj in ("gate_proj", "up_proj")]
@@ -295,10 +299,13 @@ SELECTIVE_OPS = ("self_attn.tile_kv", "self_attn.batch_matmul_q_k", "self_attn.m
 SELECTIVE_CELLS = ("self_attn.rotary",)
 
 
+def _moe_path(op: str) -> str:
+    """A selective-recompute op in an MoE layer: the SwiGLU activations are the experts'."""
+    return op.replace("mlp.", "mlp.experts.", 1)
+
+
 def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strategy/ckpt_strategy.ckpt") -> Lowering:
     """Everything MindSpore needs to run `plan` under auto-parallel."""
-    if plan.model.num_experts:
-        raise StrategyError("model.num_experts: the MindSpore lowering covers dense LLaMA layers; MoE is not lowered")
     if plan.strategy.cp > 1 and cp_refusals(plan):
         raise StrategyError(cp_refusals(plan))
     embed = plan.params["model.embed_tokens.weight"].layout
@@ -323,7 +330,7 @@ def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strate
             cells.append(f"model.layers.{i}")
         elif mode_i == "selective":
             cells += [f"model.layers.{i}.{c}" for c in SELECTIVE_CELLS]
-            prims += [f"model.layers.{i}.{o}" for o in SELECTIVE_OPS]
+            prims += [f"model.layers.{i}.{_moe_path(o) if plan.model.is_moe_layer(i) else o}" for o in SELECTIVE_OPS]
 
     notes = []
     s = plan.strategy

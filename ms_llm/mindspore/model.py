@@ -315,8 +315,8 @@ class CrossEntropy(nn.Cell):
 
 
 class LossCell(nn.Cell):
-    """(inputs, labels) (B, T) -> mean token cross-entropy, plus in training the MoE router losses:
-    their value (gradient stopped; it reaches the routers through moe.AuxLoss), so the loss
+    """(inputs, labels) (B, T) -> mean token cross-entropy, plus in training the MoE router losses
+    (their gradient reaches the routers through this sum, scaled with the loss), so the loss
     reported is torch's TrainStep's; validation (router_losses False) is cross-entropy alone, as
     torch's evaluate."""
 
@@ -330,4 +330,4 @@ class LossCell(nn.Cell):
         logits, aux = self.net.with_aux(inputs)
         v = logits.shape[-1]
         loss = self.loss(self.reshape(logits, (-1, v)), self.reshape(labels, (-1,)))
-        return loss + ops.stop_gradient(aux) if self.router_losses else loss
+        return loss + aux if self.router_losses else loss

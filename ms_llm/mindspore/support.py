@@ -74,22 +74,22 @@ def _model(plan: ModelPlan) -> list[str]:
 
 
 def _moe(plan: ModelPlan, ascend: bool) -> list[str]:
-    """MoE trains data parallel through the compiled step (every expert on every rank); the
-    router losses' gradient is not loss-scaled there, and the shared engine does not scale it
-    per micro-batch."""
+    """MoE trains through the compiled step: data parallel on CPU (every expert on every rank), under
+    semi_auto_parallel on Ascend (lower_moe.py: experts over ep, tokens over edp). The shared engine
+    leaves the experts outside its partition (torch updates them beside it; MindSpore has no such
+    path), and MindSpore's parallel optimizer would shard the experts' states, which the plan keeps
+    whole."""
     if plan.model.moe is None:
         return []
-    s = plan.strategy
-    if ascend:
-        return ["model.moe: the MindSpore lowering has no MoE strategies yet (expert_parallel); train MoE with "
-                "--backend torch, or on a CPU machine data parallel"]
-    problems = []
-    if _engine(plan, ascend)[0] == SHARED:
-        problems.append("strategy.zero: MindSpore trains MoE through its compiled step only; use zero.stage 0 "
-                        "without engine 'shared' (or --backend torch for ZeRO with experts)")
-    if s.precision.loss_scale != "none":
-        problems.append(f"strategy.precision.loss_scale: {s.precision.loss_scale} does not scale the MindSpore "
-                        "MoE router losses' gradient; use float32 compute with loss_scale none, or --backend torch")
+    engine, problems = _engine(plan, ascend)[0], []
+    if engine == SHARED:
+        problems.append("strategy.zero: MindSpore trains MoE through its compiled step only (the shared ZeRO "
+                        "engine leaves the experts outside its partition); use zero.stage 0 without engine "
+                        "'shared' (or --backend torch for ZeRO with experts)")
+    if engine == PARALLEL_OPTIMIZER:
+        problems.append("strategy.zero.stage: MindSpore's parallel optimizer would shard the experts' optimizer "
+                        "states over their data-parallel ranks, which the plan and its checkpoints keep whole; "
+                        "use zero.stage 0 for MoE on MindSpore, or --backend torch for ZeRO with experts")
     return problems
 
 

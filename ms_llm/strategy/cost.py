@@ -103,7 +103,7 @@ class StageShape:
     has_head: bool
     params: int                                   # parameters on one device (after tp / ep, before ZeRO)
     moe_layers: int = 0                           # of `layers`, those with routed experts
-    expert_params: int = 0                        # of `params`, routed experts: replicated over edp, not ZeRO's
+    expert_params: int = 0                        # of `params`, routed experts: replicated over edp
 
 
 @dataclass(frozen=True)
@@ -275,10 +275,12 @@ def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]
     nd = plan.zero.group_size
     params, grads, optim = zero_model_state_bytes(psi, s.zero.stage, nd, _optimizer_bytes_per_param(plan),
                                                   pbytes, pbytes)
-    # Routed experts: split over ep already, replicated over edp with whole optimizer states.
+    # Routed experts: split over ep already, replicated over edp; ZeRO shards only their optimizer
+    # states, over edp (ms_llm.strategy.plan._expert_zero).
+    edp = s.dp * s.cp // s.ep if s.zero.stage >= 1 else 1
     params += st.expert_params * pbytes
     grads += st.expert_params * pbytes
-    optim += st.expert_params * _optimizer_bytes_per_param(plan)
+    optim += st.expert_params * _optimizer_bytes_per_param(plan) / edp
     host = 0.0
     if s.offload.optimizer:
         host += optim

@@ -178,6 +178,17 @@ def zero_partition(s: ParallelStrategy, mesh: MeshSpec) -> ZeroPartition:
                          shard_params=s.zero.stage >= 3)
 
 
+def _expert_zero(s: ParallelStrategy, zero: ZeroPartition) -> ZeroPartition:
+    """The routed experts' ZeRO: with zero.stage >= 1 their optimizer states are sharded over edp
+    (the ranks holding the same experts), ZeRO-1 style whatever the stage: their weights and
+    gradients stay whole on each edp rank (the backend's expert path updates them beside the
+    shared partition). `s` must be resolved."""
+    edp = s.dp * s.cp // s.ep
+    stage = 1 if zero.stage >= 1 and edp > 1 else 0
+    return ZeroPartition(stage=stage, axes=("edp",) if stage else (), group_size=edp if stage else 1,
+                         replicate_size=1, shard_optimizer=bool(stage), shard_grads=False, shard_params=False)
+
+
 def zero_layout(layout: TensorLayout, zero: ZeroPartition) -> TensorLayout:
     """Add the ZeRO shard axes on the first dimension that divides evenly (dim 0 normally,
     like FSDP2 and MindSpore's parallel optimizer); keep the TP layout where none does."""
@@ -247,10 +258,11 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     mesh = MeshSpec(DENSE_AXES, (s.pp, s.dp_replicate, s.dp_shard, s.cp, s.tp))
     stage_mesh = mesh.without("pp")
     expert_mesh = None
-    if model.num_experts:
+    if model.moe is not None:
         expert_mesh = MeshSpec(EXPERT_AXES, (s.pp, s.dp * s.cp // s.ep, s.ep, s.tp))
 
     zero = zero_partition(s, mesh)
+    expert_zero = _expert_zero(s, zero)
 
     chunks = pipeline_chunks(model, s)
     layer_chunk = tuple(c.index for c in chunks for _ in c.layers)
@@ -266,12 +278,12 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
             if tp_dim is not None:
                 shards["tp"] = tp_dim
             layout = TensorLayout.build(shape, lay_mesh, **shards)
-            zl = layout
+            zl, stage = zero_layout(layout, expert_zero), expert_zero.stage
         else:
             layout = TensorLayout.build(shape, stage_mesh, **({"tp": tp_dim} if tp_dim is not None else {}))
-            zl = zero_layout(layout, zero)
+            zl, stage = zero_layout(layout, zero), zero.stage
         c = chunks[chunk]
-        params[name] = ParamPlan(name, tuple(shape), kind, layout, c.stage, c.virtual, layer, zl, zero.stage)
+        params[name] = ParamPlan(name, tuple(shape), kind, layout, c.stage, c.virtual, layer, zl, stage)
 
     add("model.embed_tokens.weight", (v, h), "embedding", None, 0, tp_dim=0)
     for layer in range(model.num_layers):
@@ -288,7 +300,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
             add(p + "self_attn.k_norm.weight", (model.head_dim,), "head_norm", layer, c)
         add(p + "self_attn.o_proj.weight", (h, q), "row", layer, c, tp_dim=1)
         if model.is_moe_layer(layer):
-            e, fe, fs = model.num_experts, model.expert_ffn_size, model.moe.shared_experts * model.expert_ffn_size
+            e, fe, fs = model.moe.num_experts, model.expert_ffn_size, model.moe.shared_experts * model.expert_ffn_size
             add(p + "mlp.gate.weight", (e, h), "router", layer, c)
             add(p + "mlp.experts.gate_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
             add(p + "mlp.experts.up_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
