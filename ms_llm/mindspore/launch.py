@@ -9,14 +9,24 @@ imports no MindSpore; the workers and msrun do.
         --master_port=P --node_rank=R --log_dir=RUN/logs --join=True
         python -m ms_llm.mindspore.worker --run-dir RUN
 
+The workers load their start-up graphs from <run>/compile_cache/<key> when an earlier launch
+compiled them (MindSpore's compile cache, ms_llm.mindspore.worker), which takes the compile
+(most of a relaunch on CPU) off a restart. MindSpore checks only the entry script for changes,
+so the key is ours: a hash of config.yaml (model, strategy, batch, precision), the world size,
+the MindSpore version, the machine and every ms_llm source file. A changed job, world or code
+never meets a cache compiled for another.
+
 Running this module is msrun itself (MindSpore's own entry point) with one change: the
 scheduler runs on node rank 0, not on every machine that owns --master_addr.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
+import platform
 import subprocess
 import sys
 import threading
@@ -26,11 +36,12 @@ from typing import Optional
 
 from ms_llm.config.job import JobConfig
 from ms_llm.errors import ConfigError
-from ms_llm.nodes import Nodes, collective_timeout_s, free_port, worker_env
+from ms_llm.nodes import ROOT, Nodes, collective_timeout_s, free_port, worker_env
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 
 WORKER = "ms_llm.mindspore.worker"
+COMPILE_CACHE_ENV = "MS_LLM_COMPILE_CACHE"       # the workers' compile cache folder
 
 
 def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int) -> list[str]:
@@ -44,6 +55,15 @@ def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int) -> list[s
             f"--local_worker_num={nodes.local(world)}", f"--master_addr={addr}", f"--master_port={port}",
             f"--node_rank={nodes.rank}", f"--log_dir={run.logs}", "--join=True",
             "python", "-m", WORKER, "--run-dir", str(run.root)]
+
+
+def compile_cache(run: RunFolder, world: int) -> Path:
+    """The compile cache folder of this job at `world` ranks (MindSpore adds rank_<R>/ below)."""
+    key = hashlib.sha256(run.config.read_bytes())
+    key.update(f"world {world} mindspore {importlib.metadata.version('mindspore')} {platform.machine()}".encode())
+    for path in sorted((ROOT / "ms_llm").rglob("*.py")):
+        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return run.compile_cache / key.hexdigest()[:16]
 
 
 def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> None:
@@ -78,6 +98,7 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
     # HCCL (Ascend) fails a collective whose peer does not arrive within HCCL_EXEC_TIMEOUT seconds
     # (Atlas training parts round it down to a multiple of 68, at least 68): the same bound as torch's.
     env.setdefault("HCCL_EXEC_TIMEOUT", str(max(68, int(collective_timeout_s()))))
+    env[COMPILE_CACHE_ENV] = str(compile_cache(run, world))
     cmd = msrun_command(run, world, nodes, nodes.master_port or free_port())
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
