@@ -194,6 +194,32 @@ def test_stopped_rank_is_detected_then_too_many_failures_stop_with_a_report(refe
     _no_workers_left(run)
 
 
+@pytest.mark.slow
+def test_a_killed_supervisor_leaves_no_process_behind(reference):
+    """SIGKILL of the supervisor itself (nothing of it runs to clean up): torchrun dies with it
+    (PR_SET_PDEATHSIG), and every worker, the standby's waiting at their gate too, exits on its own."""
+    from ms_llm.elastic.procs import alive, descendants
+
+    tmp, _, config, _, _ = reference
+    run = tmp / "orphans"
+    proc = _start(_cmd(config, run, 2, "--elastic", "--steps", "100000"))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        standby = [p for p in (run / "elastic").glob("gate.*.waiting.*")] if (run / "elastic").is_dir() else []
+        if len(standby) == 2 and read_heartbeats(run / "heartbeat").get(0, {}).get("step", 0) >= 3:
+            break
+        time.sleep(0.05)
+    below = descendants(proc.pid)
+    workers = {b["pid"] for b in read_heartbeats(run / "heartbeat").values()}
+    assert workers <= set(below) and len(below) >= 6, below      # 2 launchers, 2 + 2 workers
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(alive(p) for p in below):
+        time.sleep(0.1)
+    assert not [p for p in below if alive(p)]
+
+
 VERIFY = ("import sys; from ms_llm.checkpoint.commit import latest; from ms_llm.checkpoint.reader import Checkpoint; "
           "c = Checkpoint(latest(sys.argv[1])); c.verify(); print('latest intact: step', c.step)")
 

@@ -7,7 +7,9 @@
 
 It starts the backend's launcher (torchrun, msrun) in a session of its own, watches the
 workers' exits and heartbeats (ms_llm.elastic.watch), and on a failure kills, by PID, the
-launcher and every process below it. The world follows the ranks this node can use: the
+launcher and every process below it. Nothing outlives a supervisor killed outright: the
+launcher gets SIGKILL from the kernel (PR_SET_PDEATHSIG) and every worker exits from a thread
+that waits on the supervisor's pidfd (ms_llm.nodes.exit_with_supervisor). The world follows the ranks this node can use: the
 launch's size, or the number an operator or a health checker writes to
 <run>/elastic/capacity.node<R> (fewer: shrink at the next failure; more: grow at the next
 committed checkpoint). On several nodes the survivors agree on the nodes left
@@ -114,6 +116,7 @@ class Supervisor:
 
     def run_job(self) -> int:
         os.environ.setdefault(COLLECTIVE_TIMEOUT_ENV, str(int(max(60.0, 2 * self.options.timeouts.hang(None)))))
+        os.environ[SUPERVISOR_ENV] = str(os.getpid())   # every worker exits when this process is gone
         def stop(signum, frame):               # SIGTERM: leave no worker behind (the finally below)
             raise SystemExit(128 + signum)
         previous = signal.signal(signal.SIGTERM, stop)
@@ -141,8 +144,7 @@ class Supervisor:
         folder.mkdir(exist_ok=True)
         gate = folder / f"gate.node{self.nodes.rank}.{self.launches + 1}"
         gate.unlink(missing_ok=True)
-        proc = self.spawn(self.job, self.run, world, self.nodes,
-                          env={GATE_ENV: str(gate), SUPERVISOR_ENV: str(os.getpid())})
+        proc = self.spawn(self.job, self.run, world, self.nodes, env={GATE_ENV: str(gate)})
         self.standby = Standby(proc, world, gate)
 
     def _discard_standby(self) -> None:

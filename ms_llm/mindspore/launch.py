@@ -36,7 +36,7 @@ from typing import Optional
 
 from ms_llm.config.job import JobConfig
 from ms_llm.errors import ConfigError
-from ms_llm.nodes import ROOT, Nodes, collective_timeout_s, free_port, worker_env
+from ms_llm.nodes import ROOT, Nodes, collective_timeout_s, die_with_parent, free_port, worker_env
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 
@@ -104,7 +104,7 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root,
-                                start_new_session=session)
+                                start_new_session=session, preexec_fn=die_with_parent() if session else None)
     proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every),
                                  name="msrun-progress", daemon=True)
     proc.echo.start()

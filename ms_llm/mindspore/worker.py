@@ -20,6 +20,7 @@ from typing import Optional
 from ms_llm.config.job import JobConfig, load_job
 from ms_llm.errors import MsLlmError, TrainingDiverged
 from ms_llm.machine import Machine
+from ms_llm.nodes import exit_with_supervisor
 from ms_llm.run import RunFolder
 from ms_llm.run.loop import DIVERGED_EXIT
 from ms_llm.strategy.plan import ModelPlan
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ms_llm.mindspore.worker", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, help="run folder written by `ms-llm train` (holds config.yaml)")
     run = RunFolder(Path(ap.parse_args(argv).run_dir).resolve())
+    exit_with_supervisor()
     try:
         job = load_job(run.config)
         from ms_llm.run.loop import train
