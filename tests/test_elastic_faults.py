@@ -310,6 +310,14 @@ def test_two_nodes_lose_one_and_the_other_shrinks_and_continues(reference):
     _on_the_curve(run, ref)
 
 
+def _ms_job(tmp: Path, tokens: Path) -> Path:
+    job = yaml.safe_load(_job(tmp, tokens).read_text())
+    job["backend"] = "mindspore"
+    config = tmp / "ms.yaml"
+    config.write_text(yaml.safe_dump(job))
+    return config
+
+
 @pytest.mark.slow
 def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
     """msrun under the supervisor: kill -9 of a MindSpore worker is seen at once (not after msrun's
@@ -317,10 +325,7 @@ def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
     cache the first launch wrote, resumes from the checkpoint, and each repeated step has the loss
     it had the first time."""
     tmp, tokens, _, _, _ = reference
-    job = yaml.safe_load(_job(tmp, tokens).read_text())
-    job["backend"] = "mindspore"
-    config = tmp / "ms.yaml"
-    config.write_text(yaml.safe_dump(job))
+    config = _ms_job(tmp, tokens)
     run = tmp / "ms"
     proc = _start(_cmd(config, run, 2, "--elastic", "--max-restarts", "1", "--steps", "14"))
     hit = Chaos(run, proc).strike(1, 10)
@@ -339,4 +344,28 @@ def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
     assert len(keys) == 1 and {f.parts[-3] for f in cached} == {"rank_0", "rank_1"}
     failed_at = _events(run, "failure")[0]["time"]
     assert all(f.stat().st_mtime < failed_at for f in cached), "the relaunch compiled again"
+    _no_workers_left(run)
+
+
+@pytest.mark.slow
+def test_mindspore_shrinks_dp2_to_dp1_on_a_failure(reference):
+    """MindSpore dp2; the node declares one usable rank and a worker dies: the supervisor relaunches
+    msrun on one rank with 4 micro-batches (the same global batch), which resumes from the dp2
+    checkpoint; every step run again has the loss it had at dp2."""
+    tmp, tokens, _, _, _ = reference
+    run = tmp / "ms-shrink"
+    (run / "elastic").mkdir(parents=True)
+    (run / "elastic" / "capacity.node0").write_text("1")
+    proc = _start(_cmd(_ms_job(tmp, tokens), run, 2, "--elastic", "--max-restarts", "1", "--steps", "12"))
+    Chaos(run, proc).strike(1, 10)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert [(w["reason"], w["world"], w["micro_batches"]) for w in _events(run, "world")] == [("shrink", 1, 4)]
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, 13))
+    resumed = [r["resumed_step"] for r in read_metrics(run / "metrics.jsonl") if "resumed_step" in r]
+    repeated = sorted(k for k, v in losses.items() if len(v) > 1)
+    assert resumed == [8] and repeated[:2] == [9, 10], (resumed, repeated)
+    for k in repeated:
+        assert losses[k][1] == pytest.approx(losses[k][0], abs=1e-5), k
     _no_workers_left(run)
