@@ -12,7 +12,8 @@ launcher gets SIGKILL from the kernel (PR_SET_PDEATHSIG) and every worker exits 
 that waits on the supervisor's pidfd (ms_llm.nodes.exit_with_supervisor). The world follows the ranks this node can use: the
 launch's size, or the number an operator or a health checker writes to
 <run>/elastic/capacity.node<R> (fewer: shrink at the next failure; more: grow at the next
-committed checkpoint). On several nodes the survivors agree on the nodes left
+committed checkpoint); ms_llm.elastic.world keeps tp/pp/cp where it can and asks the strategy
+search where it cannot. On several nodes the survivors agree on the nodes left
 (ms_llm.elastic.members) and shrink to them. Torch on one node keeps a standby launch whose
 workers wait, imports done, at a gate: a relaunch of the same size opens it, which saves the
 process start and imports (most of a recovery). Recovery time (failure detected -> every
@@ -39,7 +40,7 @@ from ms_llm.elastic.classify import Failure, deterministic
 from ms_llm.elastic.members import Membership
 from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
-from ms_llm.elastic.world import choose_world
+from ms_llm.elastic.world import changes, choose_world
 from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, SUPERVISOR_ENV, Nodes
 from ms_llm.run import RunFolder
 from ms_llm.strategy.ir import ParallelStrategy
@@ -61,7 +62,7 @@ class Standby:
 @dataclass(frozen=True)
 class ElasticOptions:
     max_restarts: int = 3                # relaunches after failures (growing is not one)
-    min_ranks: Optional[int] = None      # the smallest world to shrink to; None: tp*pp*cp
+    min_ranks: Optional[int] = None      # the smallest world to shrink to; None: 1
     timeouts: Timeouts = Timeouts()
     poll_s: float = 0.1
 
@@ -156,7 +157,7 @@ class Supervisor:
 
     def _supervise(self) -> int:
         p, restarts, recovering = self.plan, 0, None
-        min_ranks = self.options.min_ranks or self.strategy.model_parallel_size
+        min_ranks = self.options.min_ranks or 1
         while True:
             world = p.world_size
             local = self.nodes.local(world)
@@ -255,14 +256,15 @@ class Supervisor:
         return left
 
     def _switch(self, q: ModelPlan, old_world: int, why: str) -> ModelPlan:
-        """Rewrite config.yaml for the new world when it changed; the workers read it from there."""
-        if q.world_size != old_world:
-            self.job = dataclasses.replace(self.job, strategy=q.strategy)
+        """Rewrite config.yaml when the plan changed (the workers read it from there); say what changed."""
+        changed = changes(self.job, q)
+        if changed:
+            self.job = dataclasses.replace(self.job, strategy=q.strategy, train=q.train)
             self.write_config(self.job, self.run)
-            self.log(f"{why}: dp {old_world // q.strategy.model_parallel_size} -> {q.strategy.dp}, "
-                     f"{q.micro_batches} micro-batch(es) per replica, global batch {q.train.global_batch_size}")
+            self.log(f"{why}: {old_world} -> {q.world_size} ranks, {changed}; {q.micro_batches} micro-batch(es) per "
+                     f"replica, global batch {q.train.global_batch_size}")
             self.record(event="world", world=q.world_size, dp=q.strategy.dp, micro_batches=q.micro_batches,
-                        reason=why)
+                        reason=why, changed=changed)
         return q
 
     def _disk_problem(self) -> Optional[str]:
