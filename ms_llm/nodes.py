@@ -109,6 +109,8 @@ def exit_with_supervisor() -> None:
         fd = os.pidfd_open(int(pid))
     except ProcessLookupError:                        # gone already
         os._exit(1)
+    except (OSError, AttributeError):                 # no pidfd (Linux < 5.3, another system): the launcher's
+        return                                        # PR_SET_PDEATHSIG and the collective timeout remain
 
     def watch() -> None:
         select.select([fd], [], [])                   # readable once the supervisor has exited
