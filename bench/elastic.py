@@ -7,8 +7,10 @@
   cold           the same, killed at once (the standby still importing: what a first failure costs)
   relaunch       ms-llm train --max-restarts 1     (torchrun stops the others and exits; the launcher starts it again)
   torchrun       torchrun --max-restarts 1 ...     (torchrun's own agent restarts the worker group)
-  mindspore      ms-llm train --elastic, MindSpore  (msrun relaunched; the graphs load from the run's compile cache)
-  ms-no-cache    the same with MS_COMPILER_CACHE_ENABLE=0 (every relaunch compiles again)
+  mindspore      ms-llm train --elastic, MindSpore  (its standby msrun opened; the graphs load from the run's compile
+                                                     cache), killed once the standby waits
+  ms-cold        the same, killed at once (the standby still importing)
+  ms-no-cache    the same as ms-cold with MS_COMPILER_CACHE_ENABLE=0 (the relaunch compiles again)
 
 Recovery is measured the same way for all three, from outside: the kill, then the first heartbeat
 of a step completed by a process that did not exist before the kill (every rank resumes from the
@@ -66,7 +68,7 @@ def job_file(tmp: Path, backend: str = "torch") -> Path:
 
 def command(mode: str, config: Path, run: Path, nproc: int, hang_timeout: float) -> tuple[list[str], dict, Path]:
     train = [sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run), "--nproc", str(nproc)]
-    if mode in ("supervisor", "cold", "mindspore"):
+    if mode in ("supervisor", "cold", "mindspore", "ms-cold"):
         return train + ["--elastic", "--max-restarts", "1"], dict(os.environ), ROOT
     if mode == "ms-no-cache":
         return train + ["--elastic", "--max-restarts", "1"], dict(os.environ, MS_COMPILER_CACHE_ENABLE="0"), ROOT
@@ -80,10 +82,10 @@ def command(mode: str, config: Path, run: Path, nproc: int, hang_timeout: float)
     return [cmd[0], cmd[1], cmd[2], "--max-restarts=1", *cmd[3:]], worker_env(folder, TrainRequest(config).nodes), ROOT
 
 
-def standby_ready(run: Path, nproc: int) -> bool:
-    """The supervisor's standby launch has every worker waiting at its (unopened) gate."""
+def standby_ready(run: Path, processes: int) -> bool:
+    """The supervisor's standby launch has every process waiting at its (unopened) gate."""
     waiting = [p for p in (run / "elastic").glob("gate.node0.*.waiting.*")]
-    return sum(not Path(str(p).split(".waiting.")[0]).exists() for p in waiting) >= nproc
+    return sum(not Path(str(p).split(".waiting.")[0]).exists() for p in waiting) >= processes
 
 
 def trial(mode: str, config: Path, tmp: Path, n: int, nproc: int, hang_timeout: float) -> Optional[float]:
@@ -97,7 +99,8 @@ def trial(mode: str, config: Path, tmp: Path, n: int, nproc: int, hang_timeout: 
         while time.monotonic() < deadline and proc.poll() is None:
             beats = read_heartbeats(run / "heartbeat")
             if beats.get(nproc - 1, {}).get("phase") == "train" and beats[nproc - 1]["step"] >= KILL_AT \
-                    and (mode != "supervisor" or standby_ready(run, nproc)):
+                    and (mode != "supervisor" or standby_ready(run, nproc)) \
+                    and (mode != "mindspore" or standby_ready(run, nproc + 1)):       # + msrun's scheduler
                 break
             time.sleep(0.005)
         old = {b["pid"] for b in beats.values()}
@@ -125,7 +128,7 @@ def main() -> None:
     ap.add_argument("--hang-timeout", type=float, default=4.0)
     ap.add_argument("--ms-trials", type=int, default=2, help="MindSpore trials per mode (slow on CPU)")
     args = ap.parse_args()
-    ms_modes = ["mindspore", "ms-no-cache"]
+    ms_modes = ["mindspore", "ms-cold", "ms-no-cache"]
     modes = ["supervisor", "cold", "relaunch", "torchrun", "hang"] + (ms_modes if args.ms_trials else [])
     times: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
@@ -149,7 +152,8 @@ def main() -> None:
               "relaunch": "recovery: ms-llm --max-restarts 1",
               "torchrun": "recovery: torchrun --max-restarts 1",
               "hang": f"hang detection (--hang-timeout {args.hang_timeout:g})",
-              "mindspore": "recovery: MindSpore --elastic", "ms-no-cache": "  the same, compile cache off"}
+              "mindspore": "recovery: MindSpore --elastic", "ms-cold": "  the same, before its standby is up",
+              "ms-no-cache": "  the same, compile cache off too"}
     for mode in modes:
         t = [x for x in times[mode] if x is not None]
         done = f"{len(t)}/{len(times[mode])}"

@@ -9,15 +9,18 @@ It starts the backend's launcher (torchrun, msrun) in a session of its own, watc
 workers' exits and heartbeats (ms_llm.elastic.watch), and on a failure kills, by PID, the
 launcher and every process below it. Nothing outlives a supervisor killed outright: the
 launcher gets SIGKILL from the kernel (PR_SET_PDEATHSIG) and every worker exits from a thread
-that waits on the supervisor's pidfd (ms_llm.nodes.exit_with_supervisor). The world follows the ranks this node can use: the
-launch's size, or the number an operator or a health checker writes to
-<run>/elastic/capacity.node<R> (fewer: shrink at the next failure; more: grow at the next
-committed checkpoint); ms_llm.elastic.world keeps tp/pp/cp where it can and asks the strategy
-search where it cannot. On several nodes the survivors agree on the nodes left
-(ms_llm.elastic.members) and shrink to them. Torch on one node keeps a standby launch whose
-workers wait, imports done, at a gate: a relaunch of the same size opens it, which saves the
-process start and imports (most of a recovery). Recovery time (failure detected -> every
-rank's first new step) is printed and appended to metrics.jsonl with the cause and the new world.
+that waits on the supervisor's pidfd (ms_llm.nodes.exit_with_supervisor).
+
+The world follows the ranks this node can use: the launch's size, or the number an operator
+or a health checker writes to <run>/elastic/capacity.node<R> (fewer: shrink at the next
+failure; more: grow at the next committed checkpoint); ms_llm.elastic.world keeps tp/pp/cp
+where it can and asks the strategy search where it cannot. On several nodes the survivors
+agree on the nodes left (ms_llm.elastic.members) and shrink to them. On one node a standby
+launch (torchrun or msrun) waits with its workers' imports done at a gate: a relaunch of the
+same size opens it, which saves the launcher's start and the imports (most of a torch
+recovery; with the compile cache, a third of a MindSpore one). Recovery time (failure
+detected -> every rank's first new step) is printed and appended to metrics.jsonl with the
+cause and the new world.
 """
 from __future__ import annotations
 
@@ -77,7 +80,7 @@ class Supervisor:
     spawn: Spawn
     write_config: Callable[[JobConfig, RunFolder], None]
     options: ElasticOptions = ElasticOptions()
-    warm_standby: bool = False           # keep a gated launch ready (torch on one node: its own rendezvous)
+    warm_standby: bool = False           # keep a gated launch ready (one node: its own rendezvous)
     failures: list[Failure] = field(default_factory=list)
     standby: Optional[Standby] = None
     launches: int = 0

@@ -51,8 +51,8 @@ def usable(job: JobConfig, p: ModelPlan) -> ModelPlan:
         device = get_device(job.device)
         need = estimate(p, device).memory.total
         if need > device.memory_bytes:
-            raise StrategyError(f"needs {need / 1e9:.1f} GB per device, more than the {device.memory_bytes / 1e9:.0f} GB "
-                                f"of a {job.device}")
+            raise StrategyError(f"needs {need / 1e9:.1f} GB per device, more than the "
+                                f"{device.memory_bytes / 1e9:.0f} GB of a {job.device}")
     return p
 
 

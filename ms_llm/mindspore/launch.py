@@ -36,7 +36,7 @@ from typing import Optional
 
 from ms_llm.config.job import JobConfig
 from ms_llm.errors import ConfigError
-from ms_llm.nodes import ROOT, Nodes, collective_timeout_s, die_with_parent, free_port, worker_env
+from ms_llm.nodes import GATE_ENV, ROOT, Nodes, collective_timeout_s, die_with_parent, free_port, worker_env
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 
@@ -66,9 +66,13 @@ def compile_cache(run: RunFolder, world: int) -> Path:
     return run.compile_cache / key.hexdigest()[:16]
 
 
-def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> None:
+def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int, gate: Optional[str]) -> None:
     """Print rank 0's progress lines from metrics.jsonl while msrun runs (lines a previous
-    launch wrote are not repeated)."""
+    launch wrote are not repeated; a standby's, from its gate's opening on)."""
+    while gate and not Path(gate).exists():
+        if proc.poll() is not None:
+            return
+        time.sleep(0.1)
     seen = len(run.metrics.read_text().splitlines()) if run.metrics.is_file() else 0
     while True:
         done = proc.poll() is not None
@@ -105,8 +109,8 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root,
                                 start_new_session=session, preexec_fn=die_with_parent() if session else None)
-    proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every),
-                                 name="msrun-progress", daemon=True)
+    proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every,
+                                                       env.get(GATE_ENV)), name="msrun-progress", daemon=True)
     proc.echo.start()
     return proc
 

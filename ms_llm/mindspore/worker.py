@@ -20,7 +20,7 @@ from typing import Optional
 from ms_llm.config.job import JobConfig, load_job
 from ms_llm.errors import MsLlmError, TrainingDiverged
 from ms_llm.machine import Machine
-from ms_llm.nodes import exit_with_supervisor
+from ms_llm.nodes import exit_with_supervisor, wait_for_gate
 from ms_llm.run import RunFolder
 from ms_llm.run.loop import DIVERGED_EXIT
 from ms_llm.strategy.plan import ModelPlan
@@ -149,10 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, help="run folder written by `ms-llm train` (holds config.yaml)")
     run = RunFolder(Path(ap.parse_args(argv).run_dir).resolve())
     exit_with_supervisor()
+    import mindspore  # noqa: F401  (a standby worker imports everything before its gate)
+
+    import ms_llm.mindspore.step  # noqa: F401
+    from ms_llm.run.loop import train
+
+    if not wait_for_gate():
+        return 0
     try:
         job = load_job(run.config)
-        from ms_llm.run.loop import train
-
         trainer = build_trainer(run, job, Machine.detect())
         train(trainer)
     except TrainingDiverged as exc:
