@@ -118,20 +118,21 @@ def exit_with_supervisor() -> None:
     threading.Thread(target=watch, name="exit-with-supervisor", daemon=True).start()
 
 
-def _die_with_parent(parent: int, prctl) -> None:
-    """Run in the launcher child before exec: SIGKILL when the supervisor that started it dies
+def _die_with_parent(parent: int, prctl, sig: int) -> None:
+    """Run in the launcher child before exec: `sig` when the supervisor that started it dies
     (PR_SET_PDEATHSIG), so a killed supervisor leaves no launcher behind."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:                        # it died before the call above: nothing will signal
         os._exit(1)
 
 
-def die_with_parent():
-    """preexec_fn for a launcher the supervisor starts (Linux; None elsewhere)."""
+def die_with_parent(sig: int = signal.SIGKILL):
+    """preexec_fn for a launcher the supervisor starts (Linux; None elsewhere). SIGTERM for one
+    that stops its own children on it (msrun's log tails)."""
     if not sys.platform.startswith("linux"):
         return None
     prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()     # looked up before the fork
-    return lambda: _die_with_parent(parent, prctl)
+    return lambda: _die_with_parent(parent, prctl, sig)
 
 
 def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:

@@ -323,8 +323,10 @@ def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
     """msrun under the supervisor, its standby msrun waiting at the gate: kill -9 of a MindSpore
     worker is seen at once (not after msrun's scheduler times out), every process is stopped, the
     standby opens, loads its graphs from the compile cache the first launch wrote and resumes from
-    the checkpoint; each repeated step has the loss it had the first time. SIGTERM then stops the
-    supervisor and everything under it."""
+    the checkpoint; each repeated step has the loss it had the first time. Then SIGKILL of the
+    supervisor: every process below it goes too."""
+    from ms_llm.elastic.procs import alive, descendants
+
     tmp, tokens, _, _, _ = reference
     run = tmp / "ms"
     with open(tmp / "ms.log", "w") as log:              # an endless run: its output to a file, not a pipe
@@ -335,13 +337,18 @@ def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
         while time.monotonic() < deadline and proc.poll() is None and len(list(run.glob("elastic/*.waiting.*"))) < 3:
             time.sleep(0.05)                            # 2 workers and msrun's scheduler at the gate
         hit = Chaos(run, proc).strike(1, 1)
-        while time.monotonic() < deadline and proc.poll() is None and max(_losses(run), default=0) <= hit["step"]:
-            time.sleep(0.05)                            # until a step past the one it died in
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        while time.monotonic() < deadline and proc.poll() is None and not any(
+                len(v) > 1 and k >= hit["step"] - 1 for k, v in _losses(run).items()):
+            time.sleep(0.05)                            # until the relaunch has run the steps again
+        below = descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        while time.monotonic() < deadline and any(alive(p) for p in below):
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert not [p for p in below if alive(p)], "processes outlived the supervisor"     # msrun's log tails too
     out = (tmp / "ms.log").read_text()
     assert [f["kind"] for f in _events(run, "failure")] == ["died"], out[-4000:]
     assert len(_events(run, "recovered")) == 1, out[-4000:]

@@ -26,7 +26,9 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from ms_llm.config.job import JobConfig
+from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.errors import ConfigError
 from ms_llm.nodes import GATE_ENV, ROOT, Nodes, collective_timeout_s, die_with_parent, free_port, worker_env
 from ms_llm.run import RunFolder, StepMetrics
@@ -108,7 +111,8 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root,
-                                start_new_session=session, preexec_fn=die_with_parent() if session else None)
+                                start_new_session=session,
+                                preexec_fn=die_with_parent(signal.SIGTERM) if session else None)
     proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every,
                                                        env.get(GATE_ENV)), name="msrun-progress", daemon=True)
     proc.echo.start()
@@ -145,15 +149,21 @@ def dry_run(p: ModelPlan, run_dir: Optional[Path]) -> int:
 
 
 def msrun_main() -> None:
-    """msrun with its scheduler on node rank 0. msrun itself starts one on every machine that
+    """msrun with its scheduler on node rank 0 (msrun itself starts one on every machine that
     owns --master_addr: with two node ranks on one machine the second scheduler finds the
-    port taken, and that node's msrun exits 1 after its workers trained."""
+    port taken, and that node's msrun exits 1 after its workers trained), and stopping every
+    process it started on SIGTERM."""
     from mindspore.parallel.cluster.process_entity import _ProcessManager
     from mindspore.parallel.cluster.run import get_args
 
     args = get_args()
     manager = _ProcessManager(args)
     manager.is_master = args.node_rank in (0, -1)
+
+    def stop(signum, frame):        # SIGTERM: the supervisor is gone (PR_SET_PDEATHSIG); take every child along
+        kill_all(descendants(os.getpid()))          # workers, the scheduler and msrun's `tail -f` of their logs
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
     manager.run()
 
 
