@@ -105,8 +105,8 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
     # HCCL (Ascend) fails a collective whose peer does not arrive within HCCL_EXEC_TIMEOUT seconds
     # (Atlas training parts round it down to a multiple of 68, at least 68): the same bound as torch's.
     env.setdefault("HCCL_EXEC_TIMEOUT", str(max(68, int(collective_timeout_s()))))
+    cmd = msrun_command(run, world, nodes, nodes.master_port or free_port())       # checks MindSpore is there
     env[COMPILE_CACHE_ENV] = str(compile_cache(run, world))
-    cmd = msrun_command(run, world, nodes, nodes.master_port or free_port())
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
