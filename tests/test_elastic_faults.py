@@ -336,14 +336,16 @@ def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None and len(list(run.glob("elastic/*.waiting.*"))) < 3:
             time.sleep(0.05)                            # 2 workers and msrun's scheduler at the gate
-        hit = Chaos(run, proc).strike(1, 1)
-        while time.monotonic() < deadline and proc.poll() is None and not any(
-                len(v) > 1 and k >= hit["step"] - 1 for k, v in _losses(run).items()):
+        now = read_heartbeats(run / "heartbeat")[1]["step"] + 2
+        hit = Chaos(run, proc).strike(1, now + (2 - now) % INTERVAL)   # 2 steps past a checkpoint: steps to redo
+        while time.monotonic() < deadline and proc.poll() is None and not (_events(run, "recovered") and any(
+                len(v) > 1 and k >= hit["step"] - 1 for k, v in _losses(run).items())):
             time.sleep(0.05)                            # until the relaunch has run the steps again
         below = descendants(proc.pid)
         proc.kill()
         proc.wait()
-        while time.monotonic() < deadline and any(alive(p) for p in below):
+        gone = time.monotonic() + 60
+        while time.monotonic() < gone and any(alive(p) for p in below):
             time.sleep(0.1)
     finally:
         if proc.poll() is None:

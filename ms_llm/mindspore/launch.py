@@ -47,16 +47,17 @@ WORKER = "ms_llm.mindspore.worker"
 COMPILE_CACHE_ENV = "MS_LLM_COMPILE_CACHE"       # the workers' compile cache folder
 
 
-def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int) -> list[str]:
+def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int, logs: Optional[Path] = None) -> list[str]:
     """msrun for this node's share of `world` workers. One node: 127.0.0.1 and `port`; several:
-    --master-addr / --master-port, and msrun numbers ranks from --node-rank, as torchrun does."""
+    --master-addr / --master-port, and msrun numbers ranks from --node-rank, as torchrun does.
+    Worker logs in `logs` (default <run>/logs; msrun truncates them when it starts)."""
     if importlib.util.find_spec("mindspore") is None:
         raise ConfigError("--backend mindspore: MindSpore is not installed; install the [mindspore] extra "
                           "(mindspore==2.10.0)")
     addr = nodes.master_addr or "127.0.0.1"
     return [sys.executable, "-m", "ms_llm.mindspore.launch", f"--worker_num={world}",
             f"--local_worker_num={nodes.local(world)}", f"--master_addr={addr}", f"--master_port={port}",
-            f"--node_rank={nodes.rank}", f"--log_dir={run.logs}", "--join=True",
+            f"--node_rank={nodes.rank}", f"--log_dir={logs or run.logs}", "--join=True",
             "python", "-m", WORKER, "--run-dir", str(run.root)]
 
 
@@ -105,7 +106,9 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
     # HCCL (Ascend) fails a collective whose peer does not arrive within HCCL_EXEC_TIMEOUT seconds
     # (Atlas training parts round it down to a multiple of 68, at least 68): the same bound as torch's.
     env.setdefault("HCCL_EXEC_TIMEOUT", str(max(68, int(collective_timeout_s()))))
-    cmd = msrun_command(run, world, nodes, nodes.master_port or free_port())       # checks MindSpore is there
+    gate = env.get(GATE_ENV)            # a standby's logs apart: msrun would truncate the running launch's
+    cmd = msrun_command(run, world, nodes, nodes.master_port or free_port(),          # (it checks MindSpore is there)
+                        run.logs / Path(gate).name if gate else None)
     env[COMPILE_CACHE_ENV] = str(compile_cache(run, world))
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -113,8 +116,8 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root,
                                 start_new_session=session,
                                 preexec_fn=die_with_parent(signal.SIGTERM) if session else None)
-    proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every,
-                                                       env.get(GATE_ENV)), name="msrun-progress", daemon=True)
+    proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every, gate),
+                                 name="msrun-progress", daemon=True)
     proc.echo.start()
     return proc
 
