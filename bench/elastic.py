@@ -7,12 +7,17 @@
   cold           the same, killed at once (the standby still importing: what a first failure costs)
   relaunch       ms-llm train --max-restarts 1     (torchrun stops the others and exits; the launcher starts it again)
   torchrun       torchrun --max-restarts 1 ...     (torchrun's own agent restarts the worker group)
+  mindspore      ms-llm train --elastic, MindSpore  (its standby msrun opened; the graphs load from the run's compile
+                                                     cache), killed once the standby waits
+  ms-cold        the same, killed at once (the standby still importing)
+  ms-no-cache    the same as ms-cold with MS_COMPILER_CACHE_ENABLE=0 (the relaunch compiles again)
 
 Recovery is measured the same way for all three, from outside: the kill, then the first heartbeat
 of a step completed by a process that did not exist before the kill (every rank resumes from the
 newest checkpoint, so this is "failure -> first new step"). Hang detection: SIGSTOP of one rank
 under --elastic --hang-timeout T, then the supervisor's failure record. The tiny model, dp on
-`--nproc` CPU processes, a checkpoint every 5 steps.
+`--nproc` CPU processes, a checkpoint every 5 steps; MindSpore runs configs/train/tiny_ms_dp2.yaml's
+model (`--ms-trials`, 0 to leave it out).
 """
 from __future__ import annotations
 
@@ -46,23 +51,27 @@ MODEL = dict(name="bench-elastic", vocab_size=264, hidden_size=32, num_layers=2,
 STEPS, KILL_AT = 2000, 13
 
 
-def job_file(tmp: Path) -> Path:
+def job_file(tmp: Path, backend: str = "torch") -> Path:
     tokens = build_stdlib_corpus(tmp / "data", max_bytes=200_000)
-    job = {"name": "bench-elastic", "backend": "torch", "device": "cpu", "model": MODEL,
+    model = MODEL if backend == "torch" else yaml.safe_load((ROOT / "configs/train/tiny_ms_dp2.yaml").read_text())[
+        "model"]
+    job = {"name": "bench-elastic", "backend": backend, "device": "cpu", "model": model,
            "strategy": {"dp": -1, "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
            "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "steps": STEPS, "seed": 7,
                      "log_every": 50, "optimizer": {"name": "adamw", "lr": 1e-2},
                      "schedule": {"warmup_steps": 2, "decay": "constant"}, "data": {"source": str(tokens)},
                      "checkpoint": {"interval": 5, "keep_last": 2}}}
-    path = tmp / "job.yaml"
+    path = tmp / f"job-{backend}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
 
 
 def command(mode: str, config: Path, run: Path, nproc: int, hang_timeout: float) -> tuple[list[str], dict, Path]:
     train = [sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run), "--nproc", str(nproc)]
-    if mode in ("supervisor", "cold"):
+    if mode in ("supervisor", "cold", "mindspore", "ms-cold"):
         return train + ["--elastic", "--max-restarts", "1"], dict(os.environ), ROOT
+    if mode == "ms-no-cache":
+        return train + ["--elastic", "--max-restarts", "1"], dict(os.environ, MS_COMPILER_CACHE_ENABLE="0"), ROOT
     if mode == "hang":
         return train + ["--elastic", "--max-restarts", "1", "--hang-timeout", str(hang_timeout)], dict(os.environ), ROOT
     if mode == "relaunch":
@@ -73,10 +82,10 @@ def command(mode: str, config: Path, run: Path, nproc: int, hang_timeout: float)
     return [cmd[0], cmd[1], cmd[2], "--max-restarts=1", *cmd[3:]], worker_env(folder, TrainRequest(config).nodes), ROOT
 
 
-def standby_ready(run: Path, nproc: int) -> bool:
-    """The supervisor's standby launch has every worker waiting at its (unopened) gate."""
+def standby_ready(run: Path, processes: int) -> bool:
+    """The supervisor's standby launch has every process waiting at its (unopened) gate."""
     waiting = [p for p in (run / "elastic").glob("gate.node0.*.waiting.*")]
-    return sum(not Path(str(p).split(".waiting.")[0]).exists() for p in waiting) >= nproc
+    return sum(not Path(str(p).split(".waiting.")[0]).exists() for p in waiting) >= processes
 
 
 def trial(mode: str, config: Path, tmp: Path, n: int, nproc: int, hang_timeout: float) -> Optional[float]:
@@ -90,7 +99,8 @@ def trial(mode: str, config: Path, tmp: Path, n: int, nproc: int, hang_timeout: 
         while time.monotonic() < deadline and proc.poll() is None:
             beats = read_heartbeats(run / "heartbeat")
             if beats.get(nproc - 1, {}).get("phase") == "train" and beats[nproc - 1]["step"] >= KILL_AT \
-                    and (mode != "supervisor" or standby_ready(run, nproc)):
+                    and (mode != "supervisor" or standby_ready(run, nproc)) \
+                    and (mode != "mindspore" or standby_ready(run, nproc + 1)):       # + msrun's scheduler
                 break
             time.sleep(0.005)
         old = {b["pid"] for b in beats.values()}
@@ -116,31 +126,41 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--hang-timeout", type=float, default=4.0)
+    ap.add_argument("--ms-trials", type=int, default=2, help="MindSpore trials per mode (slow on CPU)")
     args = ap.parse_args()
-    modes = ["supervisor", "cold", "relaunch", "torchrun", "hang"]
+    ms_modes = ["mindspore", "ms-cold", "ms-no-cache"]
+    modes = ["supervisor", "cold", "relaunch", "torchrun", "hang"] + (ms_modes if args.ms_trials else [])
     times: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
-        config = job_file(Path(tmp))
-        for n in range(args.trials):               # interleaved, so load changes hit every mode alike
+        configs = {"torch": job_file(Path(tmp)), "mindspore": job_file(Path(tmp), "mindspore")}
+        for n in range(max(args.trials, args.ms_trials)):        # interleaved: load changes hit every mode alike
             for mode in modes:
+                if n >= (args.ms_trials if mode in ms_modes else args.trials):
+                    continue
+                config = configs["mindspore" if mode in ms_modes else "torch"]
                 t = trial(mode, config, Path(tmp), n, args.nproc, args.hang_timeout)
                 times[mode].append(t)
                 print(f"  trial {n + 1} {mode:10s} " + (f"{t:6.2f} s" if t is not None else "no recovery: the job "
                       "ended (see its launcher.log)"), flush=True)
-    print(f"\nkill -9 of one of {args.nproc} torch workers at step >= {KILL_AT}, checkpoint every 5 steps; "
-          f"{args.trials} trial(s) each; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"\nkill -9 of one of {args.nproc} workers at step >= {KILL_AT}, checkpoint every 5 steps; "
+          f"{args.trials} torch / {args.ms_trials} MindSpore trial(s) each; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
     print(f"{'':36s}{'mean s':>8s}{'min s':>8s}{'max s':>8s}{'vs supervisor':>15s}{'recovered':>11s}")
-    base = statistics.mean([x for x in times["supervisor"] if x is not None] or [float("nan")])
+    bases = {m: statistics.mean([x for x in times.get(m, []) if x is not None] or [float("nan")])
+             for m in ("supervisor", "mindspore")}
     labels = {"supervisor": "recovery: ms-llm --elastic", "cold": "  the same, before its standby is up",
               "relaunch": "recovery: ms-llm --max-restarts 1",
               "torchrun": "recovery: torchrun --max-restarts 1",
-              "hang": f"hang detection (--hang-timeout {args.hang_timeout:g})"}
+              "hang": f"hang detection (--hang-timeout {args.hang_timeout:g})",
+              "mindspore": "recovery: MindSpore --elastic", "ms-cold": "  the same, before its standby is up",
+              "ms-no-cache": "  the same, compile cache off too"}
     for mode in modes:
         t = [x for x in times[mode] if x is not None]
         done = f"{len(t)}/{len(times[mode])}"
         if not t:
             print(f"{labels[mode]:36s}{'-':>8s}{'-':>8s}{'-':>8s}{'-':>15s}{done:>11s}")
             continue
+        base = bases["mindspore" if mode in ms_modes else "supervisor"]
         ratio = f"{statistics.mean(t) / base:14.2f}x" if mode != "hang" else f"{'-':>15s}"
         print(f"{labels[mode]:36s}{statistics.mean(t):8.2f}{min(t):8.2f}{max(t):8.2f}{ratio}{done:>11s}")
     print(json.dumps({m: [x if x is None else round(x, 3) for x in t] for m, t in times.items()}))

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a supervisor owns the job: detects dead and hung ranks (heartbeats), stops every worker, "
                         "does not retry failures that would repeat, shrinks or grows dp, resumes (ms_llm.elastic)")
     t.add_argument("--min-ranks", type=int, default=None, metavar="N",
-                   help="with --elastic: the smallest world to shrink to (default tp*pp*cp)")
+                   help="with --elastic: the smallest world to shrink to (default 1: tp/pp/cp are kept while "
+                        "they fit, the strategy search re-plans below that)")
     t.add_argument("--hang-timeout", type=float, default=None, metavar="S",
                    help="with --elastic: seconds without a step before a rank counts as hung (default: 10x the "
                         "measured step time, at least 30)")

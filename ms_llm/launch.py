@@ -246,7 +246,7 @@ def train(req: TrainRequest) -> int:
         if req.elastic is not None:
             from ms_llm.elastic.supervisor import Supervisor
             rc = Supervisor(job, load_job(req.config).strategy, p, run, nodes, spawner(job.backend), write_config,
-                            req.elastic, warm_standby=job.backend == "torch" and nodes.count == 1).run_job()
+                            req.elastic, warm_standby=nodes.count == 1).run_job()
         else:
             start = starter(job.backend)
             rc = with_restarts(lambda: start(job, run, p.world_size, nodes), req.max_restarts, run)

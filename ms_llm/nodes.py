@@ -4,8 +4,11 @@ backends' launch modules; imports no framework."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm a
 COLLECTIVE_TIMEOUT_ENV = "MS_LLM_COLLECTIVE_TIMEOUT_S"    # set by the elastic supervisor for its workers
 COLLECTIVE_TIMEOUT_S = 600.0                              # otherwise: a dead peer blocks a collective this long
 GATE_ENV = "MS_LLM_GATE"         # a standby worker's gate file: it waits, imports done, until the file exists
-SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # ... or until this process is gone
+SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # the elastic supervisor: its workers exit when it is gone
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -85,13 +89,50 @@ def wait_for_gate() -> bool:
     gate = os.environ.get(GATE_ENV)
     if not gate:
         return True
-    parent, supervisor = os.getppid(), int(os.environ.get(SUPERVISOR_ENV, "0"))
+    parent = os.getppid()
     Path(f"{gate}.waiting.{os.getpid()}").touch()     # ready: what the supervisor and bench/elastic.py count
     while not os.path.exists(gate):
-        if os.getppid() != parent or (supervisor and not Path(f"/proc/{supervisor}").exists()):
-            return False                              # the launcher or the supervisor is gone: nobody will open it
+        if os.getppid() != parent:
+            return False                              # the launcher is gone: nobody will open it
         time.sleep(0.01)
     return True
+
+
+def exit_with_supervisor() -> None:
+    """In a worker started by the elastic supervisor: a thread that ends this process the moment
+    the supervisor is gone (killed with SIGKILL, its machine lost), so no worker outlives it.
+    A pidfd (not the PID, which the system may reuse) wakes the thread; nothing polls."""
+    pid = os.environ.get(SUPERVISOR_ENV)
+    if not pid:
+        return
+    try:
+        fd = os.pidfd_open(int(pid))
+    except ProcessLookupError:                        # gone already
+        os._exit(1)
+    except (OSError, AttributeError):                 # no pidfd (Linux < 5.3, another system): the launcher's
+        return                                        # PR_SET_PDEATHSIG and the collective timeout remain
+
+    def watch() -> None:
+        select.select([fd], [], [])                   # readable once the supervisor has exited
+        os._exit(1)
+    threading.Thread(target=watch, name="exit-with-supervisor", daemon=True).start()
+
+
+def _die_with_parent(parent: int, prctl, sig: int) -> None:
+    """Run in the launcher child before exec: `sig` when the supervisor that started it dies
+    (PR_SET_PDEATHSIG), so a killed supervisor leaves no launcher behind."""
+    prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:                        # it died before the call above: nothing will signal
+        os._exit(1)
+
+
+def die_with_parent(sig: int = signal.SIGKILL):
+    """preexec_fn for a launcher the supervisor starts (Linux; None elsewhere). SIGTERM for one
+    that stops its own children on it (msrun's log tails)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()     # looked up before the fork
+    return lambda: _die_with_parent(parent, prctl, sig)
 
 
 def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
@@ -119,13 +160,13 @@ def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
 
 def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool = True) -> subprocess.Popen:
     """Start `cmd`, by default in a session of its own (the elastic supervisor stops it and
-    everything below it by PID), echoing its merged output to the console and to `log` from a
-    thread."""
+    everything below it by PID; it dies with the supervisor), echoing its merged output to the
+    console and to `log` from a thread."""
     out = open(log, "a")
     out.write("$ " + " ".join(cmd) + "\n")
     out.flush()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=session)
+                            start_new_session=session, preexec_fn=die_with_parent() if session else None)
 
     def echo() -> None:
         logging = True

@@ -1,4 +1,5 @@
 """The restart policy both launchers share (a real worker crash is in test_checkpoint_resume)."""
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,12 @@ def test_restarts_need_checkpoints():
 
 from ms_llm.elastic.classify import Failure, deterministic          # noqa: E402
 from ms_llm.elastic.watch import Timeouts                           # noqa: E402
-from ms_llm.elastic.world import choose_world                       # noqa: E402
+from ms_llm.elastic.world import changes, choose_world              # noqa: E402
 from ms_llm.errors import CheckpointError, TrainingDiverged         # noqa: E402
 from ms_llm.run.heartbeat import failure_cause                      # noqa: E402
+from ms_llm.strategy.cost import estimate                           # noqa: E402
+from ms_llm.strategy.devices import get_device                      # noqa: E402
+from ms_llm.strategy.plan import plan                               # noqa: E402
 
 
 def _disk_full() -> CheckpointError:
@@ -97,6 +101,38 @@ def test_shrink_keeps_tp_and_the_global_batch():
     assert none is None and reasons
 
 
+def _running(model: str, device: str, strategy: dict, world: int, **train):
+    """A job as the supervisor holds it (resolved for `world`) and its strategy as written."""
+    written = job_from_dict({"name": "j", "model": model, "device": device, "strategy": strategy, "train": train})
+    resolved = plan(written.model, written.strategy, written.train, world).strategy
+    return dataclasses.replace(written, strategy=resolved), written.strategy
+
+
+def test_shrink_below_tp_asks_the_strategy_search():
+    """tp2 x dp2 on 4 ranks: 3 usable keep tp (dp 2 -> 1); 1 usable cannot, the search re-plans."""
+    job, written = _running("tiny", "cpu", {"dp": -1, "tp": 2}, 4, global_batch_size=8, micro_batch_size=2)
+    p, _ = choose_world(job, written, 3, 1)
+    assert (p.world_size, p.strategy.tp, changes(job, p)) == (2, 2, "dp 2 -> 1, mb 2 -> 4")
+    p, _ = choose_world(job, written, 1, 1)
+    assert (p.world_size, p.strategy.tp, p.train.global_batch_size) == (1, 1, 8)
+    assert "tp 2 -> 1" in changes(job, p)
+
+
+def test_shrink_that_runs_out_of_memory_is_re_planned_to_fit():
+    """A 7B model, plain DDP on 8 H100s, 4 left: dp4 alone needs more than 80 GB per device (the
+    reason is kept); the search's plan for 4 shards what must be sharded and fits."""
+    job, written = _running("llama2_7b", "h100", {"dp": -1}, 8, global_batch_size=64, micro_batch_size=1,
+                            seq_len=4096)
+    p, reasons = choose_world(job, written, 4, 1)
+    device = get_device("h100")
+    assert p.world_size == 4 and p.train.global_batch_size == 64
+    assert estimate(p, device).memory.total <= device.memory_bytes
+    assert reasons[0].startswith("4 rank(s) with tp/pp/cp kept: needs") and "more than the 80 GB" in reasons[0]
+    assert set(changes(job, p).split(", ")) - {"dp 8 -> 4", "mb 8 -> 16"}        # more than dp changed
+    none, reasons = choose_world(job, written, 1, 1)
+    assert none is None and "the strategy search found no plan that fits a h100" in reasons[-1]
+
+
 @pytest.mark.parametrize("flags,line", [
     (["--min-ranks", "2"], "--min-ranks: only used with --elastic"),
     (["--elastic", "--min-ranks", "0"], "--min-ranks: got 0"),
@@ -107,3 +143,16 @@ def test_elastic_flags_are_checked_one_line_each(tmp_path, capsys, flags, line):
     assert main(["train", str(tmp_path / "job.yaml"), *flags]) != 0
     err = capsys.readouterr().err
     assert line in err and "Traceback" not in err
+
+
+def test_mindspore_compile_cache_is_keyed_by_job_and_world(tmp_path):
+    """A cache compiled for another job or world is never met: the folder changes with them."""
+    from ms_llm.mindspore.launch import compile_cache
+
+    run = RunFolder(tmp_path)
+    run.config.write_text("strategy: {dp: 2}\n")
+    two = compile_cache(run, 2)
+    assert compile_cache(run, 2) == two and two.parent == run.compile_cache
+    assert compile_cache(run, 4) != two
+    run.config.write_text("strategy: {dp: 2, zero: {stage: 1}}\n")
+    assert compile_cache(run, 2) != two

@@ -194,6 +194,32 @@ def test_stopped_rank_is_detected_then_too_many_failures_stop_with_a_report(refe
     _no_workers_left(run)
 
 
+@pytest.mark.slow
+def test_a_killed_supervisor_leaves_no_process_behind(reference):
+    """SIGKILL of the supervisor itself (nothing of it runs to clean up): torchrun dies with it
+    (PR_SET_PDEATHSIG), and every worker, the standby's waiting at their gate too, exits on its own."""
+    from ms_llm.elastic.procs import alive, descendants
+
+    tmp, _, config, _, _ = reference
+    run = tmp / "orphans"
+    proc = _start(_cmd(config, run, 2, "--elastic", "--steps", "100000"))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        standby = [p for p in (run / "elastic").glob("gate.*.waiting.*")] if (run / "elastic").is_dir() else []
+        if len(standby) == 2 and read_heartbeats(run / "heartbeat").get(0, {}).get("step", 0) >= 3:
+            break
+        time.sleep(0.05)
+    below = descendants(proc.pid)
+    workers = {b["pid"] for b in read_heartbeats(run / "heartbeat").values()}
+    assert workers <= set(below) and len(below) >= 6, below      # 2 launchers, 2 + 2 workers
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(alive(p) for p in below):
+        time.sleep(0.1)
+    assert not [p for p in below if alive(p)]
+
+
 VERIFY = ("import sys; from ms_llm.checkpoint.commit import latest; from ms_llm.checkpoint.reader import Checkpoint; "
           "c = Checkpoint(latest(sys.argv[1])); c.verify(); print('latest intact: step', c.step)")
 
@@ -284,27 +310,84 @@ def test_two_nodes_lose_one_and_the_other_shrinks_and_continues(reference):
     _on_the_curve(run, ref)
 
 
-@pytest.mark.slow
-def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
-    """msrun under the supervisor: kill -9 of a MindSpore worker is seen at once (not after msrun's
-    scheduler times out), every process is stopped, the relaunch resumes from the checkpoint, and
-    each repeated step has the loss it had the first time."""
-    tmp, tokens, _, _, _ = reference
+def _ms_job(tmp: Path, tokens: Path) -> Path:
     job = yaml.safe_load(_job(tmp, tokens).read_text())
     job["backend"] = "mindspore"
     config = tmp / "ms.yaml"
     config.write_text(yaml.safe_dump(job))
+    return config
+
+
+@pytest.mark.slow
+def test_mindspore_kill_a_rank_resumes_sample_exact(reference):
+    """msrun under the supervisor, its standby msrun waiting at the gate: kill -9 of a MindSpore
+    worker is seen at once (not after msrun's scheduler times out), every process is stopped, the
+    standby opens, loads its graphs from the compile cache the first launch wrote and resumes from
+    the checkpoint; each repeated step has the loss it had the first time. Then SIGKILL of the
+    supervisor: every process below it goes too."""
+    from ms_llm.elastic.procs import alive, descendants
+
+    tmp, tokens, _, _, _ = reference
     run = tmp / "ms"
-    proc = _start(_cmd(config, run, 2, "--elastic", "--max-restarts", "1", "--steps", "14"))
-    hit = Chaos(run, proc).strike(1, 10)
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-4000:]
-    assert [f["kind"] for f in _events(run, "failure")] == ["died"] and len(_events(run, "recovered")) == 1
+    with open(tmp / "ms.log", "w") as log:              # an endless run: its output to a file, not a pipe
+        proc = subprocess.Popen(_cmd(_ms_job(tmp, tokens), run, 2, "--elastic", "--steps", "100000"), cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and len(list(run.glob("elastic/*.waiting.*"))) < 3:
+            time.sleep(0.05)                            # 2 workers and msrun's scheduler at the gate
+        now = read_heartbeats(run / "heartbeat")[1]["step"] + 2
+        hit = Chaos(run, proc).strike(1, now + (2 - now) % INTERVAL)   # 2 steps past a checkpoint: steps to redo
+        while time.monotonic() < deadline and proc.poll() is None and not (_events(run, "recovered") and any(
+                len(v) > 1 and k >= hit["step"] - 1 for k, v in _losses(run).items())):
+            time.sleep(0.05)                            # until the relaunch has run the steps again
+        below = descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        gone = time.monotonic() + 60
+        while time.monotonic() < gone and any(alive(p) for p in below):
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [p for p in below if alive(p)], "processes outlived the supervisor"     # msrun's log tails too
+    out = (tmp / "ms.log").read_text()
+    assert [f["kind"] for f in _events(run, "failure")] == ["died"], out[-4000:]
+    assert len(_events(run, "recovered")) == 1, out[-4000:]
     losses = _losses(run)
-    assert sorted(losses) == list(range(1, 15))
     repeated = sorted(k for k, v in losses.items() if len(v) > 1)
     resumed = [r["resumed_step"] for r in read_metrics(run / "metrics.jsonl") if "resumed_step" in r]
-    assert resumed[0] % INTERVAL == 0 and repeated[0] == resumed[0] + 1 and repeated[-1] >= hit["step"]
+    # Rank 1 finished step k only after rank 0 had logged step k - 1 (rank 0 may not have logged k itself).
+    assert resumed[0] % INTERVAL == 0 and repeated[0] == resumed[0] + 1 and repeated[-1] >= hit["step"] - 1
     for k in repeated:
         assert losses[k][0] == pytest.approx(losses[k][1], abs=1e-6), k
+    keys = list((run / "compile_cache").iterdir())
+    cached = [f for f in keys[0].glob("rank_*/graph_cache/*.mindir")]
+    assert len(keys) == 1 and {f.parts[-3] for f in cached} == {"rank_0", "rank_1"}
+    failed_at = _events(run, "failure")[0]["time"]
+    assert all(f.stat().st_mtime < failed_at for f in cached), "the relaunch compiled again"
+    _no_workers_left(run)
+
+
+@pytest.mark.slow
+def test_mindspore_shrinks_dp2_to_dp1_on_a_failure(reference):
+    """MindSpore dp2; the node declares one usable rank and a worker dies: the supervisor relaunches
+    msrun on one rank with 4 micro-batches (the same global batch), which resumes from the dp2
+    checkpoint; every step run again has the loss it had at dp2."""
+    tmp, tokens, _, _, _ = reference
+    run = tmp / "ms-shrink"
+    (run / "elastic").mkdir(parents=True)
+    (run / "elastic" / "capacity.node0").write_text("1")
+    proc = _start(_cmd(_ms_job(tmp, tokens), run, 2, "--elastic", "--max-restarts", "1", "--steps", "12"))
+    Chaos(run, proc).strike(1, 10)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert [(w["reason"], w["world"], w["micro_batches"]) for w in _events(run, "world")] == [("shrink", 1, 4)]
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, 13))
+    resumed = [r["resumed_step"] for r in read_metrics(run / "metrics.jsonl") if "resumed_step" in r]
+    repeated = sorted(k for k, v in losses.items() if len(v) > 1)
+    assert resumed == [8] and repeated[:2] == [9, 10], (resumed, repeated)
+    for k in repeated:
+        assert losses[k][1] == pytest.approx(losses[k][0], abs=1e-5), k
     _no_workers_left(run)

@@ -73,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch_backend.worker: error: {run.config} does not exist; start workers with `ms-llm train`",
               file=sys.stderr)
         return 2
+    from ms_llm.nodes import exit_with_supervisor, wait_for_gate
+
+    exit_with_supervisor()
     import torch.distributed as dist
 
     import torch_backend.apply  # noqa: F401  (a standby worker imports everything before its gate)
-    from ms_llm.nodes import wait_for_gate
     from ms_llm.run.loop import train
     from torch_backend.dist import init_distributed, shutdown
 

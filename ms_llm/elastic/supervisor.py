@@ -7,14 +7,20 @@
 
 It starts the backend's launcher (torchrun, msrun) in a session of its own, watches the
 workers' exits and heartbeats (ms_llm.elastic.watch), and on a failure kills, by PID, the
-launcher and every process below it. The world follows the ranks this node can use: the
-launch's size, or the number an operator or a health checker writes to
-<run>/elastic/capacity.node<R> (fewer: shrink at the next failure; more: grow at the next
-committed checkpoint). On several nodes the survivors agree on the nodes left
-(ms_llm.elastic.members) and shrink to them. Torch on one node keeps a standby launch whose
-workers wait, imports done, at a gate: a relaunch of the same size opens it, which saves the
-process start and imports (most of a recovery). Recovery time (failure detected -> every
-rank's first new step) is printed and appended to metrics.jsonl with the cause and the new world.
+launcher and every process below it. Nothing outlives a supervisor killed outright: the
+launcher gets SIGKILL from the kernel (PR_SET_PDEATHSIG) and every worker exits from a thread
+that waits on the supervisor's pidfd (ms_llm.nodes.exit_with_supervisor).
+
+The world follows the ranks this node can use: the launch's size, or the number an operator
+or a health checker writes to <run>/elastic/capacity.node<R> (fewer: shrink at the next
+failure; more: grow at the next committed checkpoint); ms_llm.elastic.world keeps tp/pp/cp
+where it can and asks the strategy search where it cannot. On several nodes the survivors
+agree on the nodes left (ms_llm.elastic.members) and shrink to them. On one node a standby
+launch (torchrun or msrun) waits with its workers' imports done at a gate: a relaunch of the
+same size opens it, which saves the launcher's start and the imports (most of a torch
+recovery; with the compile cache, a third of a MindSpore one). Recovery time (failure
+detected -> every rank's first new step) is printed and appended to metrics.jsonl with the
+cause and the new world.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from ms_llm.elastic.classify import Failure, deterministic
 from ms_llm.elastic.members import Membership
 from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
-from ms_llm.elastic.world import choose_world
+from ms_llm.elastic.world import changes, choose_world
 from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, SUPERVISOR_ENV, Nodes
 from ms_llm.run import RunFolder
 from ms_llm.strategy.ir import ParallelStrategy
@@ -59,7 +65,7 @@ class Standby:
 @dataclass(frozen=True)
 class ElasticOptions:
     max_restarts: int = 3                # relaunches after failures (growing is not one)
-    min_ranks: Optional[int] = None      # the smallest world to shrink to; None: tp*pp*cp
+    min_ranks: Optional[int] = None      # the smallest world to shrink to; None: 1
     timeouts: Timeouts = Timeouts()
     poll_s: float = 0.1
 
@@ -74,7 +80,7 @@ class Supervisor:
     spawn: Spawn
     write_config: Callable[[JobConfig, RunFolder], None]
     options: ElasticOptions = ElasticOptions()
-    warm_standby: bool = False           # keep a gated launch ready (torch on one node: its own rendezvous)
+    warm_standby: bool = False           # keep a gated launch ready (one node: its own rendezvous)
     failures: list[Failure] = field(default_factory=list)
     standby: Optional[Standby] = None
     launches: int = 0
@@ -114,6 +120,7 @@ class Supervisor:
 
     def run_job(self) -> int:
         os.environ.setdefault(COLLECTIVE_TIMEOUT_ENV, str(int(max(60.0, 2 * self.options.timeouts.hang(None)))))
+        os.environ[SUPERVISOR_ENV] = str(os.getpid())   # every worker exits when this process is gone
         def stop(signum, frame):               # SIGTERM: leave no worker behind (the finally below)
             raise SystemExit(128 + signum)
         previous = signal.signal(signal.SIGTERM, stop)
@@ -141,8 +148,7 @@ class Supervisor:
         folder.mkdir(exist_ok=True)
         gate = folder / f"gate.node{self.nodes.rank}.{self.launches + 1}"
         gate.unlink(missing_ok=True)
-        proc = self.spawn(self.job, self.run, world, self.nodes,
-                          env={GATE_ENV: str(gate), SUPERVISOR_ENV: str(os.getpid())})
+        proc = self.spawn(self.job, self.run, world, self.nodes, env={GATE_ENV: str(gate)})
         self.standby = Standby(proc, world, gate)
 
     def _discard_standby(self) -> None:
@@ -154,7 +160,7 @@ class Supervisor:
 
     def _supervise(self) -> int:
         p, restarts, recovering = self.plan, 0, None
-        min_ranks = self.options.min_ranks or self.strategy.model_parallel_size
+        min_ranks = self.options.min_ranks or 1
         while True:
             world = p.world_size
             local = self.nodes.local(world)
@@ -253,14 +259,15 @@ class Supervisor:
         return left
 
     def _switch(self, q: ModelPlan, old_world: int, why: str) -> ModelPlan:
-        """Rewrite config.yaml for the new world when it changed; the workers read it from there."""
-        if q.world_size != old_world:
-            self.job = dataclasses.replace(self.job, strategy=q.strategy)
+        """Rewrite config.yaml when the plan changed (the workers read it from there); say what changed."""
+        changed = changes(self.job, q)
+        if changed:
+            self.job = dataclasses.replace(self.job, strategy=q.strategy, train=q.train)
             self.write_config(self.job, self.run)
-            self.log(f"{why}: dp {old_world // q.strategy.model_parallel_size} -> {q.strategy.dp}, "
-                     f"{q.micro_batches} micro-batch(es) per replica, global batch {q.train.global_batch_size}")
+            self.log(f"{why}: {old_world} -> {q.world_size} ranks, {changed}; {q.micro_batches} micro-batch(es) per "
+                     f"replica, global batch {q.train.global_batch_size}")
             self.record(event="world", world=q.world_size, dp=q.strategy.dp, micro_batches=q.micro_batches,
-                        reason=why)
+                        reason=why, changed=changed)
         return q
 
     def _disk_problem(self) -> Optional[str]:

@@ -1,11 +1,17 @@
-"""The new world after a failure or when capacity returns: keep tp/pp/cp, change dp.
+"""The new world after a failure or when capacity returns.
 
-    world(capacity=6, tp*pp*cp=2, min_ranks=2)  ->  tries 6, 4, 2: the first plan that validates
+    choose_world(capacity=6, tp*pp*cp=2)  ->  6, 4, 2 ranks, tp/pp/cp kept: the first plan that
+                                              validates, fits in memory and the backend runs
+                                          ->  else the strategy search at the largest world that
+                                              holds any such plan: its fastest
 
-dp is the only degree that changes, and the global batch does not: the plan gives each
-replica more micro-batches (gradient accumulation) when dp shrinks, fewer when it grows, and
-the sampler hands out the same global batch at every step whatever dp is, so the resumed run
-follows the uninterrupted loss curve. Checkpoints reshard on load (ms_llm.checkpoint).
+Keeping tp/pp/cp and changing dp alone is tried first: the global batch does not change (the
+plan gives each replica more micro-batches when dp shrinks, fewer when it grows) and the
+sampler hands out the same global batch at every step whatever dp is, so the resumed run
+follows the uninterrupted loss curve. When no such plan fits (fewer ranks than tp*pp*cp, or
+less dp to shard ZeRO over than the memory needs), ms_llm.strategy.search picks the plan,
+with the job's precision and offload, and `changes` names what it changed. The global batch
+is never among them, so the data order holds there too. Checkpoints reshard on load.
 """
 from __future__ import annotations
 
@@ -13,10 +19,14 @@ import dataclasses
 import math
 from typing import Optional
 
+from ms_llm.backends import check
 from ms_llm.config.job import JobConfig
 from ms_llm.errors import StrategyError
+from ms_llm.strategy.cost import estimate
+from ms_llm.strategy.devices import get_device
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan, plan
+from ms_llm.strategy.search import describe, search
 
 
 def elastic_strategy(strategy: ParallelStrategy) -> ParallelStrategy:
@@ -33,10 +43,41 @@ def replan(job: JobConfig, strategy: ParallelStrategy, world: int) -> ModelPlan:
         return plan(job.model, elastic_strategy(strategy), job.train, world)
 
 
+def usable(job: JobConfig, p: ModelPlan) -> ModelPlan:
+    """`p` when the backend runs it and it fits in the device's memory (the plan running now
+    needs no estimate: it runs); else a StrategyError saying why."""
+    check(job.backend, p)
+    if p.strategy != job.strategy:
+        device = get_device(job.device)
+        need = estimate(p, device).memory.total
+        if need > device.memory_bytes:
+            raise StrategyError(f"needs {need / 1e9:.1f} GB per device, more than the "
+                                f"{device.memory_bytes / 1e9:.0f} GB of a {job.device}")
+    return p
+
+
+def searched(job: JobConfig, strategy: ParallelStrategy, world: int) -> Optional[ModelPlan]:
+    """The fastest plan for `world` ranks the strategy search finds that the backend runs, or None."""
+    result = search(job.model, job.train, world, get_device(job.device), base=strategy)
+    for candidate in result.ranked:
+        try:
+            return usable(job, plan(job.model, candidate.strategy, candidate.train, world))
+        except StrategyError:
+            continue
+    return None
+
+
+def changes(job: JobConfig, q: ModelPlan) -> str:
+    """What a new plan changes, as 'tp 2 -> 1, recompute none -> full' (empty: nothing)."""
+    old, new = describe(job.strategy), describe(q.strategy)
+    old["mbs"], new["mbs"] = job.train.micro_batch_size, q.train.micro_batch_size
+    return ", ".join(f"{k} {old[k]} -> {new[k]}" for k in old if old[k] != new[k])
+
+
 def choose_world(job: JobConfig, strategy: ParallelStrategy, capacity: int, min_ranks: int,
                  nodes: int = 1) -> tuple[Optional[ModelPlan], list[str]]:
-    """The largest world <= capacity (and >= min_ranks, a multiple of the model-parallel size and
-    of the node count) whose plan validates; None and the reasons when there is none."""
+    """The largest world <= capacity (and >= min_ranks, a multiple of the node count) with a
+    usable plan, tp/pp/cp kept when any world allows it; None and the reasons when none does."""
     mp = strategy.model_parallel_size
     step = math.lcm(mp, nodes)
     reasons = []
@@ -44,11 +85,18 @@ def choose_world(job: JobConfig, strategy: ParallelStrategy, capacity: int, min_
         if world <= 0:
             break
         try:
-            return replan(job, strategy, world), reasons
+            return usable(job, replan(job, strategy, world)), reasons
         except StrategyError as exc:
-            reasons.append(f"{world} ranks: {exc}".splitlines()[0])
+            reasons.append(f"{world} rank(s) with tp/pp/cp kept: {exc}".splitlines()[0])
+    for world in range(capacity - capacity % nodes, max(min_ranks, 1) - 1, -nodes):
+        if world <= 0:
+            break
+        found = searched(job, strategy, world)
+        if found is not None:
+            return found, reasons
+        reasons.append(f"{world} rank(s): the strategy search found no plan that fits a {job.device} and the "
+                       f"{job.backend} backend runs")
     if not reasons:
-        reasons.append(f"{capacity} usable rank(s) hold no multiple of tp*pp*cp = {mp} (x {nodes} node(s)) "
-                       f"that is at least --min-ranks {min_ranks}")
+        reasons.append(f"{capacity} usable rank(s) hold no multiple of the node count {nodes} that is at least "
+                       f"--min-ranks {min_ranks}")
     return None, reasons
-

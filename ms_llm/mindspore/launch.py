@@ -9,14 +9,26 @@ imports no MindSpore; the workers and msrun do.
         --master_port=P --node_rank=R --log_dir=RUN/logs --join=True
         python -m ms_llm.mindspore.worker --run-dir RUN
 
+The workers load their start-up graphs from <run>/compile_cache/<key> when an earlier launch
+compiled them (MindSpore's compile cache, ms_llm.mindspore.worker), which takes the compile
+(most of a relaunch on CPU) off a restart. MindSpore checks only the entry script for changes,
+so the key is ours: a hash of config.yaml (model, strategy, batch, precision), the world size,
+the MindSpore version, the machine and every ms_llm source file. A changed job, world or code
+never meets a cache compiled for another.
+
 Running this module is msrun itself (MindSpore's own entry point) with one change: the
 scheduler runs on node rank 0, not on every machine that owns --master_addr.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
+import os
+import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -25,30 +37,46 @@ from pathlib import Path
 from typing import Optional
 
 from ms_llm.config.job import JobConfig
+from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.errors import ConfigError
-from ms_llm.nodes import Nodes, collective_timeout_s, free_port, worker_env
+from ms_llm.nodes import GATE_ENV, ROOT, Nodes, collective_timeout_s, die_with_parent, free_port, worker_env
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 
 WORKER = "ms_llm.mindspore.worker"
+COMPILE_CACHE_ENV = "MS_LLM_COMPILE_CACHE"       # the workers' compile cache folder
 
 
-def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int) -> list[str]:
+def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int, logs: Optional[Path] = None) -> list[str]:
     """msrun for this node's share of `world` workers. One node: 127.0.0.1 and `port`; several:
-    --master-addr / --master-port, and msrun numbers ranks from --node-rank, as torchrun does."""
+    --master-addr / --master-port, and msrun numbers ranks from --node-rank, as torchrun does.
+    Worker logs in `logs` (default <run>/logs; msrun truncates them when it starts)."""
     if importlib.util.find_spec("mindspore") is None:
         raise ConfigError("--backend mindspore: MindSpore is not installed; install the [mindspore] extra "
                           "(mindspore==2.10.0)")
     addr = nodes.master_addr or "127.0.0.1"
     return [sys.executable, "-m", "ms_llm.mindspore.launch", f"--worker_num={world}",
             f"--local_worker_num={nodes.local(world)}", f"--master_addr={addr}", f"--master_port={port}",
-            f"--node_rank={nodes.rank}", f"--log_dir={run.logs}", "--join=True",
+            f"--node_rank={nodes.rank}", f"--log_dir={logs or run.logs}", "--join=True",
             "python", "-m", WORKER, "--run-dir", str(run.root)]
 
 
-def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int) -> None:
+def compile_cache(run: RunFolder, world: int) -> Path:
+    """The compile cache folder of this job at `world` ranks (MindSpore adds rank_<R>/ below)."""
+    key = hashlib.sha256(run.config.read_bytes())
+    key.update(f"world {world} mindspore {importlib.metadata.version('mindspore')} {platform.machine()}".encode())
+    for path in sorted((ROOT / "ms_llm").rglob("*.py")):
+        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return run.compile_cache / key.hexdigest()[:16]
+
+
+def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int, gate: Optional[str]) -> None:
     """Print rank 0's progress lines from metrics.jsonl while msrun runs (lines a previous
-    launch wrote are not repeated)."""
+    launch wrote are not repeated; a standby's, from its gate's opening on)."""
+    while gate and not Path(gate).exists():
+        if proc.poll() is not None:
+            return
+        time.sleep(0.1)
     seen = len(run.metrics.read_text().splitlines()) if run.metrics.is_file() else 0
     while True:
         done = proc.poll() is not None
@@ -78,13 +106,17 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
     # HCCL (Ascend) fails a collective whose peer does not arrive within HCCL_EXEC_TIMEOUT seconds
     # (Atlas training parts round it down to a multiple of 68, at least 68): the same bound as torch's.
     env.setdefault("HCCL_EXEC_TIMEOUT", str(max(68, int(collective_timeout_s()))))
-    cmd = msrun_command(run, world, nodes, nodes.master_port or free_port())
+    gate = env.get(GATE_ENV)            # a standby's logs apart: msrun would truncate the running launch's
+    cmd = msrun_command(run, world, nodes, nodes.master_port or free_port(),          # (it checks MindSpore is there)
+                        run.logs / Path(gate).name if gate else None)
+    env[COMPILE_CACHE_ENV] = str(compile_cache(run, world))
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.root,
-                                start_new_session=session)
-    proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every),
+                                start_new_session=session,
+                                preexec_fn=die_with_parent(signal.SIGTERM) if session else None)
+    proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every, gate),
                                  name="msrun-progress", daemon=True)
     proc.echo.start()
     return proc
@@ -120,15 +152,21 @@ def dry_run(p: ModelPlan, run_dir: Optional[Path]) -> int:
 
 
 def msrun_main() -> None:
-    """msrun with its scheduler on node rank 0. msrun itself starts one on every machine that
+    """msrun with its scheduler on node rank 0 (msrun itself starts one on every machine that
     owns --master_addr: with two node ranks on one machine the second scheduler finds the
-    port taken, and that node's msrun exits 1 after its workers trained."""
+    port taken, and that node's msrun exits 1 after its workers trained), and stopping every
+    process it started on SIGTERM."""
     from mindspore.parallel.cluster.process_entity import _ProcessManager
     from mindspore.parallel.cluster.run import get_args
 
     args = get_args()
     manager = _ProcessManager(args)
     manager.is_master = args.node_rank in (0, -1)
+
+    def stop(signum, frame):        # SIGTERM: the supervisor is gone (PR_SET_PDEATHSIG); take every child along
+        kill_all(descendants(os.getpid()))          # workers, the scheduler and msrun's `tail -f` of their logs
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
     manager.run()
 
 

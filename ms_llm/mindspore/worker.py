@@ -15,10 +15,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 from ms_llm.config.job import JobConfig, load_job
 from ms_llm.errors import MsLlmError, TrainingDiverged
 from ms_llm.machine import Machine
+from ms_llm.nodes import exit_with_supervisor, wait_for_gate
 from ms_llm.run import RunFolder
 from ms_llm.run.loop import DIVERGED_EXIT
 from ms_llm.strategy.plan import ModelPlan
@@ -78,6 +80,16 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     return GraphStep(cell, evaluator, job, p, LossScaler.from_precision(p.strategy.precision))
 
 
+def compile_cache(ascend: bool) -> Optional[str]:
+    """The folder for MindSpore's compile cache (the launcher's, keyed by job, world and code),
+    None to compile afresh: MS_COMPILER_CACHE_ENABLE=0 turns it off; not yet checked on Ascend."""
+    from ms_llm.mindspore.launch import COMPILE_CACHE_ENV
+
+    if ascend or os.environ.get("MS_COMPILER_CACHE_ENABLE") == "0":
+        return None
+    return os.environ.get(COMPILE_CACHE_ENV)
+
+
 def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
     import mindspore as ms
 
@@ -108,8 +120,16 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
         step_fn = ZeroStep(net, LossCell(net), job, p, rank, world)
         mode, loss_scale = "DATA_PARALLEL, PyNative + shared ZeRO engine", None
     else:
+        # MindSpore's cache names graphs by their order of compilation: only the start-up ones
+        # (parameter broadcast, the step) come in a fixed order; later ones (checkpoint gathers,
+        # one per shape) compile afresh.
+        cache = compile_cache(ascend)
+        if cache is not None:
+            os.environ["MS_COMPILER_CACHE_PATH"] = cache
+            ms.set_context(enable_compile_cache=True)
         step_fn = build_graph_step(job, p, run, rank, world, ascend)
         step_fn.compile()
+        ms.set_context(enable_compile_cache=False)
         mode = "semi_auto_parallel" if ascend else "DATA_PARALLEL, GRAPH" if world > 1 else "stand-alone, GRAPH"
         loss_scale = step_fn.loss_scale
 
@@ -128,10 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ms_llm.mindspore.worker", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, help="run folder written by `ms-llm train` (holds config.yaml)")
     run = RunFolder(Path(ap.parse_args(argv).run_dir).resolve())
+    exit_with_supervisor()
+    import mindspore  # noqa: F401  (a standby worker imports everything before its gate)
+
+    import ms_llm.mindspore.step  # noqa: F401
+    from ms_llm.run.loop import train
+
+    if not wait_for_gate():
+        return 0
     try:
         job = load_job(run.config)
-        from ms_llm.run.loop import train
-
         trainer = build_trainer(run, job, Machine.detect())
         train(trainer)
     except TrainingDiverged as exc:

@@ -8,6 +8,7 @@
         checkpoints/       step-N folders and the `latest` pointer
         heartbeat/         one liveness file per rank (ms_llm.run.heartbeat)
         data/              the tokenized default corpus cache
+        compile_cache/     MindSpore's compiled graphs, one folder per job, world and version
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ class RunFolder:
     @property
     def heartbeat(self) -> Path:
         return self.root / "heartbeat"
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.root / "compile_cache"
 
     @property
     def launcher_log(self) -> Path:
