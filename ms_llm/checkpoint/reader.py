@@ -236,7 +236,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder / shard.file}: tensor {entry.name!r} is {span.dtype} "
                                   f"{span.shape} in the file but {entry.dtype} {shard.region.shape} in the index")
         return Shard(self.folder / shard.file, fd, span.start, span.nbytes, shard.block,
-                     () if sealed else shard.crc32, entry.name, shard.key)
+                     () if sealed else shard.sums, shard.checksum, entry.name, shard.key)
 
 
 def candidates(*roots: str | Path) -> list[Path]:

@@ -7,14 +7,13 @@ straight into the destination's memory: one kernel copy. Otherwise `BoxMove` rea
 of the saved sub-box into a scratch buffer and copies the box out with one numpy copy (cheaper
 than a Python loop over thousands of small rows). Both work in chunks aligned to the checksum
 blocks, so each block is checked right after it lands, while it is still in cache, and the
-chunks run on a small thread pool (Mover): preadv, zlib.crc32 and numpy copies release the
-GIL, so one core reads while another checksums and the caller plans the next tensor.
+chunks run on a small thread pool (Mover): preadv, the checksums (checksum.py) and numpy
+copies release the GIL, so one core reads while another checksums and the caller plans the next tensor.
 """
 from __future__ import annotations
 
 import math
 import os
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from ms_llm.checkpoint.checksum import checksum
 from ms_llm.errors import CheckpointError
 
 CHUNK = 4 << 20                     # bytes per unit of work (rounded to whole checksum blocks)
@@ -35,13 +35,14 @@ class Shard:
     start: int                      # absolute file offset of the shard's first byte
     nbytes: int
     block: int                      # bytes per checksum block
-    crc32: tuple[int, ...]          # empty: nothing to check (a foreign or keeper-verified file)
+    sums: tuple[int, ...]           # empty: nothing to check (a foreign or keeper-verified file)
+    checksum: str                   # their algorithm (checksum.ALGORITHMS)
     tensor: str                     # for messages
     key: str
 
     def blocks(self, lo: int, hi: int) -> range:
         """Checksum blocks that bytes [lo, hi) of the shard touch (none without checksums)."""
-        if not self.crc32 or hi <= lo:
+        if not self.sums or hi <= lo:
             return range(0)
         return range(lo // self.block, (hi - 1) // self.block + 1)
 
@@ -50,7 +51,7 @@ class Shard:
 
     def step(self) -> int:
         """Chunk length: whole blocks, about CHUNK bytes."""
-        return self.block * max(1, CHUNK // self.block) if self.crc32 else CHUNK
+        return self.block * max(1, CHUNK // self.block) if self.sums else CHUNK
 
 
 class Checked:
@@ -64,11 +65,8 @@ class Checked:
         return (f"{shard.path}\0{shard.key}", b) in self._done
 
     def check(self, shard: Shard, b: int, parts: Sequence[Union[memoryview, bytes]]) -> None:
-        """Compare block `b`'s CRC32, computed over `parts` in order, with the index."""
-        crc = 0
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        if crc != shard.crc32[b]:
+        """Compare block `b`'s checksum, computed over `parts` in order, with the index."""
+        if checksum(shard.checksum, parts) != shard.sums[b]:
             lo, hi = shard.block_range(b)
             raise CheckpointError(f"{shard.path}: tensor {shard.tensor!r} (key {shard.key!r}) fails its checksum "
                                   f"in bytes [{shard.start + lo}, {shard.start + hi}): the file is corrupted")
