@@ -39,6 +39,7 @@ def tp4(tmp_path_factory):
 def test_threaded_chunked_load_equals_serial_and_reference(tp4, monkeypatch, strategy, world, rank):
     ref, folder = tp4
     monkeypatch.setattr(transfer, "CHUNK", 512)         # many chunks per tensor, many threads at once
+    monkeypatch.setattr(transfer, "SUB", 96)            # blocks (256 bytes) checked in uneven pieces
     pieces = rank_pieces(plan_for(strategy, world), rank)
     got = {}
     for workers in (1, 4):
@@ -49,9 +50,11 @@ def test_threaded_chunked_load_equals_serial_and_reference(tp4, monkeypatch, str
         assert got[4][name].tobytes() == got[1][name].tobytes() == cut(ref[name], piece.region).tobytes(), name
 
 
-def test_edge_blocks_outside_the_read_are_checked(tp4):
+@pytest.mark.parametrize("sub", [96, 1 << 20])
+def test_edge_blocks_outside_the_read_are_checked(tp4, monkeypatch, sub):
     """A read that starts mid-block still checks the whole block: a flipped byte just before
     the wanted bytes, in the same checksum block, is reported."""
+    monkeypatch.setattr(transfer, "SUB", sub)
     ref, folder = tp4
     with Checkpoint(folder) as c:
         shard = c.entry(W).shards[0]

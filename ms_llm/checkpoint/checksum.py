@@ -9,7 +9,7 @@ it. A shard with neither (a foreign file an importer indexed) has nothing to che
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Sequence, Union
+from typing import Callable, Union
 
 import crc32c
 
@@ -21,14 +21,6 @@ ALGORITHMS: dict[str, Callable[[Buffer, int], int]] = {
     "crc32": zlib.crc32,
 }
 DEFAULT = "crc32c"
-
-
-def checksum(algorithm: str, parts: Sequence[Buffer]) -> int:
-    """The checksum of the concatenation of `parts`."""
-    fn, value = ALGORITHMS[algorithm], 0
-    for part in parts:
-        value = fn(part, value)
-    return value
 
 
 def block_checksums(data: Buffer, block: int, algorithm: str = DEFAULT) -> list[int]:

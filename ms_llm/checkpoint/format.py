@@ -20,6 +20,7 @@ import base64
 import binascii
 import json
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -138,6 +139,32 @@ class TensorEntry:
         return entry
 
 
+class Tensors(Mapping):
+    """The tensor entries of a saved index, each parsed and checked when first used: a load
+    that wants some tensors (one pipeline stage's, weights without optimizer states) pays for
+    those only, and a loader plans and reads each tensor as soon as its entry is parsed.
+    A malformed entry raises CheckpointError on use, inside the caller's fallback."""
+
+    def __init__(self, raw: dict, where: str):
+        self._raw, self._where = raw, where
+        self._parsed: dict[str, TensorEntry] = {}
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        entry = self._parsed.get(name)
+        if entry is None:
+            entry = self._parsed[name] = TensorEntry.from_json(name, self._raw[name], self._where)
+        return entry
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
 @dataclass
 class Index:
     step: int
@@ -145,7 +172,7 @@ class Index:
     config: dict[str, Any]          # {"model": ..., "strategy": ..., "backend": ...}
     state: dict[str, Any]           # training state shared by all ranks
     rank_states: dict[int, dict[str, Any]]
-    tensors: dict[str, TensorEntry]
+    tensors: Mapping[str, TensorEntry]
     save_stats: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -177,8 +204,7 @@ class Index:
             rank_states[int(r)] = _mapping(s, f"{where}: 'rank_states' of rank {r}")
         for value, what in [(state, "state")] + [(s, f"rank_states[{r}]") for r, s in rank_states.items()]:
             _check_decodes(value, f"{where}: '{what}'")
-        return cls(step, world_size, config, state, rank_states,
-                   {n: TensorEntry.from_json(n, t, where) for n, t in tensors.items()},
+        return cls(step, world_size, config, state, rank_states, Tensors(tensors, where),
                    _mapping(data.get("save_stats", {}), f"{where}: 'save_stats'"))
 
 
