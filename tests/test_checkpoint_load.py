@@ -2,6 +2,7 @@
 checkpoints from before CRC32C (zlib CRC32 in the index) still load and are still checked,
 and the memory tier's seal skips checksums only for the files the keeper verified, unchanged."""
 import json
+import os
 import shutil
 import zlib
 
@@ -48,6 +49,20 @@ def test_threaded_chunked_load_equals_serial_and_reference(tp4, monkeypatch, str
             got[workers] = c.read_pieces(pieces)
     for name, piece in pieces.items():
         assert got[4][name].tobytes() == got[1][name].tobytes() == cut(ref[name], piece.region).tobytes(), name
+
+
+def test_files_out_of_the_page_cache_load_the_same(tp4):
+    """Evicted files take the read-ahead hint path (transfer.prefetch) and load bit for bit."""
+    ref, folder = tp4
+    for f in folder.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    pieces = rank_pieces(plan_for({"tp": 2, "pp": 2}, 4), 2)
+    with Checkpoint(folder) as c:
+        got = c.read_pieces(pieces)
+    for name, piece in pieces.items():
+        assert np.array_equal(got[name], cut(ref[name], piece.region)), name
 
 
 @pytest.mark.parametrize("sub", [96, 1 << 20])

@@ -96,11 +96,27 @@ def pread(shard: Shard, lo: int, hi: int) -> memoryview:
     return out
 
 
+def prefetch(shard: Shard, lo: int, n: int) -> None:
+    """Have the kernel start reading shard bytes [lo, lo + n) at once (WILLNEED) unless the page
+    cache holds them, as told by a non-blocking read of their last byte: threads reading one
+    file at different offsets defeat its sequential readahead, so a cold chunk would otherwise
+    arrive one small synchronous read per piece, and a warm one needs no hint."""
+    if n <= 0:
+        return
+    try:
+        if os.preadv(shard.fd, [bytearray(1)], shard.start + lo + n - 1, os.RWF_NOWAIT) == 1:
+            return
+    except OSError:                     # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
+        pass
+    os.posix_fadvise(shard.fd, shard.start + lo, n, os.POSIX_FADV_WILLNEED)
+
+
 def read_checked(shard: Shard, view: memoryview, offset: int, checked: Checked) -> None:
     """Fill `view` with the shard's bytes from `offset`, verifying every checksum block they
     touch that `checked` has not seen (an edge block's bytes outside `view` are read from the
     file for it). Each SUB-byte piece is checksummed right after it is read."""
     end = offset + len(view)
+    prefetch(shard, offset, len(view))
     pos = offset                                    # view bytes before it are filled
     for blk in shard.blocks(offset, end):
         if (shard, blk) in checked:
