@@ -1,6 +1,10 @@
 """The loader's fast paths: threaded chunked reads equal serial ones, edge blocks are checked,
+checkpoints from before CRC32C (zlib CRC32 in the index) still load and are still checked,
 and the memory tier's seal skips checksums only for the files the keeper verified, unchanged."""
 import json
+import os
+import shutil
+import zlib
 
 import numpy as np
 import pytest
@@ -9,6 +13,7 @@ from ckpt_helpers import cut, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Region, SaveItem
 from ms_llm.checkpoint import transfer
 from ms_llm.checkpoint.keeper import seal_new
+from ms_llm.checkpoint.safetensors_io import read_header
 from ms_llm.checkpoint.seal import KEEPER_LOCK, SEAL
 from ms_llm.errors import CheckpointError
 
@@ -35,6 +40,7 @@ def tp4(tmp_path_factory):
 def test_threaded_chunked_load_equals_serial_and_reference(tp4, monkeypatch, strategy, world, rank):
     ref, folder = tp4
     monkeypatch.setattr(transfer, "CHUNK", 512)         # many chunks per tensor, many threads at once
+    monkeypatch.setattr(transfer, "SUB", 96)            # blocks (256 bytes) checked in uneven pieces
     pieces = rank_pieces(plan_for(strategy, world), rank)
     got = {}
     for workers in (1, 4):
@@ -45,9 +51,25 @@ def test_threaded_chunked_load_equals_serial_and_reference(tp4, monkeypatch, str
         assert got[4][name].tobytes() == got[1][name].tobytes() == cut(ref[name], piece.region).tobytes(), name
 
 
-def test_edge_blocks_outside_the_read_are_checked(tp4):
+def test_files_out_of_the_page_cache_load_the_same(tp4):
+    """Evicted files take the read-ahead hint path (transfer.prefetch) and load bit for bit."""
+    ref, folder = tp4
+    for f in folder.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    pieces = rank_pieces(plan_for({"tp": 2, "pp": 2}, 4), 2)
+    with Checkpoint(folder) as c:
+        got = c.read_pieces(pieces)
+    for name, piece in pieces.items():
+        assert np.array_equal(got[name], cut(ref[name], piece.region)), name
+
+
+@pytest.mark.parametrize("sub", [96, 1 << 20])
+def test_edge_blocks_outside_the_read_are_checked(tp4, monkeypatch, sub):
     """A read that starts mid-block still checks the whole block: a flipped byte just before
     the wanted bytes, in the same checksum block, is reported."""
+    monkeypatch.setattr(transfer, "SUB", sub)
     ref, folder = tp4
     with Checkpoint(folder) as c:
         shard = c.entry(W).shards[0]
@@ -70,6 +92,46 @@ def test_edge_blocks_outside_the_read_are_checked(tp4):
         assert np.array_equal(c.read(W, want), ref[W][10:11, 1:cols - 1])
 
 
+def _as_crc32_era(folder) -> None:
+    """Rewrite the index as ms_llm wrote it before CRC32C: zlib CRC32s per block under "crc32"
+    (the data files are the same)."""
+    index = json.loads((folder / "index.json").read_text())
+    for entry in index["tensors"].values():
+        for shard in entry["shards"]:
+            span = read_header(str(folder / shard["file"]))[0][shard["key"]]
+            with open(folder / shard["file"], "rb") as f:
+                f.seek(span.start)
+                data = f.read(span.nbytes)
+            del shard["crc32c"]
+            shard["crc32"] = [zlib.crc32(data[i:i + shard["block"]]) for i in range(0, len(data), shard["block"])]
+    (folder / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("era", ["crc32c", "crc32"])
+def test_both_checksum_eras_load_and_catch_a_flipped_byte(tp4, tmp_path, era):
+    ref, saved = tp4
+    folder = tmp_path / saved.name
+    shutil.copytree(saved, folder)
+    if era == "crc32":
+        _as_crc32_era(folder)
+    pieces = rank_pieces(plan_for({"tp": 2}, 2), 1)
+    with Checkpoint(folder) as c:
+        assert {s.checksum for e in c.index.tensors.values() for s in e.shards} == {era}
+        got = c.read_pieces(pieces)
+        c.verify()
+    for name, piece in pieces.items():
+        assert np.array_equal(got[name], cut(ref[name], piece.region)), name
+    with Checkpoint(folder) as c:
+        shard = c.entry(W).shards[-1]
+        at = c._shard(c.entry(W), shard).start + 5
+    path = folder / shard.file
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    with Checkpoint(folder) as c, pytest.raises(CheckpointError, match=f"{shard.file}: tensor '{W}'.*fails its checksum"):
+        c.read_pieces(pieces)
+
+
 def _tier(tmp_path):
     """A memory-tier root (the keeper's lock file marks one) holding one committed checkpoint."""
     ref = reference()
@@ -83,7 +145,7 @@ def _tier(tmp_path):
 def _trusted(folder) -> list[bool]:
     with Checkpoint(folder) as c:
         c.read_full(W)
-        return [not s.crc32 for s in c._shards.values()]
+        return [not s.sums for s in c._shards.values()]
 
 
 def test_keeper_seal_skips_checksums_until_a_file_changes(tmp_path):

@@ -167,13 +167,15 @@ def norm(d: dict) -> dict:
 INDEX_CASES = {
     "block 0": (lambda d: first_shard(d).update(block=0), r"index.json: tensor '.*' shard \d: 'block' is 0"),
     "block text": (lambda d: first_shard(d).update(block="4096"), r"'block' is '4096'; expected an integer"),
-    "crc text": (lambda d: first_shard(d).update(crc32=["x"]), r"'crc32\[0\]' is 'x'"),
-    "crc count": (lambda d: first_shard(d).update(crc32=[0, 0, 0]), "3 checksums for"),
+    "crc text": (lambda d: first_shard(d).update(crc32c=["x"]), r"'crc32c\[0\]' is 'x'"),
+    "crc count": (lambda d: first_shard(d).update(crc32c=[0, 0, 0]), "3 checksums for"),
+    "crc both": (lambda d: first_shard(d).update(crc32=[0]), "checksums under both .crc32c. and .crc32."),
+    "crc none": (lambda d: first_shard(d).pop("crc32c"), r"'crc32c' is None; expected a list"),
     "shape text": (lambda d: norm(d).update(shape="abc"), r"tensor 'model.norm.weight': 'shape' is 'abc'"),
     "shape float": (lambda d: norm(d).update(shape=[64.0]), r"'shape\[0\]' is 64.0"),
     "shape huge": (lambda d: norm(d).update(shape=[10 ** 12]), "has 64 elements in its shards but shape"),
     "shape and shard huge": (lambda d: (norm(d).update(shape=[10 ** 12]), norm(d)["shards"][0].update(
-        sizes=[10 ** 12], block=4 * 10 ** 12, crc32=[0])), r"model.norm.weight' is float32 \(64,\) in the file but "
+        sizes=[10 ** 12], block=4 * 10 ** 12, crc32c=[0])), r"model.norm.weight' is float32 \(64,\) in the file but "
                                                            r"float32 \(1000000000000,\) in the index"),
     "offset negative": (lambda d: first_shard(d).update(offsets=[-1, 0]), r"'offsets\[0\]' is -1"),
     "offset past end": (lambda d: first_shard(d).update(offsets=[10 ** 6, 0]), "outside the tensor's"),

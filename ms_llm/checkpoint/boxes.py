@@ -40,8 +40,8 @@ class Region:
     flat: Optional[tuple[int, int]] = None   # [start, stop) of the box's row-major order
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
-        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        object.__setattr__(self, "offsets", tuple(map(int, self.offsets)))
+        object.__setattr__(self, "sizes", tuple(map(int, self.sizes)))
         if self.flat is not None:
             a, b = int(self.flat[0]), int(self.flat[1])
             if not 0 <= a <= b <= math.prod(self.sizes):
@@ -64,7 +64,9 @@ class Region:
 
     @cached_property
     def _pieces(self) -> list[SubBox]:          # every read intersects them: computed once
-        a, b = self.flat or (0, math.prod(self.sizes))
+        if self.flat is None:
+            return [SubBox(self.offsets, self.sizes, 0)]
+        a, b = self.flat
         return [SubBox(tuple(o + off for o, off in zip(p.offsets, self.offsets)), p.sizes, p.start - a)
                 for p in _flat_to_boxes(self.sizes, a, b)]
 

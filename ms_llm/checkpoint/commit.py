@@ -93,8 +93,8 @@ def merge_fragments(frags: list[dict], step: int, world_size: int) -> Index:
                 raise CheckpointError(f"tensor {name!r}: rank {frag['rank']} saved shape {info['shape']} "
                                       f"{info['dtype']}, another rank {list(entry.shape)} {entry.dtype}")
         for s in frag["shards"]:
-            tensors[s["name"]].shards.append(ShardEntry(frag["file"], s["key"], Region.from_json(s),
-                                                        s["block"], tuple(s["crc32"])))
+            tensors[s["name"]].shards.append(ShardEntry(frag["file"], s["key"], Region.from_json(s), s["block"],
+                                                        tuple(s["sums"]), s["checksum"]))
     for entry in tensors.values():
         check_coverage(entry, f"step {step}")
     first = frags[0]

@@ -20,9 +20,14 @@ CHUNK = 8 << 20                     # bytes per write call (a multiple of ALIGN)
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 array of at least `nbytes`, its length a multiple of ALIGN."""
+    """A page-aligned uint8 array of at least `nbytes`, its length a multiple of ALIGN, backed
+    by transparent huge pages where the kernel allows (as numpy does for its large arrays):
+    the snapshot copy into it then misses the TLB 512x less often."""
     size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-    return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # private: THP applies
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buffer, dtype=np.uint8)
 
 
 def _write_all(fd: int, view: memoryview, rate: float) -> None:

@@ -9,8 +9,9 @@ index.json holds the format version, the step, the run config it was saved under
 strategy, world size, backend), the training state (step, LR scheduler, data sampler,
 loss scaler: plain JSON, identical on every rank), each rank's own state (RNG states),
 and for every tensor its global shape, dtype, the layout it was saved under and its
-shards: file, key in that file, region in the global tensor (boxes.Region) and CRC32s of
-consecutive blocks of its bytes. Tensor names are Hugging Face LLaMA names for weights;
+shards: file, key in that file, region in the global tensor (boxes.Region) and checksums of
+consecutive blocks of its bytes, under the name of their algorithm (checksum.py: "crc32c";
+checkpoints written before it hold "crc32"). Tensor names are Hugging Face LLaMA names for weights;
 optimizer states are `optim.<state>.<param name>` (see `optim_name`).
 """
 from __future__ import annotations
@@ -19,10 +20,12 @@ import base64
 import binascii
 import json
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ms_llm.checkpoint.boxes import Region
+from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
 from ms_llm.checkpoint.untrusted import MAX_COUNT, integer, integers
 from ms_llm.config.schema import to_dict
@@ -58,16 +61,17 @@ class ShardEntry:
     key: str
     region: Region
     block: int                      # bytes per checksum block
-    crc32: tuple[int, ...]          # one per block of the shard's bytes
+    sums: tuple[int, ...]           # one per block of the shard's bytes; empty for foreign files
+    checksum: str = DEFAULT         # their algorithm (checksum.ALGORITHMS)
 
     def to_json(self) -> dict:
         return {"file": self.file, "key": self.key, **self.region.to_json(), "block": self.block,
-                "crc32": list(self.crc32)}
+                self.checksum: list(self.sums)}
 
     @classmethod
     def from_json(cls, data: object, where: str, shape: tuple[int, ...], itemsize: int) -> "ShardEntry":
         """Parse and check one shard of a tensor of `shape`: its box lies inside the tensor and
-        it has one checksum per block of its bytes (none for foreign files)."""
+        it has one checksum per block of its bytes (none for foreign files), under one algorithm."""
         data = _mapping(data, where)
         file, key = data.get("file"), data.get("key")
         if not isinstance(file, str) or not isinstance(key, str):
@@ -83,12 +87,16 @@ class ShardEntry:
             if not a <= b <= math.prod(sizes):
                 raise CheckpointError(f"{where}: 'flat' is {flat}; expected 0 <= start <= stop <= {math.prod(sizes)}")
         region = Region(offsets, sizes, tuple(flat) if flat else None)
-        block = integer(data.get("block"), where, "block", 1 if data.get("crc32") else 0)
-        crc32 = integers(data.get("crc32"), where, "crc32", 0, 0xFFFFFFFF)
-        if crc32 and len(crc32) != -(-region.numel * itemsize // block):
-            raise CheckpointError(f"{where}: {len(crc32)} checksums for {region.numel * itemsize} bytes in blocks "
+        named = [a for a in ALGORITHMS if a in data]
+        if len(named) > 1:
+            raise CheckpointError(f"{where}: checksums under both {named[0]!r} and {named[1]!r}; expected one")
+        algorithm = named[0] if named else DEFAULT
+        sums = integers(data.get(algorithm), where, algorithm, 0, 0xFFFFFFFF)
+        block = integer(data.get("block"), where, "block", 1 if sums else 0)
+        if sums and len(sums) != -(-region.numel * itemsize // block):
+            raise CheckpointError(f"{where}: {len(sums)} checksums for {region.numel * itemsize} bytes in blocks "
                                   f"of {block}")
-        return cls(file, key, region, block, crc32)
+        return cls(file, key, region, block, sums, algorithm)
 
 
 @dataclass
@@ -131,6 +139,32 @@ class TensorEntry:
         return entry
 
 
+class Tensors(Mapping):
+    """The tensor entries of a saved index, each parsed and checked when first used: a load
+    that wants some tensors (one pipeline stage's, weights without optimizer states) pays for
+    those only, and a loader plans and reads each tensor as soon as its entry is parsed.
+    A malformed entry raises CheckpointError on use, inside the caller's fallback."""
+
+    def __init__(self, raw: dict, where: str):
+        self._raw, self._where = raw, where
+        self._parsed: dict[str, TensorEntry] = {}
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        entry = self._parsed.get(name)
+        if entry is None:
+            entry = self._parsed[name] = TensorEntry.from_json(name, self._raw[name], self._where)
+        return entry
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
 @dataclass
 class Index:
     step: int
@@ -138,7 +172,7 @@ class Index:
     config: dict[str, Any]          # {"model": ..., "strategy": ..., "backend": ...}
     state: dict[str, Any]           # training state shared by all ranks
     rank_states: dict[int, dict[str, Any]]
-    tensors: dict[str, TensorEntry]
+    tensors: Mapping[str, TensorEntry]
     save_stats: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -170,8 +204,7 @@ class Index:
             rank_states[int(r)] = _mapping(s, f"{where}: 'rank_states' of rank {r}")
         for value, what in [(state, "state")] + [(s, f"rank_states[{r}]") for r, s in rank_states.items()]:
             _check_decodes(value, f"{where}: '{what}'")
-        return cls(step, world_size, config, state, rank_states,
-                   {n: TensorEntry.from_json(n, t, where) for n, t in tensors.items()},
+        return cls(step, world_size, config, state, rank_states, Tensors(tensors, where),
                    _mapping(data.get("save_stats", {}), f"{where}: 'save_stats'"))
 
 

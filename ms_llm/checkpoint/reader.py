@@ -180,8 +180,10 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {entry.shape}; the wanted box "
                                   f"{region.offsets}+{region.sizes} does not fit (a different model config?)")
         dtype, size = storage_dtype(entry.dtype), storage_dtype(entry.dtype).itemsize
-        overlaps = [(wp, k, sp, box) for wp in region.pieces() for k, saved in enumerate(entry.shards)
-                    for sp in saved.region.pieces()
+        # Saved shards whose bounding box misses the wanted one are skipped before their sub-boxes.
+        near = [(k, saved) for k, saved in enumerate(entry.shards)
+                if intersect(region.offsets, region.sizes, saved.region.offsets, saved.region.sizes)]
+        overlaps = [(wp, k, sp, box) for wp in region.pieces() for k, saved in near for sp in saved.region.pieces()
                     if (box := intersect(wp.offsets, wp.sizes, sp.offsets, sp.sizes)) is not None]
         # The files to read hold what the index says, before anything is allocated.
         shards = {k: self._shard(entry, entry.shards[k]) for k in sorted({o[1] for o in overlaps})}
@@ -236,7 +238,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder / shard.file}: tensor {entry.name!r} is {span.dtype} "
                                   f"{span.shape} in the file but {entry.dtype} {shard.region.shape} in the index")
         return Shard(self.folder / shard.file, fd, span.start, span.nbytes, shard.block,
-                     () if sealed else shard.crc32, entry.name, shard.key)
+                     () if sealed else shard.sums, shard.checksum, entry.name, shard.key)
 
 
 def candidates(*roots: str | Path) -> list[Path]:

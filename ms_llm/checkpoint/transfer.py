@@ -6,15 +6,16 @@ destination (every same-layout load, and splits along the first dimension), `Run
 straight into the destination's memory: one kernel copy. Otherwise `BoxMove` reads whole rows
 of the saved sub-box into a scratch buffer and copies the box out with one numpy copy (cheaper
 than a Python loop over thousands of small rows). Both work in chunks aligned to the checksum
-blocks, so each block is checked right after it lands, while it is still in cache, and the
-chunks run on a small thread pool (Mover): preadv, zlib.crc32 and numpy copies release the
-GIL, so one core reads while another checksums and the caller plans the next tensor.
+blocks, and `read_checked` reads a chunk in SUB-byte pieces, each checksummed as soon as it
+lands, while it is still in the CPU cache (checking bytes already evicted to memory would
+cost as much as reading them again). The chunks run on a small thread pool (Mover): preadv,
+the checksums (checksum.py) and numpy copies release the GIL, so the cores read and check in
+parallel while the caller plans the next tensor.
 """
 from __future__ import annotations
 
 import math
 import os
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,11 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from ms_llm.checkpoint.checksum import ALGORITHMS
 from ms_llm.errors import CheckpointError
 
 CHUNK = 4 << 20                     # bytes per unit of work (rounded to whole checksum blocks)
+SUB = 256 << 10                     # bytes read then checksummed at a time: fits in a core's L2 cache
 
 
 @dataclass(frozen=True)
@@ -35,13 +38,14 @@ class Shard:
     start: int                      # absolute file offset of the shard's first byte
     nbytes: int
     block: int                      # bytes per checksum block
-    crc32: tuple[int, ...]          # empty: nothing to check (a foreign or keeper-verified file)
+    sums: tuple[int, ...]           # empty: nothing to check (a foreign or keeper-verified file)
+    checksum: str                   # their algorithm (checksum.ALGORITHMS)
     tensor: str                     # for messages
     key: str
 
     def blocks(self, lo: int, hi: int) -> range:
         """Checksum blocks that bytes [lo, hi) of the shard touch (none without checksums)."""
-        if not self.crc32 or hi <= lo:
+        if not self.sums or hi <= lo:
             return range(0)
         return range(lo // self.block, (hi - 1) // self.block + 1)
 
@@ -50,7 +54,7 @@ class Shard:
 
     def step(self) -> int:
         """Chunk length: whole blocks, about CHUNK bytes."""
-        return self.block * max(1, CHUNK // self.block) if self.crc32 else CHUNK
+        return self.block * max(1, CHUNK // self.block) if self.sums else CHUNK
 
 
 class Checked:
@@ -63,12 +67,9 @@ class Checked:
         shard, b = item
         return (f"{shard.path}\0{shard.key}", b) in self._done
 
-    def check(self, shard: Shard, b: int, parts: Sequence[Union[memoryview, bytes]]) -> None:
-        """Compare block `b`'s CRC32, computed over `parts` in order, with the index."""
-        crc = 0
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        if crc != shard.crc32[b]:
+    def check(self, shard: Shard, b: int, value: int) -> None:
+        """Compare block `b`'s checksum `value` with the index."""
+        if value != shard.sums[b]:
             lo, hi = shard.block_range(b)
             raise CheckpointError(f"{shard.path}: tensor {shard.tensor!r} (key {shard.key!r}) fails its checksum "
                                   f"in bytes [{shard.start + lo}, {shard.start + hi}): the file is corrupted")
@@ -95,6 +96,49 @@ def pread(shard: Shard, lo: int, hi: int) -> memoryview:
     return out
 
 
+def prefetch(shard: Shard, lo: int, n: int) -> None:
+    """Have the kernel start reading shard bytes [lo, lo + n) at once (WILLNEED) unless the page
+    cache holds them, as told by a non-blocking read of their last byte: threads reading one
+    file at different offsets defeat its sequential readahead, so a cold chunk would otherwise
+    arrive one small synchronous read per piece, and a warm one needs no hint."""
+    if n <= 0:
+        return
+    try:
+        if os.preadv(shard.fd, [bytearray(1)], shard.start + lo + n - 1, os.RWF_NOWAIT) == 1:
+            return
+    except OSError:                     # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
+        pass
+    os.posix_fadvise(shard.fd, shard.start + lo, n, os.POSIX_FADV_WILLNEED)
+
+
+def read_checked(shard: Shard, view: memoryview, offset: int, checked: Checked) -> None:
+    """Fill `view` with the shard's bytes from `offset`, verifying every checksum block they
+    touch that `checked` has not seen (an edge block's bytes outside `view` are read from the
+    file for it). Each SUB-byte piece is checksummed right after it is read."""
+    end = offset + len(view)
+    prefetch(shard, offset, len(view))
+    pos = offset                                    # view bytes before it are filled
+    for blk in shard.blocks(offset, end):
+        if (shard, blk) in checked:
+            continue
+        lo, hi = shard.block_range(blk)
+        first, last = max(lo, offset), min(hi, end)
+        if pos < first:                             # blocks verified before
+            read_into(shard, view[pos - offset:first - offset], pos)
+        update = ALGORITHMS[shard.checksum]
+        value = update(pread(shard, lo, first), 0) if lo < first else 0
+        for a in range(first, last, SUB):
+            part = view[a - offset:min(a + SUB, last) - offset]
+            read_into(shard, part, a)
+            value = update(part, value)
+        if last < hi:
+            value = update(pread(shard, last, hi), value)
+        checked.check(shard, blk, value)
+        pos = last
+    if pos < end:
+        read_into(shard, view[pos - offset:], pos)
+
+
 @dataclass
 class RunMove:
     """Shard bytes [src, src + nbytes) straight into dst[at:at + nbytes] (dst: flat uint8)."""
@@ -111,19 +155,7 @@ class RunMove:
         return list(zip(edges[:-1], edges[1:]))
 
     def run(self, a: int, b: int, checked: Checked) -> None:
-        mem = memoryview(self.dst)[self.at:self.at + self.nbytes]
-        read_into(self.shard, mem[a:b], self.src + a)
-        shard, lo_move, hi_move = self.shard, self.src, self.src + self.nbytes
-        for blk in shard.blocks(self.src + a, self.src + b):
-            if (shard, blk) in checked:
-                continue
-            lo, hi = shard.block_range(blk)
-            # The block's bytes: what this chunk just read, plus, at the two ends of the move, the
-            # parts outside it, which only the file holds.
-            parts = [pread(shard, lo, lo_move)] if lo < lo_move else []
-            parts.append(mem[max(lo, lo_move) - lo_move:min(hi, hi_move) - lo_move])
-            parts += [pread(shard, hi_move, hi)] if hi > hi_move else []
-            checked.check(shard, blk, parts)
+        read_checked(self.shard, memoryview(self.dst)[self.at + a:self.at + b], self.src + a, checked)
 
 
 @dataclass
@@ -149,18 +181,10 @@ class BoxMove:
         return [(a, min(a + per, rows)) for a in range(0, rows, per)]
 
     def run(self, a: int, b: int, checked: Checked) -> None:
-        shard = self.shard
         lo, hi = self.src + (self.r0 + a) * self.row, self.src + (self.r0 + b) * self.row
-        blocks = [blk for blk in shard.blocks(lo, hi) if (shard, blk) not in checked]
-        # Reading whole unchecked blocks costs at most a block at each end and checks them all.
-        ext_lo = min([lo] + [shard.block_range(blk)[0] for blk in blocks])
-        ext_hi = max([hi] + [shard.block_range(blk)[1] for blk in blocks])
-        scratch = pread(shard, ext_lo, ext_hi)
-        for blk in blocks:
-            blo, bhi = shard.block_range(blk)
-            checked.check(shard, blk, [scratch[blo - ext_lo:bhi - ext_lo]])
-        src = np.frombuffer(scratch, self.dtype, count=(hi - lo) // self.dtype.itemsize,
-                            offset=lo - ext_lo).reshape((b - a,) + self.sizes[1:])
+        scratch = np.empty(hi - lo, np.uint8)
+        read_checked(self.shard, memoryview(scratch), lo, checked)
+        src = scratch.view(self.dtype).reshape((b - a,) + self.sizes[1:])
         np.copyto(self.dst[a:b], src[(slice(None),) + self.index[1:]])
 
 
@@ -170,12 +194,9 @@ Move = Union[RunMove, BoxMove]
 def check_shard(shard: Shard, checked: Checked) -> None:
     """Verify every block of a shard (tools and tests; loads check what they read)."""
     step = shard.step()
+    buffer = memoryview(np.empty(min(step, shard.nbytes), np.uint8))
     for lo in range(0, shard.nbytes, step):
-        hi = min(lo + step, shard.nbytes)
-        data = pread(shard, lo, hi)
-        for blk in shard.blocks(lo, hi):
-            blo, bhi = shard.block_range(blk)
-            checked.check(shard, blk, [data[blo - lo:bhi - lo]])
+        read_checked(shard, buffer[:min(step, shard.nbytes - lo)], lo, checked)
 
 
 class Mover:

@@ -7,7 +7,7 @@
 
 Stage 1 (the training stall): wait for this rank's previous save, then copy every primary
 piece into one reusable host buffer laid out as the final safetensors file image.
-Stage 2 (a background thread): CRC32 per block, then the image goes to the memory tier
+Stage 2 (a background thread): a checksum per block (checksum.py), then the image goes to the memory tier
 (/dev/shm, if enabled) and to <root>/step_N.tmp/ with fsync, then this rank's fragment;
 rank 0 commits (commit.py) once every rank's fragment is there. Errors from stage 2 are
 raised by the next save() or wait(), so a failed save is never silent.
@@ -18,7 +18,6 @@ import os
 import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 
 from ms_llm.checkpoint import commit as commit_mod
+from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM, block_checksums
 from ms_llm.checkpoint.direct_io import aligned_buffer, write_file
 from ms_llm.checkpoint.format import encode_state, rank_file
 from ms_llm.checkpoint.safetensors_io import TensorSpan, dtype_name, header_bytes, storage_dtype
@@ -229,7 +229,7 @@ class CheckpointWriter:
 
         def shards() -> list[dict]:
             return [{"name": item.piece.name, "key": key, **item.piece.region.to_json(), "block": self.block_bytes,
-                     "crc32": crc.result()} for item, key, crc in zip(layout.items, layout.keys, crcs)]
+                     "checksum": CHECKSUM, "sums": crc.result()} for item, key, crc in zip(layout.items, layout.keys, crcs)]
         step = stats.step
         if self.memory is not None:
             self._write_data(self.memory.root, step, image, throttle=False)
@@ -251,8 +251,7 @@ class CheckpointWriter:
             commit_mod.retain(self.root, self.keep_last)
 
     def _checksums(self, image: np.ndarray, span) -> list[int]:
-        data = memoryview(image[span.start:span.start + span.nbytes])
-        return [zlib.crc32(data[i:i + self.block_bytes]) for i in range(0, span.nbytes, self.block_bytes)]
+        return block_checksums(memoryview(image[span.start:span.start + span.nbytes]), self.block_bytes)
 
     def _write_data(self, root: Path, step: int, image: np.ndarray, throttle: bool) -> None:
         """This rank's shard file into the step's temporary folder, fsynced."""
