@@ -55,7 +55,6 @@ TORCH_REFUSALS = [
      r"^strategy\.zero\.engine: MoE experts .*use engine shared"),
     ("moe-sp", {"tp": 2, "sequence_parallel": True}, 2, {"num_experts": 4},
      r"^strategy\.sequence_parallel: .*sequence_parallel: false with model\.moe"),
-    ("moe-cp", {"cp": 2}, 2, {"num_experts": 4}, r"^strategy\.cp: .*use cp: 1 with MoE"),
     ("tied-tp", {"tp": 2}, 2, {"tie_embeddings": True}, r"^model\.tie_embeddings: .*untie it or use tp: 1"),
     ("offload-params", {"dp": 2, "zero": {"stage": 3}, "offload": {"params": True}}, 2, {},
      r"^strategy\.offload\.params: .*set it false"),
