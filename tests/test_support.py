@@ -31,7 +31,7 @@ MODEL = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_he
              max_seq_len=16, dtype="float32")
 FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
 FP16 = {"param_dtype": "float32", "compute_dtype": "float16", "loss_scale": "dynamic"}
-FIELD = re.compile(r"^(strategy|model)(\.\w+)*: ")
+FIELD = re.compile(r"^(strategy|model|train)(\.\w+)*: ")
 
 
 def plan_for(strategy: dict, world: int, model: dict = MODEL, **train):
@@ -155,6 +155,11 @@ def test_mindspore_refusals_name_the_field(case):
     p = plan_for(strategy, world, {**MODEL, **model})
     for machine in machines:
         refused(ms_support, p, machine, message)
+
+
+def test_mindspore_refuses_a_memory_limit_it_does_not_apply():
+    refused(ms_support, plan_for({"precision": FP32}, 1, memory_limit_gb=1.0), CPU,
+            r"^train\.memory_limit_gb: the MindSpore backend does not cap worker memory yet; set 0")
 
 
 @pytest.mark.parametrize("strategy,world", [

@@ -5,7 +5,8 @@ a Linear's input is its activation layout flattened to (tokens, in), its weight 
 parameter's layout, a row-parallel output lands in the residual stream's layout (so
 sequence parallel turns the all-reduce into a reduce-scatter), attention ops take the
 q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence (context
-parallel: allgather or ulysses, MindFormers' colossalai_cp / ulysses_cp, _attention_core). For the
+parallel: allgather, ulysses or ring, MindFormers' colossalai_cp / ulysses_cp /
+use_ring_attention, _attention_core). For the
 cases MindFormers covers the results equal the strategies of MindFormers' own LLaMA, built and
 read by tests/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
 
@@ -236,7 +237,8 @@ def _attention_core(plan: ModelPlan, qt: TensorLayout, kt: TensorLayout, vt: Ten
                    are whole along it (all-gathered over cp); score rows split like q.
       ulysses (ulysses_cp): heads split over cp*tp, the sequence whole (FlashAttention
                    (dp, 1, cp*mp) in BSH).
-    Without cp both are the plain layouts."""
+      ring (use_ring_attention): as allgather; only flash attention differs (_layer_ops).
+    Without cp all are the plain layouts."""
     b, nh, t, _ = qt.shape
     if plan.strategy.cp > 1 and cp_algorithm(plan) == "ulysses":
         qt, kt, vt = _heads_over_cp(qt), _heads_over_cp(kt), _heads_over_cp(vt)
