@@ -46,14 +46,13 @@ def build_trainer(run: RunFolder, device):
     # Lower the plan (pure data: mesh, pipeline chunks, TP/SP styles, AC, engine, schedule), then
     # build it on this rank (torch_backend/parallelize, in its fixed order).
     low = lower(plan, Machine("cuda" if device.type == "cuda" else "cpu"))
-    meshes = build_meshes(low.mesh, device.type, low.expert_mesh)
+    lowered = apply(low, plan, build_meshes(low.mesh, device.type, low.expert_mesh), device, rank)
     limit = job.train.memory_limit_gb
     if limit and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit * 2**30 / total), device)
     elif limit:
-        limit_host_memory(limit)             # process groups up: from here the model, optimizer and steps count
-    lowered = apply(low, plan, meshes, device, rank)
+        limit_host_memory(limit)        # the model is built: from here gradients, optimizer state, steps count
     step_fn = TrainStep(lowered)
     if rank == 0:
         print(f"lowered: {plan.mesh.describe()} | data parallel: {lowered.dp.name} (ZeRO {plan.zero.stage}) | "

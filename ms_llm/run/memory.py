@@ -3,10 +3,12 @@
 On a host the limit is RLIMIT_DATA: the kernel refuses every private writable mapping past it
 (heap, the allocators' mmap'd blocks, thread stacks), so an allocation fails where a machine
 with that much memory would run out, instead of the OOM killer ending the process or its
-neighbours. It is set once the worker's process groups are up, at what the worker holds then
-plus the limit: the libraries and communication threads (~0.2 GB, and ~0.1 GB more of thread
-stacks reserved, not touched, for a 4-rank group) are the framework's, not the job's. A device
-backend caps its allocator instead (torch: the CUDA caching allocator's fraction).
+neighbours. It is set once the worker has built its model, at what the worker holds then plus
+the limit, so the budget is what training steps take: gradients, optimizer state, activations,
+communication buffers. What came before is the framework's and the layout's, not the sequence's:
+libraries (~0.2 GB), the parameters, and each process group's threads, whose stacks RLIMIT_DATA
+counts though they stay untouched (8 MB each; a cp4 rank's groups start ~20 threads, a single
+process ~6). A device backend caps its allocator instead (torch: the CUDA caching allocator).
 """
 from __future__ import annotations
 
