@@ -13,6 +13,7 @@ process ~6). A device backend caps its allocator instead (torch: the CUDA cachin
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import resource
 from typing import Iterator
 
@@ -31,9 +32,19 @@ def data_memory_bytes() -> int:
     raise OSError("/proc/self/status has no VmData line")
 
 
+def _exact_mappings() -> None:
+    """glibc: every allocation past 64 KiB its own mapping, unmapped when freed (mallopt
+    M_MMAP_THRESHOLD, which also stops glibc raising that threshold as blocks are freed). Tensors
+    then leave no heap high-water mark or fragments behind, so the limit counts live memory and a
+    run at the edge of it passes or fails the same way each time."""
+    with contextlib.suppress(OSError, AttributeError):           # not glibc: its own allocator's behaviour
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)          # M_MMAP_THRESHOLD
+
+
 def limit_host_memory(gb: float) -> int:
     """Let this process allocate `gb` more data memory than it holds now, no more (RLIMIT_DATA,
     soft limit; a lower hard limit stays). Returns the limit in bytes."""
+    _exact_mappings()
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     limit = data_memory_bytes() + int(gb * 2**30)
     if hard != resource.RLIM_INFINITY:
