@@ -5,42 +5,32 @@ cp1 runs out under 0.20 GB, cp4 trains under 0.10 GB, so 0.15 GB separates them 
 both sides (bench/context_parallel.py --long finds cp1's edge and trains 4x it with cp4)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, LIMIT = 2048, 0.15
 pytestmark = pytest.mark.slow
 
 
-def train(tmp_path: Path, cp: int) -> tuple[subprocess.CompletedProcess, Path]:
-    model = {**yaml.safe_load((ROOT / "configs" / "models" / "tiny.yaml").read_text()), "max_seq_len": SEQ}
-    job = {"name": f"long_cp{cp}", "backend": "torch", "device": "cpu", "model": model,
-           "strategy": {"cp": cp, "context_parallel": {"algorithm": "ring"},
-                        "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
-           "train": {"global_batch_size": 1, "micro_batch_size": 1, "seq_len": SEQ, "steps": 2,
-                     "memory_limit_gb": LIMIT, "optimizer": {"name": "adamw", "lr": 1e-3}}}
-    config, run = tmp_path / f"cp{cp}.yaml", tmp_path / f"cp{cp}"
-    config.write_text(yaml.safe_dump(job))
-    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    return proc, run
+def bench():
+    """bench/context_parallel.py, whose long_run is one `ms-llm train` of the tiny model under the limit."""
+    spec = importlib.util.spec_from_file_location("context_parallel_bench", ROOT / "bench" / "context_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_cp4_trains_the_sequence_cp1_runs_out_of_memory_on(tmp_path):
-    proc, _ = train(tmp_path, 1)
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
+    long_run = bench().long_run
+    trained, last, _ = long_run(SEQ, 1, LIMIT, tmp_path)
+    assert not trained
     assert last.startswith(f"ms-llm train: workers failed (exit 1): OutOfMemory: rank 0 ran out of memory in step 1 "
                            f"under train.memory_limit_gb = {LIMIT} (DefaultCPUAllocator: can't allocate memory"), last
     assert "split the sequence over more ranks (strategy.cp)" in last
 
-    proc, run = train(tmp_path, 4)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps if "step" in m] == [1, 2]
+    trained, last, metrics = long_run(SEQ, 4, LIMIT, tmp_path)
+    assert trained, last
+    assert metrics["step"] == 2
