@@ -7,7 +7,14 @@ steps (after one warm-up step), peak RSS, and the bytes autograd keeps for backw
 forward (the activation memory the cost model prices; tests/torch_cp_memory_worker.py). The
 ratios to cp1 are printed last.
 
+--long: the longest sequence cp1 trains under a per-rank memory limit (train.memory_limit_gb:
+RLIMIT_DATA in each worker, at what it holds once its model is built plus the limit),
+found by bisection over `ms-llm train` runs of 2 steps (the second holds activations and
+optimizer state at once), then 4x that sequence under the same limit with cp1 (must fail with
+the out-of-memory line) and with cp4 ring (must train).
+
     python bench/context_parallel.py [--seq-len 2048] [--steps 3]
+    python bench/context_parallel.py --long [--memory-limit-gb 0.25]
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,14 +80,69 @@ def worker(case: str, seq_len: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
+def long_run(seq_len: int, cp: int, limit_gb: float, folder: Path) -> tuple[bool, str, dict]:
+    """`ms-llm train` of the tiny model at `seq_len` with cp ring over `cp` ranks under the limit:
+    (trained, the launcher's last line, the last step's metrics)."""
+    import yaml
+
+    model = {**yaml.safe_load((ROOT / "configs" / "models" / "tiny.yaml").read_text()), "max_seq_len": seq_len}
+    job = {"name": f"long_cp{cp}", "backend": "torch", "device": "cpu", "model": model,
+           "strategy": {"cp": cp, "context_parallel": {"algorithm": "ring"},
+                        "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
+           "train": {"global_batch_size": 1, "micro_batch_size": 1, "seq_len": seq_len, "steps": 2,
+                     "memory_limit_gb": limit_gb, "optimizer": {"name": "adamw", "lr": 1e-3}}}
+    run = folder / f"cp{cp}_{seq_len}"
+    config = folder / f"cp{cp}_{seq_len}.yaml"
+    config.write_text(yaml.safe_dump(job))
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    last = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1]
+    print(f"  cp{cp} seq_len {seq_len}: {'trains' if proc.returncode == 0 else 'fails'}", file=sys.stderr, flush=True)
+    metrics = run / "metrics.jsonl"
+    steps = [m for m in map(json.loads, metrics.read_text().splitlines()) if "step" in m] if metrics.is_file() else []
+    return proc.returncode == 0, last, steps[-1] if steps else {}
+
+
+def long_sequence(limit_gb: float, grain: int) -> None:
+    """cp1's longest sequence L under the limit (to `grain` tokens), then 4L with cp1 and cp4."""
+    with tempfile.TemporaryDirectory(prefix="cp_long_") as tmp:
+        folder = Path(tmp)
+        fits, fails = 0, grain
+        while long_run(fails, 1, limit_gb, folder)[0]:             # double until cp1 fails ...
+            fits, fails = fails, 2 * fails
+        while fails - fits > grain:                                # ... then bisect between
+            mid = (fits + fails) // 2 // grain * grain
+            fits, fails = (mid, fails) if long_run(mid, 1, limit_gb, folder)[0] else (fits, mid)
+        if not fits:
+            sys.exit(f"cp1 does not train even {grain} tokens under {limit_gb} GB; raise --memory-limit-gb")
+        _, _, at_limit = long_run(fits, 1, limit_gb, folder)
+        runs = {"cp1": long_run(4 * fits, 1, limit_gb, folder), "cp4 ring": long_run(4 * fits, 4, limit_gb, folder)}
+    print(f"tiny model, AdamW, fp32, 1 sequence per step, 2 steps; memory limit {limit_gb} GB per rank "
+          "(train.memory_limit_gb: RLIMIT_DATA for the steps, above each built worker); gloo on CPU")
+    print(f"cp1: longest seq_len that trains L = {fits} (to {grain} tokens; {fails} fails): peak RSS "
+          f"{at_limit['memory_gb']:.2f} GB, {at_limit['tokens_per_s']:.0f} tokens/s")
+    for name, (ok, line, last) in runs.items():
+        got = (f"trains: peak RSS rank 0 {last['memory_gb']:.2f} GB, {last['tokens_per_s']:.0f} tokens/s (job), "
+               f"loss {last['loss']:.4f} at step 2") if ok else f"fails: {line}"
+        print(f"{name} at 4L = {4 * fits}: {got}")
+    if runs["cp1"][0] or not runs["cp4 ring"][0]:
+        sys.exit("long-sequence run: cp4 must train 4L where cp1 cannot")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--long", action="store_true", help="4x the longest sequence cp1 trains under a memory limit")
+    p.add_argument("--memory-limit-gb", type=float, default=0.25)
+    p.add_argument("--grain", type=int, default=128, help="--long: tokens to which the longest sequence is found")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.seq_len, args.steps)
+        return
+    if args.long:
+        long_sequence(args.memory_limit_gb, args.grain)
         return
     from torch_backend.launch import torchrun
 

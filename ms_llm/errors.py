@@ -34,3 +34,8 @@ class TrainingDiverged(MsLlmError):
 class RunFolderError(MsLlmError):
     """A run folder that cannot be created or written: missing parent, read-only, or full.
     The message names the folder and the operating system's reason."""
+
+
+class OutOfMemory(MsLlmError):
+    """A step needed more memory than its rank has (train.memory_limit_gb, or the machine's).
+    The message names the limit and what to change."""

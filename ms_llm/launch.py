@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,6 +40,7 @@ from ms_llm.elastic.supervisor import ElasticOptions
 from ms_llm.errors import ConfigError, RunFolderError, StrategyError
 from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
+from ms_llm.run.heartbeat import read_heartbeats
 from ms_llm.run.metrics import run_summary
 from ms_llm.strategy.plan import ModelPlan, plan
 
@@ -230,6 +232,14 @@ def release_memory_tier(job: JobConfig, run: RunFolder) -> None:
         MemoryTier.for_run(job.name, run.root).release()
 
 
+def worker_error(run: RunFolder, since: float) -> str:
+    """': <error>' of the first rank that recorded why it failed (its heartbeat) after `since`,
+    else ''. The launcher's last line then says why, below the backend launcher's own report."""
+    failed = [b for _, b in sorted(read_heartbeats(run.heartbeat).items())
+              if b.get("phase") == "failed" and b.get("time", 0) >= since]
+    return f": {failed[0].get('error', '')}" if failed else ""
+
+
 def train(req: TrainRequest) -> int:
     if req.dry_run:
         job, p = resolve(req)
@@ -241,7 +251,7 @@ def train(req: TrainRequest) -> int:
     where = f", node {nodes.rank} of {nodes.count} ({nodes.local(p.world_size)} here)" if nodes.count > 1 else ""
     print(f"ms-llm train: {job.name} on {job.backend}, {p.world_size} process(es){where}, mesh {p.mesh.describe()}, "
           f"run folder {run.root}", flush=True)
-    since = run.metrics.stat().st_size if run.metrics.is_file() else 0
+    since, started = run.metrics.stat().st_size if run.metrics.is_file() else 0, time.time()
     try:
         if req.elastic is not None:
             from ms_llm.elastic.supervisor import Supervisor
@@ -254,8 +264,8 @@ def train(req: TrainRequest) -> int:
         release_memory_tier(job, run)
         remove_tmp(run, nodes)
     if rc != 0:
-        print(f"ms-llm train: workers failed (exit {rc}); logs in {run.logs} and {run.launcher_log}",
-              file=sys.stderr)
+        print(f"ms-llm train: workers failed (exit {rc}){worker_error(run, started)}; logs in {run.logs} and "
+              f"{run.launcher_log}", file=sys.stderr)
     elif nodes.rank == 0 and (done := run_summary(run.metrics, since)):
         print(f"{done}; run folder {run.root}", flush=True)
     return rc

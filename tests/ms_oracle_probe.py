@@ -8,7 +8,7 @@ records each strategy on its primitive at construction, which is all that is rea
 
 Input (argv[1]): a JSON list of {"name", "devices", "parallel": TransformerOpParallelConfig
 kwargs, "model": LlamaConfig kwargs}. Output (stdout, last line): {"mindformers": version,
-"cases": {name: {cell path + "." + attribute: {"prim", "in", "out"}}}}, where a strategy is a
+"cases": {name: {cell path + "." + attribute: {"prim", "in", "out"[, "attrs"]}}}}, where a strategy is a
 list of per-input split lists, or, for a Layout, {"device_matrix", "tensor_map"} per input.
 """
 from __future__ import annotations
@@ -33,13 +33,22 @@ def _strategy(value) -> list | None:
     return out
 
 
+# Attributes of FlashAttentionScore recorded beside its strategy: how MindFormers builds the
+# kernel, and the ring-attention switches its FlashAttention adds (use_ring_attention).
+FLASH_ATTRS = ("head_num", "scale_value", "pre_tokens", "next_tokens", "keep_prob", "inner_precise", "sparse_mode",
+               "enable_ring_attention", "enable_ra_send_recv")
+
+
 def _record(prim: ms.ops.Primitive) -> dict | None:
     attrs = prim.attrs
     ins = attrs.get("in_layout") or attrs.get("in_strategy")
     if ins is None:
         return None
     outs = attrs.get("out_layout") or attrs.get("out_strategy")
-    return {"prim": prim.name, "in": _strategy(ins), "out": _strategy(outs)}
+    record = {"prim": prim.name, "in": _strategy(ins), "out": _strategy(outs)}
+    if prim.name == "FlashAttentionScore":
+        record["attrs"] = {k: attrs[k] for k in FLASH_ATTRS if k in attrs}
+    return record
 
 
 def build(case: dict) -> dict:

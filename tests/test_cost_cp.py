@@ -22,16 +22,18 @@ def make(cp: int, algorithm: str = "auto", model=L7B.model, seq_len: int = 4096,
                 dataclasses.replace(L7B.train, seq_len=seq_len), 8)
 
 
-def test_ring_and_ulysses_activations_fall_as_one_over_cp_allgather_keeps_the_sequence_kv():
+def test_ring_and_ulysses_activations_fall_as_one_over_cp_allgather_keeps_the_sequence_kv_and_mask():
     one = memory(make(1)).activations
     for cp in (2, 4, 8):
         assert memory(make(cp, "ring")).activations == pytest.approx(one / cp)
         assert memory(make(cp, "ulysses")).activations == pytest.approx(one / cp)
     m, t = L7B.model, make(4).train
     extra = memory(make(4, "allgather")).activations - memory(make(4, "ring")).activations
-    # The gathered K and V of the other 3/4 of the sequence, per layer, kept for backward.
+    # The gathered K and V of the other 3/4 of the sequence, per layer, kept for backward, and the
+    # (T/4, T) position mask, one per layer (tests/test_torch_cp_memory.py measures both).
     kv_rest = 2 * m.kv_dim * t.seq_len * 3 / 4 * t.micro_batch_size * 2 * m.num_layers
-    assert extra == pytest.approx(kv_rest)
+    mask = t.seq_len / 4 * t.seq_len * 2 * m.num_layers
+    assert extra == pytest.approx(kv_rest + mask)
 
 
 @pytest.mark.parametrize("model", [L7B.model, GQA], ids=["mha", "gqa"])

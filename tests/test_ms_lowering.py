@@ -15,6 +15,7 @@ from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.errors import StrategyError
 from ms_llm.mindspore.apply import apply_lowering, auto_parallel, set_context
+from ms_llm.mindspore.dry_run import dry_run_text
 from ms_llm.mindspore.lower import LayoutStrategy, context_args, lower
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.strategy.ir import ParallelStrategy
@@ -37,6 +38,7 @@ STRATEGIES = {
                                        "recompute": {"policy": "selective", "num_layers": 1}}, 4),
     "hsdp_zero3": ({"dp": 4, "zero": {"stage": 3, "shard_size": 2}}, 4),
     "flash_cp2_tp2_sp": ({"dp": 1, "cp": 2, "tp": 2, "sequence_parallel": True}, 1),
+    "flash_cp2_tp2_ring": ({"dp": 1, "cp": 2, "tp": 2, "context_parallel": {"algorithm": "ring"}}, 1),
     "qwen_dp2_tp2_sp_zero1": ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": {"stage": 1}}, 4),
     "moe_dp2_ep2_tp2_sp_selective": ({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True,
                                       "recompute": {"policy": "selective"}}, 4),
@@ -111,13 +113,15 @@ def test_flash_attention_falls_back_to_batch_matmul_on_cpu():
     np.testing.assert_array_equal(flash(tokens).asnumpy(), plain(tokens).asnumpy())
 
 
-def test_flash_attention_path_passes_mindspore_graph_inference(monkeypatch):
+@pytest.mark.parametrize("ring", [False, True])
+def test_flash_attention_path_passes_mindspore_graph_inference(monkeypatch, ring):
     """The Ascend path, forced on CPU: the graph (FlashAttentionScore's q/k/v/mask dtypes and shapes,
-    GQA k/v, the tiled uint8 mask) passes MindSpore's inference and stops only at kernel selection."""
+    GQA k/v, the tiled uint8 mask, or no mask as ring attention) passes MindSpore's inference and
+    stops only at kernel selection."""
     import ms_llm.mindspore.model as model_module
 
     monkeypatch.setattr(model_module, "FLASH_TARGETS", ("CPU",))
-    net = Transformer(dataclasses.replace(FLASH, num_layers=1))
+    net = Transformer(dataclasses.replace(FLASH, num_layers=1), ring_attention=ring)
     assert net.use_flash and net.model.layers[0].self_attn.use_flash
     mode = ms.get_context("mode")
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -160,6 +164,20 @@ def test_zero_and_pipeline_context():
     ctx = context_args(_plan("cp2_tp2_interleaved_selective"), mode="auto")
     assert ctx["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": "1f1b"}
     assert ctx["search_mode"] == "sharding_propagation" and ctx["parallel_mode"] == "auto_parallel"
+
+
+def test_ring_attention_is_flash_attention_with_the_ring_switches():
+    low = lower(_plan("flash_cp2_tp2_ring"))
+    net = apply_lowering(LossCell(Transformer(FLASH, ring_attention=True)), low)
+    attrs = net.net.model.layers[0].self_attn.flash_attention.attrs
+    assert attrs["enable_ring_attention"] is True and attrs["enable_ra_send_recv"] is True
+    assert len(attrs["in_layout"] if "in_layout" in attrs else attrs["in_strategy"]) == 3      # q, k, v: no mask
+    text = dry_run_text(low)
+    assert "context parallel: ring over cp (2 ranks)" in text
+    assert "attrs enable_ring_attention=True, enable_ra_send_recv=True" in text
+    s = from_dict(ParallelStrategy, {"dp": 1, "cp": 2, "context_parallel": {"algorithm": "ring"}}, "strategy")
+    with pytest.raises(StrategyError, match="ring on MindSpore is FlashAttentionScore's ring attention"):
+        lower(plan(MODEL, s, TrainConfig(global_batch_size=1, micro_batch_size=1, seq_len=32)))
 
 
 def test_schedule_mindspore_lacks_is_a_clear_error():

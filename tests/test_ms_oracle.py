@@ -36,7 +36,6 @@ import ms_oracle_moe
 from ms_llm.convert.common import ReadOptions
 from ms_llm.convert.mindformers import read
 from ms_llm.mindspore.lower import LayoutStrategy, OpShard, lower
-from ms_llm.strategy.ir import ContextParallelSpec
 from ms_llm.strategy.plan import plan
 
 pytestmark = pytest.mark.mindspore
@@ -78,11 +77,14 @@ CASES = {
                                    "context_parallel_algo": "ulysses_cp", "vocab_emb_dp": True},
                                   {"use_flash_attention": True}),
     **ms_oracle_moe.CASES,
+    "dp2_mp2_cp2_ring_flash_gqa": ({"data_parallel": 2, "model_parallel": 2, "context_parallel": 2,
+                                    "vocab_emb_dp": False},
+                                   {"n_kv_heads": 4, "use_flash_attention": True, "use_ring_attention": True,
+                                    "fused_rms_norm": False}),
 }
-# MindFormers' context_parallel_algo -> strategy.context_parallel.algorithm (ms_llm/strategy/ir.py):
-# colossalai_cp (FlashAttention q split on the sequence over cp, k/v whole) is our allgather;
-# ulysses_cp (heads over cp*mp) our ulysses. Set here until the MindFormers converter reads it.
-MF_CP_ALGORITHM = {"colossalai_cp": "allgather", "ulysses_cp": "ulysses"}
+# The cp algorithm is what ms_llm's MindFormers converter reads: context_parallel_algo colossalai_cp
+# (FlashAttention q split on the sequence over cp, k/v whole) is allgather, ulysses_cp (heads over
+# cp*mp) ulysses, model_config.use_ring_attention (k/v split like q, no mask) ring.
 
 
 def _degrees(parallel: dict) -> tuple[int, int, int, int]:
@@ -230,7 +232,10 @@ def pairs(parallel: dict, model: dict, layers: int) -> list[Pair]:
                 _same(rot + "mul_sin", mrot + "mul", 2, views=(None, "trailing"))]
         if model.get("use_rope_slice"):     # the slice MindFormers cuts x in halves with; ours is Split
             out.append(_same(rot + "split", mrot + "slice", 1))
-        if flash:
+        if flash and cp > 1 and model.get("use_ring_attention"):    # no mask input
+            out.append(_same(a + "flash_attention", r + "flash_attention.flash_attention", 3, views=("bsh",) * 3,
+                             align=(None, (0, 1, 2), (0, 1, 2))))
+        elif flash:
             # MindFormers runs BSH (B, T, heads*hd) when cp > 1, BNSD otherwise; its k, v and mask
             # tuples follow q's device matrix: k/v dim by dim, the mask's B and query-row dims.
             if cp > 1:
@@ -394,11 +399,7 @@ def ours_for(parallel: dict, model: dict) -> dict[str, OpShard]:
     source = {"parallel_config": parallel, "model": {"model_config": {**MODEL, **model}},
               "runner_config": {"batch_size": 1}}
     conv = read(yaml.safe_dump(source), "oracle.yaml", ReadOptions())
-    job = conv.job
-    algorithm = MF_CP_ALGORITHM[parallel.get("context_parallel_algo", "colossalai_cp")]
-    strategy = dataclasses.replace(job.strategy, context_parallel=ContextParallelSpec(algorithm=algorithm))
-    p = plan(job.model, strategy, job.train, conv.world_size)
-    return {o.op: o for o in lower(p).ops}
+    return {o.op: o for o in lower(plan(conv.job.model, conv.job.strategy, conv.job.train, conv.world_size)).ops}
 
 
 def test_our_layouts_mean_in_mindspore_what_we_compared():
@@ -430,6 +431,26 @@ def test_lowering_matches_mindformers(case, oracle):
         elif choice is not None and problem is None:
             agreed.append(f"{pair.name}: listed in CHOICES ({choice.why[:60]}...) but equal to MindFormers")
     assert not diffs and not agreed, "\n".join(diffs + agreed)
+
+
+@pytest.mark.parametrize("case", [c for c, (_, m) in CASES.items() if m.get("use_flash_attention")])
+def test_flash_attention_attributes_match_mindformers(case, oracle):
+    """FlashAttentionScore as MindFormers builds it: the kernel settings of our model's primitive
+    (head count, scale, causal window, sparse mode), and the ring-attention switches our lowering
+    adds (enable_ring_attention, enable_ra_send_recv) exactly where use_ring_attention adds them."""
+    pytest.importorskip("mindspore")
+    from ms_llm.mindspore.lower import RING_ATTRS
+    from ms_llm.mindspore.model import Attention
+
+    parallel, model = CASES[case]
+    theirs = dict(oracle[case]["model.layers.0.attention.flash_attention.flash_attention"]["attrs"])
+    ring = {k: theirs.pop(k) for k, _ in RING_ATTRS if k in theirs}
+    source = {"parallel_config": parallel, "model": {"model_config": {**MODEL, **model}},
+              "runner_config": {"batch_size": 1}}
+    built = Attention(read(yaml.safe_dump(source), "oracle.yaml", ReadOptions()).job.model).flash_attention.attrs
+    assert {k: built[k] for k in theirs} == pytest.approx(theirs, rel=1e-6)   # scale: our fp32 1/sqrt(hd)
+    assert dict(ours_for(parallel, model)["model.layers.0.self_attn.flash_attention"].attrs) == ring
+    assert bool(ring) == bool(model.get("use_ring_attention"))
 
 
 def test_the_comparison_can_fail(oracle):

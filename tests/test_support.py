@@ -33,7 +33,7 @@ FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
 MOE4 = {"moe": {"num_experts": 4}}
 MOE_MODEL = {**MODEL, **MOE4}
 FP16 = {"param_dtype": "float32", "compute_dtype": "float16", "loss_scale": "dynamic"}
-FIELD = re.compile(r"^(strategy|model)(\.\w+)*: ")
+FIELD = re.compile(r"^(strategy|model|train)(\.\w+)*: ")
 
 
 def plan_for(strategy: dict, world: int, model: dict = MODEL, **train):
@@ -57,7 +57,6 @@ TORCH_REFUSALS = [
      r"^strategy\.zero\.engine: MoE experts .*use engine shared"),
     ("moe-sp", {"tp": 2, "sequence_parallel": True}, 2, MOE4,
      r"^strategy\.sequence_parallel: .*sequence_parallel: false with model\.moe"),
-    ("moe-cp", {"cp": 2}, 2, MOE4, r"^strategy\.cp: .*use cp: 1 with MoE"),
     ("tied-tp", {"tp": 2}, 2, {"tie_embeddings": True}, r"^model\.tie_embeddings: .*untie it or use tp: 1"),
     ("offload-params", {"dp": 2, "zero": {"stage": 3}, "offload": {"params": True}}, 2, {},
      r"^strategy\.offload\.params: .*set it false"),
@@ -159,6 +158,11 @@ def test_mindspore_refusals_name_the_field(case):
     p = plan_for(strategy, world, {**MODEL, **model})
     for machine in machines:
         refused(ms_support, p, machine, message)
+
+
+def test_mindspore_refuses_a_memory_limit_it_does_not_apply():
+    refused(ms_support, plan_for({"precision": FP32}, 1, memory_limit_gb=1.0), CPU,
+            r"^train\.memory_limit_gb: the MindSpore backend does not cap worker memory yet; set 0")
 
 
 @pytest.mark.parametrize("strategy,world", [

@@ -5,7 +5,7 @@ torch on CPU has no peak-memory counter, so the worker counts what activation me
 bytes autograd keeps for backward over one micro-batch's forward (saved-tensor hooks, each
 storage once, parameters left out). Compared per rank with data parallel at the same
 micro-batch: ring and Ulysses keep 1/cp of it, as modelled, within 10%; all-gather keeps the
-gathered K/V on top, more than ring, as modelled.
+gathered K/V and a float copy of its position mask per layer on top, as modelled, within 10%.
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def test_activations_per_rank_fall_as_modelled(measured, case):
     assert got / got_dp == pytest.approx(modelled / modelled_dp, rel=0.10), (got, got_dp)
 
 
-def test_allgather_keeps_the_gathered_kv(measured):
+def test_allgather_keeps_the_gathered_kv_and_its_mask(measured):
     (ring, ring_modelled), (gather, gather_modelled) = measured["cp2_ring"], measured["cp2_allgather"]
+    (got_dp, modelled_dp) = measured["dp2"]
     assert gather > ring and gather_modelled > ring_modelled
+    assert gather / got_dp == pytest.approx(gather_modelled / modelled_dp, rel=0.10), (gather, got_dp)

@@ -1,7 +1,8 @@
 """Expert parallelism trains to the single-process result (gloo, CPU, fp32, tiny_moe, dropless):
-ep2, ep2 x dp2 with shared ZeRO-1 and ZeRO-3, ep2 x tp2, ep2 x pp2. Losses of 3 steps and the
-parameters after them (experts gathered to full tensors) equal the world-1 run within 1e-5; under
-ZeRO the experts' optimizer states are sharded over their expert-data-parallel ranks."""
+ep2, ep2 x cp2 (the experts split over the cp ranks), ep2 x dp2 with shared ZeRO-1 and ZeRO-3,
+ep2 x tp2, ep2 x pp2. Losses of 3 steps and the parameters after them (experts gathered to full
+tensors) equal the world-1 run within 1e-5; under ZeRO the experts' optimizer states are sharded
+over their expert-data-parallel ranks."""
 from __future__ import annotations
 
 import subprocess

@@ -38,6 +38,7 @@ STEPS = 3
 CASES: dict[str, tuple[int, dict]] = {
     "ref": (1, {}),
     "ep2": (2, {"dp": 2, "ep": 2}),
+    "ep2_cp2": (2, {"dp": 1, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ring"}}),   # experts over dp*cp
     "ep2_dp2_zero1": (4, {"dp": 4, "ep": 2, "zero": {"stage": 1}}),
     "ep2_dp2_zero3": (4, {"dp": 4, "ep": 2, "zero": {"stage": 3}}),
     "ep2_tp2": (4, {"dp": 2, "ep": 2, "tp": 2}),

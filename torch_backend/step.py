@@ -47,9 +47,10 @@ class TrainStep:
             cp = lowered.lowering.cp
             self.positions = torch.tensor(cp_positions(self.plan.train.seq_len, cp.degree, meshes.coord("cp"),
                                                        cp.balanced), device=lowered.device)
-        # MoE router losses: every stage's layers add theirs, once per data-parallel replica.
+        # MoE router losses: every stage's layers add theirs (tp rank 0), each a mean over this
+        # rank's tokens, so weighted 1/(dp*cp) like the loss.
         self.moe = [mod for part in lowered.parts for mod in part.modules() if isinstance(mod, MoE)]
-        self.aux_weight = (1.0 if meshes.coord("tp") == 0 and meshes.coord("cp") == 0 else 0.0) / s.dp
+        self.aux_weight = (1.0 if meshes.coord("tp") == 0 else 0.0) / (s.dp * s.cp)
         self.world = self.plan.world_size
         self.loss_scale = LossScaler.from_precision(s.precision)      # None without fp16 loss scaling
 

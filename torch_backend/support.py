@@ -60,9 +60,6 @@ def _lowering(plan: ModelPlan) -> list[str]:
     if plan.model.moe is not None and s.sequence_parallel:
         problems.append("strategy.sequence_parallel: the torch MoE layer routes the whole sequence of each rank; "
                         "use sequence_parallel: false with model.moe")
-    if plan.model.moe is not None and s.cp > 1:
-        problems.append("strategy.cp: context parallel is not combined with model.moe on the torch backend yet; "
-                        "use cp: 1 with MoE models")
     if plan.model.tie_embeddings and s.tp > 1:
         problems.append("model.tie_embeddings: a tied embedding cannot be both the vocab-parallel embedding "
                         "and head in the torch backend; untie it or use tp: 1")

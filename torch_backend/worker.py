@@ -32,6 +32,7 @@ def build_trainer(run: RunFolder, device):
     from ms_llm.machine import Machine
     from ms_llm.run import peak_rss_gb
     from ms_llm.run.loop import Trainer
+    from ms_llm.run.memory import limit_host_memory, out_of_memory_error
     from ms_llm.strategy.plan import plan as make_plan
     from torch_backend.apply import apply
     from torch_backend.lower import lower
@@ -46,6 +47,12 @@ def build_trainer(run: RunFolder, device):
     # build it on this rank (torch_backend/parallelize, in its fixed order).
     low = lower(plan, Machine("cuda" if device.type == "cuda" else "cpu"))
     lowered = apply(low, plan, build_meshes(low.mesh, device.type, low.expert_mesh), device, rank)
+    limit = job.train.memory_limit_gb
+    if limit and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit * 2**30 / total), device)
+    elif limit:
+        limit_host_memory(limit)        # the model is built: from here gradients, optimizer state, steps count
     step_fn = TrainStep(lowered)
     if rank == 0:
         print(f"lowered: {plan.mesh.describe()} | data parallel: {lowered.dp.name} (ZeRO {plan.zero.stage}) | "
@@ -53,8 +60,9 @@ def build_trainer(run: RunFolder, device):
               f"device {device}", flush=True)
 
     def step(i: int, rows) -> tuple[float, float]:
-        loss, grad_norm = step_fn(i, torch.from_numpy(rows))
-        return loss.item(), grad_norm.item()                  # waits for the step
+        with out_of_memory_error(limit, rank, i):
+            loss, grad_norm = step_fn(i, torch.from_numpy(rows))
+            return loss.item(), grad_norm.item()              # waits for the step
 
     def memory_gb() -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else peak_rss_gb()

@@ -97,6 +97,11 @@ class TrainConfig:
     steps: int = spec(10, "Optimizer steps.", ge=0, le=MAX_STEPS)
     seed: int = spec(1234, "Seeds weights, data order and dropout.", ge=0, le=2 ** 32 - 1)
     log_every: int = spec(1, "Steps between progress lines.", ge=1, le=MAX_STEPS)
+    memory_limit_gb: float = spec(0.0, "Memory each worker may allocate for its training steps (gradients, optimizer "
+                                       "state, activations), GB; 0 = no limit. On a host: RLIMIT_DATA at what the "
+                                       "worker holds once its model is built, plus this; torch on GPU: its "
+                                       "allocator's cap. A step that needs more stops with one line naming this "
+                                       "limit.", ge=0.0, le=1e6)
     compile: bool = spec(False, "torch backend: torch.compile each decoder layer (MindSpore compiles its graph "
                                 "anyway).")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"doc": "Optimizer."})

@@ -34,6 +34,8 @@ def apply_lowering(net: LossCell, low: Lowering) -> LossCell:
             prim.shard(in_strategy=_build(op.inputs))
         else:
             prim.shard(in_strategy=_build(op.inputs), out_strategy=_build(op.output))
+        for name, value in op.attrs:
+            prim.add_prim_attr(name, value)
     interleaved = low.plan.strategy.pipeline.virtual_stages > 1
     if low.plan.strategy.pp > 1:
         for path, (stage, segment) in low.cell_stages.items():

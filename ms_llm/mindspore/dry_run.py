@@ -7,14 +7,10 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-from ms_llm.mindspore.lower import Lowering, OpShard
+from ms_llm.mindspore.lower import Lowering, OpShard, cp_algorithm
 from ms_llm.strategy.report import _ranges, strategy_summary
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _fmt(op: OpShard, name: str) -> str:
-    return str(OpShard(name, op.inputs, op.output))
 
 
 def op_lines(low: Lowering) -> list[str]:
@@ -22,15 +18,15 @@ def op_lines(low: Lowering) -> list[str]:
     for op in low.ops:
         m = LAYER.match(op.op)
         if not m:
-            groups[(op.op, op.inputs, op.output, False)] = []
+            groups[(op.op, op.inputs, op.output, op.attrs, False)] = []
             continue
-        key = (LAYER.sub("model.layers.{}.", op.op), op.inputs, op.output, True)
+        key = (LAYER.sub("model.layers.{}.", op.op), op.inputs, op.output, op.attrs, True)
         groups.setdefault(key, []).append(int(m.group(1)))
     lines = []
-    for (name, inputs, output, per_layer), layers in groups.items():
+    for (name, inputs, output, attrs, per_layer), layers in groups.items():
         if per_layer:
             name = name.replace("{}", "{" + _ranges(layers).replace(", ", ",") + "}")
-        lines.append("  " + _fmt(OpShard(name, inputs, output), name))
+        lines.append(f"  {OpShard(name, inputs, output, attrs)}")
     return lines
 
 
@@ -49,8 +45,10 @@ def _cells(paths: list[str]) -> str:
 def dry_run_text(low: Lowering) -> str:
     p = low.plan
     out = [f"MindSpore lowering of {p.model.name}: {strategy_summary(p)}",
-           f"devices {p.world_size}, mesh {p.mesh.describe()}; nothing compiled (--dry-run)", "",
-           "mindspore.set_auto_parallel_context("]
+           f"devices {p.world_size}, mesh {p.mesh.describe()}; nothing compiled (--dry-run)"]
+    if p.strategy.cp > 1:
+        out.append(f"context parallel: {cp_algorithm(p)} over cp ({p.strategy.cp} ranks)")
+    out += ["", "mindspore.set_auto_parallel_context("]
     out += [f"    {k}={v!r}," for k, v in low.context.items()]
     out += [")", "", f"op shard strategies ({len(low.ops)} ops; in = per-input strategy, out = out_strategy; "
                      "{a-b} = every layer in the range):"]

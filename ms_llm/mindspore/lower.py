@@ -5,7 +5,8 @@ a Linear's input is its activation layout flattened to (tokens, in), its weight 
 parameter's layout, a row-parallel output lands in the residual stream's layout (so
 sequence parallel turns the all-reduce into a reduce-scatter), attention ops take the
 q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence (context
-parallel: allgather or ulysses, MindFormers' colossalai_cp / ulysses_cp, _attention_core). For the
+parallel: allgather, ulysses or ring, MindFormers' colossalai_cp / ulysses_cp /
+use_ring_attention, _attention_core). For the
 cases MindFormers covers the results equal the strategies of MindFormers' own LLaMA, built and
 read by tests/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
 MoE layers are lowered by lower_moe.py (experts over ep, their tokens over edp).
@@ -98,10 +99,12 @@ def _one_head(score: TensorLayout) -> TensorLayout:
 
 @dataclass(frozen=True)
 class OpShard:
-    """One primitive's shard(): `op` is its attribute path in LossCell(Transformer) minus `net.`."""
+    """One primitive's shard(): `op` is its attribute path in LossCell(Transformer) minus `net.`;
+    `attrs` are primitive attributes the parallel passes read (add_prim_attr), set with it."""
     op: str
     inputs: tuple[Strategy | tuple[()], ...]
     output: Optional[tuple[Strategy, ...]] = None
+    attrs: tuple[tuple[str, object], ...] = ()
 
     def __str__(self) -> str:
         def fmt(s):
@@ -111,17 +114,20 @@ class OpShard:
         text = f"{self.op}: in {group(self.inputs)}"
         if self.output is not None:
             text += f" out {group(self.output)}"
+        if self.attrs:
+            text += " attrs " + ", ".join(f"{k}={v}" for k, v in self.attrs)
         return text
 
 
-def _op(op: str, inputs: list[TensorLayout | None], output: Optional[TensorLayout] = None) -> OpShard:
+def _op(op: str, inputs: list[TensorLayout | None], output: Optional[TensorLayout] = None,
+        attrs: tuple[tuple[str, object], ...] = ()) -> OpShard:
     """Strategies for one op; None is a scalar operand. MindSpore takes all-tuples or all-Layouts
     per op, so one operand that needs a Layout makes every operand a Layout."""
     layouts = [l for l in inputs + [output] if l is not None]
     lift = any(isinstance(strategy_of(l), LayoutStrategy) for l in layouts)
     conv = as_layout if lift else strategy_of
     ins = tuple(() if l is None else conv(l) for l in inputs)
-    return OpShard(op, ins, None if output is None else (conv(output),))
+    return OpShard(op, ins, None if output is None else (conv(output),), attrs)
 
 
 @dataclass(frozen=True)
@@ -172,10 +178,12 @@ def _norm_ops(prefix: str, x: TensorLayout, weight: TensorLayout) -> list[OpShar
 
 
 # Context-parallel algorithms this lowering emits, as MindFormers 2.1's LLaMA does for
-# context_parallel_algo colossalai_cp (allgather) and ulysses_cp (ulysses). MindFormers' ring
-# attention (use_ring_attention) is FlashAttentionScore's enable_ring_attention with no mask
-# input, which ms_llm's MindSpore model does not build.
-CP_ALGORITHMS = ("allgather", "ulysses")
+# context_parallel_algo colossalai_cp (allgather), ulysses_cp (ulysses) and use_ring_attention
+# (ring: FlashAttentionScore with enable_ring_attention, which only its flash path has).
+CP_ALGORITHMS = ("allgather", "ulysses", "ring")
+# What MindFormers' FlashAttention adds to FlashAttentionScore for ring attention: MindSpore's
+# parallel pass then passes K/V blocks around the cp group by send/recv and masks each step.
+RING_ATTRS = (("enable_ring_attention", True), ("enable_ra_send_recv", True))
 
 
 def _ulysses_fits(plan: ModelPlan) -> bool:
@@ -187,18 +195,25 @@ def _ulysses_fits(plan: ModelPlan) -> bool:
 def cp_algorithm(plan: ModelPlan) -> str:
     """The context-parallel algorithm lowered; 'auto' = the cost model's pick on a 910B among
     those this lowering emits for the model."""
-    runs = CP_ALGORITHMS if _ulysses_fits(plan) else ("allgather",)
+    runs = tuple(a for a in CP_ALGORITHMS if (a != "ulysses" or _ulysses_fits(plan))
+                 and (a != "ring" or plan.model.flash_attention))
     return priced_cp_algorithm(plan, DEVICES["910b"], runs)
+
+
+def ring_attention(plan: ModelPlan) -> bool:
+    """Flash attention runs as ring attention: it is called without a mask (the parallel pass
+    masks each ring step itself), as MindFormers calls it with use_ring_attention."""
+    return plan.strategy.cp > 1 and cp_algorithm(plan) == "ring"
 
 
 def cp_refusals(plan: ModelPlan) -> list[str]:
     """Why this lowering cannot emit the plan's context parallelism (empty: it can)."""
     s, algorithm = plan.strategy, plan.strategy.context_parallel.algorithm
     field = "strategy.context_parallel.algorithm"
-    if algorithm == "ring":
-        return [f"{field}: MindSpore lowers {' or '.join(CP_ALGORITHMS)} (MindFormers colossalai_cp / "
-                "ulysses_cp), not ring: its ring attention is FlashAttentionScore's enable_ring_attention, "
-                "which ms_llm's MindSpore model does not build; use allgather or ulysses"]
+    if algorithm == "ring" and not plan.model.flash_attention:
+        return [f"{field}: ring on MindSpore is FlashAttentionScore's ring attention (MindFormers' "
+                "use_ring_attention needs use_flash_attention too); set model.flash_attention: true, or use "
+                "allgather or ulysses"]
     if algorithm == "ulysses" and not _ulysses_fits(plan):
         return [f"{field}: ulysses on MindSpore splits query and kv heads over tp*cp = {s.tp * s.cp}, "
                 f"model.num_kv_heads = {plan.model.num_kv_heads} does not divide (MindFormers' ulysses_cp asks "
@@ -223,7 +238,8 @@ def _attention_core(plan: ModelPlan, qt: TensorLayout, kt: TensorLayout, vt: Ten
                    are whole along it (all-gathered over cp); score rows split like q.
       ulysses (ulysses_cp): heads split over cp*tp, the sequence whole (FlashAttention
                    (dp, 1, cp*mp) in BSH).
-    Without cp both are the plain layouts."""
+      ring (use_ring_attention): as allgather; only flash attention differs (_layer_ops).
+    Without cp all are the plain layouts."""
     b, nh, t, _ = qt.shape
     if plan.strategy.cp > 1 and cp_algorithm(plan) == "ulysses":
         qt, kt, vt = _heads_over_cp(qt), _heads_over_cp(kt), _heads_over_cp(vt)
@@ -263,7 +279,11 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
             _op(p + "self_attn.o_proj.matmul", [_flat(a["attn_output"]), w[p + "self_attn.o_proj.weight"]],
                 _flat(hidden)),
             _op(p + "add", [hidden, hidden])]
-    if plan.model.flash_attention:
+    if plan.model.flash_attention and ring_attention(plan):
+        # Ring attention: k/v keep their cp split of the sequence like q (the pass moves the blocks),
+        # and there is no mask input. MindFormers: (dp, cp, mp) for q, k and v.
+        ops.append(_op(p + "self_attn.flash_attention", [q_core, k_core, v_core], attrs=RING_ATTRS))
+    elif plan.model.flash_attention:
         # FlashAttentionScore (BNSD): q, k, v as the BatchMatMul path reads them (keys whole along the
         # sequence), k/v with their own kv heads (the kernel serves GQA), the mask split like score rows.
         ops.append(_op(p + "self_attn.flash_attention", [q_core, k_all, v_all, _one_head(score)]))

@@ -6,7 +6,7 @@ itself carries no sharding. Linear layers flatten their input to 2-D (B*T, in) a
 the weight [out, in] with transpose_b, as MindFormers does, so the op-level strategies
 are MindFormers' own. Attention is BatchMatMul + softmax, which runs everywhere; with
 `model.flash_attention` on an Ascend target it is FlashAttentionScore (BNSD, MindFormers'
-causal uint8 mask), which has no CPU kernel. Both paths hold the same parameters.
+causal uint8 mask; no mask as ring attention), which has no CPU kernel. Both paths hold the same parameters.
 """
 from __future__ import annotations
 
@@ -235,9 +235,12 @@ class Backbone(nn.Cell):
 class Transformer(nn.Cell):
     """Tokens (B, T) -> logits (B, T, V)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ring_attention: bool = False):
+        """ring_attention: flash attention is called without a mask, as ring attention is (the
+        lowering's enable_ring_attention: MindSpore's parallel pass masks each ring step itself)."""
         super().__init__()
         self.cfg = cfg
+        self.ring_attention = ring_attention
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
@@ -261,7 +264,9 @@ class Transformer(nn.Cell):
         """(logits, the MoE layers' router losses summed)."""
         b, t = tokens.shape
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        if self.use_flash:
+        if self.use_flash and self.ring_attention:
+            mask = None
+        elif self.use_flash:
             mask = self.mask_tile(self.flash_mask[:, :, :t, :t], (b, 1, 1, 1))
         else:
             mask = self.mask[:t, :t]

@@ -32,6 +32,9 @@ def refusals(plan: ModelPlan, machine: Machine) -> list[str]:
     if not ascend:
         problems += _without_ascend(plan, machine)
     problems += _engine(plan, ascend)[1]
+    if plan.train.memory_limit_gb:
+        problems.append("train.memory_limit_gb: the MindSpore backend does not cap worker memory yet; set 0 "
+                        "(or use --backend torch)")
     if plan.strategy.offload.optimizer or plan.strategy.offload.params:
         problems.append("strategy.offload: the MindSpore backend does not offload; set offload.optimizer and "
                         "offload.params false (or use --backend torch, whose shared engine offloads the optimizer)")

@@ -39,17 +39,17 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     from mindspore import nn
 
     from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks
+    from ms_llm.mindspore.lower import lower, ring_attention
     from ms_llm.mindspore.model import LossCell, RMSNorm, Transformer
     from ms_llm.mindspore.optim import AdamW
     from ms_llm.mindspore.step import EvalCell, GraphStep, TrainCell
     from ms_llm.run.loss_scale import LossScaler
 
-    net = Transformer(job.model)
+    net = Transformer(job.model, ring_attention=ascend and ring_attention(p))
     net.init_weights(job.train.seed)
     loss_cell = LossCell(net)
     if ascend:
         from ms_llm.mindspore.apply import apply_lowering, set_context
-        from ms_llm.mindspore.lower import lower
 
         low = lower(p, strategy_file=str(run.root / "strategy" / f"ckpt_strategy_rank_{rank}.ckpt"))
         set_context(low)

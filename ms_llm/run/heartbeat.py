@@ -19,11 +19,12 @@ import socket
 import time
 from pathlib import Path
 
-from ms_llm.errors import CheckpointError, ConfigError, RunFolderError, StrategyError, TrainingDiverged
+from ms_llm.errors import CheckpointError, ConfigError, OutOfMemory, RunFolderError, StrategyError, TrainingDiverged
 
 # Causes that repeat on every retry: the supervisor stops instead of restarting.
 DETERMINISTIC = {"diverged": "the training diverged", "config": "the job's configuration is invalid",
-                 "disk_full": "the disk is full", "read_only": "the run folder is read-only"}
+                 "disk_full": "the disk is full", "read_only": "the run folder is read-only",
+                 "out_of_memory": "a step needs more memory than a rank has"}
 
 
 def failure_cause(exc: BaseException) -> str:
@@ -32,6 +33,8 @@ def failure_cause(exc: BaseException) -> str:
         return "diverged"
     if isinstance(exc, (ConfigError, StrategyError)):
         return "config"
+    if isinstance(exc, OutOfMemory):
+        return "out_of_memory"
     chain, seen = exc, 0
     while chain is not None and seen < 8:                  # the OSError under a CheckpointError
         if isinstance(chain, OSError):

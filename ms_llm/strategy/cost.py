@@ -225,9 +225,13 @@ def _activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     norm_io = 4 * h / (tp if s.sequence_parallel else 1)       # attn/mlp norm inputs and outputs
     if mode == "full":
         return act * h / (tp if s.sequence_parallel else 1)    # the layer input only
-    # K/V as attention keeps them: all-gather context parallelism keeps the gathered K/V.
-    kv_kept = kv * s.cp if s.cp > 1 and cp_algorithm(plan) == "allgather" else kv
-    inside = (q + 2 * kv_kept + q + 4 * f + dispatch) / tp     # q, k, v, attn out, gate/up/silu/product
+    # K/V as attention keeps them: all-gather context parallelism keeps the gathered K/V, and its
+    # (T_local, T) position mask, which SDPA keeps as a float copy per layer (shared by the
+    # micro-batch's sequences and the tp ranks' heads: T / micro-batch per local token).
+    allgather = s.cp > 1 and cp_algorithm(plan) == "allgather"
+    kv_kept = kv * s.cp if allgather else kv
+    mask = plan.train.seq_len / plan.train.micro_batch_size if allgather else 0.0
+    inside = (q + 2 * kv_kept + q + 4 * f + dispatch) / tp + mask   # q, k, v, attn out, gate/up/silu/product
     inside += (q + kv) / tp * m.qk_norm                        # q, k norm outputs (Qwen3)
     if mode == "selective":
         inside -= 2 * f / tp                                   # silu output and product are recomputed

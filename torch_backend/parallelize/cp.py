@@ -117,20 +117,33 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return s
 
 
+# On CPU a block runs through torch's fused flash-attention kernel, which never holds the
+# (Tq, Tk) score matrix (bench/context_parallel.py --long: at 1408 local tokens that matrix alone
+# outgrew the rest of a rank's memory); elsewhere (CUDA's flash kernels take no fp32) explicitly.
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q to one K/V block: (output, log-sum-exp of the scores), fp32."""
+    q, k, v = q.float(), k.float(), v.float()
+    if q.device.type == "cpu":
+        return _FLASH(q, k, v, 0.0, causal, scale=scale)
     s = _scores(q, k, causal, scale)
     lse = s.logsumexp(-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v.float(), lse
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
-    """Gradients of one block given the FINAL output's lse and delta = rowsum(dout * out):
-    the softmax over all blocks factorises, so each block's share is exact (FlashAttention 2)."""
+def _block_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
+    """Gradients of one block given the FINAL output and its lse: the softmax over all blocks
+    factorises, so each block's share is exact (FlashAttention 2; delta = rowsum(dout * out))."""
+    q, k, v = q.float(), k.float(), v.float()
+    if q.device.type == "cpu":
+        return _FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     dv = p.transpose(-1, -2) @ dout
-    ds = p * (dout @ v.float().transpose(-1, -2) - delta.unsqueeze(-1))
-    return ds @ k.float() * scale, ds.transpose(-1, -2) @ q.float() * scale, dv
+    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
 
 
 def _block_slices(me: int, owner: int, c: int) -> tuple[slice, slice, bool]:
@@ -197,7 +210,6 @@ def _ring_backward(q, k, v, out, lse, dout, group) -> tuple[torch.Tensor, torch.
     me, n = dist.get_rank(group), dist.get_world_size(group)
     heads, kv_heads, c, scale = q.shape[1], k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
     dout = dout.float()
-    delta = (dout * out).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v]).contiguous()
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # travels with its block
@@ -207,7 +219,7 @@ def _ring_backward(q, k, v, out, lse, dout, group) -> tuple[torch.Tensor, torch.
         rows, cols, causal = _block_slices(me, (me - step) % n, c)
         gq, gk, gv = _block_backward(q[:, :, rows], _expand(kv[0][:, :, cols], heads),
                                      _expand(kv[1][:, :, cols], heads), dout[:, :, rows],
-                                     lse[:, :, rows], delta[:, :, rows], causal, scale)
+                                     out[:, :, rows], lse[:, :, rows], causal, scale)
         dq[:, :, rows] += gq
         dkv[0][:, :, cols] += _reduce_heads(gk, kv_heads)
         dkv[1][:, :, cols] += _reduce_heads(gv, kv_heads)
