@@ -3,7 +3,8 @@ TrainCell, AdamW (nn.Optimizer) and clipping that semi_auto_parallel compiles on
 
 - 5 AdamW steps with clipping engaged follow the torch single-process reference within 1e-5;
 - a run started from its step-3 checkpoint repeats steps 4-5 exactly;
-- fp16 compute with dynamic loss scaling stays finite and close to fp32.
+- fp16 compute with dynamic loss scaling stays finite and close to fp32;
+- tiny_moe follows the torch backend, and its checkpoints cross backends and expert splits.
 """
 import subprocess
 import sys
@@ -82,6 +83,15 @@ def test_fp16_with_dynamic_loss_scaling_is_finite_and_close_to_fp32(fp32_run, to
     assert np.abs(losses - np.array([r["loss"] for r in records])).max() <= 1e-3      # measured: 1.4e-4
 
 
+def _torch_train(job: dict, run: Path) -> list[dict]:
+    config = run.with_suffix(".yaml")
+    config.write_text(yaml.safe_dump(job | {"backend": "torch"}))
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+
 def test_tiny_moe_follows_the_torch_backend_with_router_losses(tokens, tmp_path):
     """tiny_moe (load-balancing and z losses on) at world 1: the loss MindSpore reports and trains
     on (cross-entropy + router losses, their gradient through the loss) is torch's TrainStep's."""
@@ -90,14 +100,31 @@ def test_tiny_moe_follows_the_torch_backend_with_router_losses(tokens, tmp_path)
     job["model"]["moe"] |= {"aux_loss_coeff": 0.1, "z_loss_coeff": 0.01}
     job["train"] = job["train"] | {"steps": 3, "checkpoint": {"interval": 0}}
     ours = run_worker(tmp_path / "ms", job)
-    config = tmp_path / "torch.yaml"
-    config.write_text(yaml.safe_dump(job | {"backend": "torch"}))
-    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(tmp_path / "torch")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    torch_losses = [r["loss"] for r in read_metrics(tmp_path / "torch" / "metrics.jsonl") if "loss" in r]
+    torch_losses = [r["loss"] for r in _torch_train(job, tmp_path / "torch")]
     assert len(ours) == len(torch_losses) == 3
     assert np.abs(np.array([r["loss"] for r in ours]) - np.array(torch_losses)).max() <= 1e-4, (ours, torch_losses)
+
+
+def test_moe_checkpoints_cross_backends_and_expert_splits(tokens, tmp_path):
+    """tiny_moe: torch under ep2 x dp2 (experts split over ep) saves; MindSpore at world 1 resumes
+    from its step-2 checkpoint and trains steps 3-6 as torch did; torch ep2 resumes from
+    MindSpore's step-4 checkpoint and trains steps 5-6 as before. The z-loss is on; the
+    balancing loss is off, because it is computed per rank on its own tokens (dp2 != world 1)."""
+    job = job_dict(tokens)
+    job["model"] = yaml.safe_load((ROOT / "configs" / "models" / "tiny_moe.yaml").read_text())
+    job["model"]["moe"] |= {"aux_loss_coeff": 0.0, "z_loss_coeff": 0.01}
+    job["train"] = job["train"] | {"steps": 6, "checkpoint": {"interval": 2}}
+    ep2 = job | {"strategy": job["strategy"] | {"dp": 2, "ep": 2, "zero": {"stage": 1}}}
+    first = {r["step"]: r["loss"] for r in _torch_train(ep2, tmp_path / "torch")}
+    job["train"]["checkpoint"] = {"interval": 2, "load": str(tmp_path / "torch" / "checkpoints" / "step_00000002")}
+    ms = {r["step"]: r["loss"] for r in run_worker(tmp_path / "ms", job)}
+    assert sorted(ms) == [3, 4, 5, 6]
+    assert max(abs(ms[k] - first[k]) for k in ms) <= 1e-4, (ms, first)
+    ep2["train"] = ep2["train"] | {"checkpoint": {"interval": 2, "load": str(tmp_path / "ms" / "checkpoints"
+                                                                               / "step_00000004")}}
+    back = {r["step"]: r["loss"] for r in _torch_train(ep2, tmp_path / "back")}
+    assert sorted(back) == [5, 6]
+    assert max(abs(back[k] - first[k]) for k in back) <= 1e-4, (back, first)
 
 
 @pytest.mark.parametrize("strategy,pipeline", [
