@@ -21,6 +21,7 @@ failures that repeat, shrink and grow, recovery time in metrics.jsonl).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import socket
@@ -256,6 +257,7 @@ def train(req: TrainRequest) -> int:
         if req.elastic is not None:
             from ms_llm.elastic.supervisor import Supervisor
             rc = Supervisor(job, load_job(req.config).strategy, p, run, nodes, spawner(job.backend), write_config,
+                            functools.partial(check, job.backend),
                             req.elastic, warm_standby=nodes.count == 1).run_job()
         else:
             start = starter(job.backend)

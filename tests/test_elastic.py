@@ -44,6 +44,7 @@ def test_restarts_need_checkpoints():
 
 # ---- the supervisor's decisions, without processes (the runs are in test_elastic_faults.py) ----
 
+from ms_llm.backends import check                                   # noqa: E402
 from ms_llm.elastic.classify import Failure, deterministic          # noqa: E402
 from ms_llm.elastic.watch import Timeouts                           # noqa: E402
 from ms_llm.elastic.world import changes, choose_world              # noqa: E402
@@ -53,6 +54,11 @@ from ms_llm.strategy.cost import estimate                           # noqa: E402
 from ms_llm.strategy.devices import get_device                      # noqa: E402
 from ms_llm.strategy.plan import plan                               # noqa: E402
 
+
+
+def backend_runs(job):
+    """The check the CLI layer hands the supervisor: the job's backend runs the plan."""
+    return lambda p: check(job.backend, p)
 
 def _disk_full() -> CheckpointError:
     err = CheckpointError("step_00000008.tmp: cannot write checkpoint step 8 (No space left on device)")
@@ -93,11 +99,11 @@ def test_hang_timeout_from_step_time_with_a_floor_and_an_override():
 def test_shrink_keeps_tp_and_the_global_batch():
     job = job_from_dict({"name": "j", "model": "tiny", "strategy": {"dp": 4, "tp": 2},
                          "train": {"global_batch_size": 16, "micro_batch_size": 2}})
-    p, _ = choose_world(job, job.strategy, 7, 2)           # 7 usable ranks: 6 = dp3 does not divide 16
+    p, _ = choose_world(job, job.strategy, 7, 2, backend_runs(job))           # 7 usable ranks: 6 = dp3 does not divide 16
     assert (p.world_size, p.strategy.tp, p.strategy.dp, p.micro_batches) == (4, 2, 2, 4)
-    p, _ = choose_world(job, job.strategy, 8, 2)
+    p, _ = choose_world(job, job.strategy, 8, 2, backend_runs(job))
     assert (p.strategy.dp, p.micro_batches) == (4, 2)
-    none, reasons = choose_world(job, job.strategy, 3, 4)
+    none, reasons = choose_world(job, job.strategy, 3, 4, backend_runs(job))
     assert none is None and reasons
 
 
@@ -111,9 +117,9 @@ def _running(model: str, device: str, strategy: dict, world: int, **train):
 def test_shrink_below_tp_asks_the_strategy_search():
     """tp2 x dp2 on 4 ranks: 3 usable keep tp (dp 2 -> 1); 1 usable cannot, the search re-plans."""
     job, written = _running("tiny", "cpu", {"dp": -1, "tp": 2}, 4, global_batch_size=8, micro_batch_size=2)
-    p, _ = choose_world(job, written, 3, 1)
+    p, _ = choose_world(job, written, 3, 1, backend_runs(job))
     assert (p.world_size, p.strategy.tp, changes(job, p)) == (2, 2, "dp 2 -> 1, mb 2 -> 4")
-    p, _ = choose_world(job, written, 1, 1)
+    p, _ = choose_world(job, written, 1, 1, backend_runs(job))
     assert (p.world_size, p.strategy.tp, p.train.global_batch_size) == (1, 1, 8)
     assert "tp 2 -> 1" in changes(job, p)
 
@@ -123,13 +129,13 @@ def test_shrink_that_runs_out_of_memory_is_re_planned_to_fit():
     reason is kept); the search's plan for 4 shards what must be sharded and fits."""
     job, written = _running("llama2_7b", "h100", {"dp": -1}, 8, global_batch_size=64, micro_batch_size=1,
                             seq_len=4096)
-    p, reasons = choose_world(job, written, 4, 1)
+    p, reasons = choose_world(job, written, 4, 1, backend_runs(job))
     device = get_device("h100")
     assert p.world_size == 4 and p.train.global_batch_size == 64
     assert estimate(p, device).memory.total <= device.memory_bytes
     assert reasons[0].startswith("4 rank(s) with tp/pp/cp kept: needs") and "more than the 80 GB" in reasons[0]
     assert set(changes(job, p).split(", ")) - {"dp 8 -> 4", "mb 8 -> 16"}        # more than dp changed
-    none, reasons = choose_world(job, written, 1, 1)
+    none, reasons = choose_world(job, written, 1, 1, backend_runs(job))
     assert none is None and "the strategy search found no plan that fits a h100" in reasons[-1]
 
 

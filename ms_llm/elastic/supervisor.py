@@ -43,7 +43,7 @@ from ms_llm.elastic.classify import Failure, deterministic
 from ms_llm.elastic.members import Membership
 from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
-from ms_llm.elastic.world import changes, choose_world
+from ms_llm.elastic.world import BackendCheck, changes, choose_world
 from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, SUPERVISOR_ENV, Nodes
 from ms_llm.run import RunFolder
 from ms_llm.strategy.ir import ParallelStrategy
@@ -79,6 +79,7 @@ class Supervisor:
     nodes: Nodes
     spawn: Spawn
     write_config: Callable[[JobConfig, RunFolder], None]
+    backend_check: BackendCheck          # does the job's backend run a new world's plan
     options: ElasticOptions = ElasticOptions()
     warm_standby: bool = False           # keep a gated launch ready (one node: its own rendezvous)
     failures: list[Failure] = field(default_factory=list)
@@ -178,7 +179,8 @@ class Supervisor:
                 self.log(f"processes {left} survived SIGKILL; stopping here")
                 return self._report(f"could not stop processes {left}", 1)
             if grow:
-                q, _ = choose_world(self.job, self.strategy, self.capacity(), min_ranks, self.nodes.count)
+                q, _ = choose_world(self.job, self.strategy, self.capacity(), min_ranks, self.backend_check,
+                                    self.nodes.count)
                 self.log(f"capacity returned: growing from {world} to {q.world_size} ranks at checkpoint "
                          f"step {self._newest_step()}")
                 p = self._switch(q, world, "grow")
@@ -202,7 +204,7 @@ class Supervisor:
                              f"node {nodes.rank}")
                 self.nodes = nodes
             q, reasons = choose_world(self.job, self.strategy, min(self.capacity(), world), min_ranks,
-                                      self.nodes.count)
+                                      self.backend_check, self.nodes.count)
             if q is None:
                 return self._report("no world fits the ranks left: " + "; ".join(reasons), 1)
             self.log(f"restart {restarts} of {self.options.max_restarts}: {q.world_size} ranks (was {world}), "

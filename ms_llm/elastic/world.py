@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
-from ms_llm.backends import check
 from ms_llm.config.job import JobConfig
 from ms_llm.errors import StrategyError
 from ms_llm.strategy.cost import estimate
@@ -27,6 +26,10 @@ from ms_llm.strategy.devices import get_device
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan, plan
 from ms_llm.strategy.search import describe, search
+
+# The job's backend asked whether it runs a plan (ms_llm.backends.check, given by the CLI layer:
+# the core imports no backend): raises StrategyError with the refusals.
+BackendCheck = Callable[[ModelPlan], None]
 
 
 def elastic_strategy(strategy: ParallelStrategy) -> ParallelStrategy:
@@ -43,10 +46,10 @@ def replan(job: JobConfig, strategy: ParallelStrategy, world: int) -> ModelPlan:
         return plan(job.model, elastic_strategy(strategy), job.train, world)
 
 
-def usable(job: JobConfig, p: ModelPlan) -> ModelPlan:
+def usable(job: JobConfig, p: ModelPlan, runs: BackendCheck) -> ModelPlan:
     """`p` when the backend runs it and it fits in the device's memory (the plan running now
     needs no estimate: it runs); else a StrategyError saying why."""
-    check(job.backend, p)
+    runs(p)
     if p.strategy != job.strategy:
         device = get_device(job.device)
         need = estimate(p, device).memory.total
@@ -56,12 +59,12 @@ def usable(job: JobConfig, p: ModelPlan) -> ModelPlan:
     return p
 
 
-def searched(job: JobConfig, strategy: ParallelStrategy, world: int) -> Optional[ModelPlan]:
+def searched(job: JobConfig, strategy: ParallelStrategy, world: int, runs: BackendCheck) -> Optional[ModelPlan]:
     """The fastest plan for `world` ranks the strategy search finds that the backend runs, or None."""
     result = search(job.model, job.train, world, get_device(job.device), base=strategy)
     for candidate in result.ranked:
         try:
-            return usable(job, plan(job.model, candidate.strategy, candidate.train, world))
+            return usable(job, plan(job.model, candidate.strategy, candidate.train, world), runs)
         except StrategyError:
             continue
     return None
@@ -74,7 +77,7 @@ def changes(job: JobConfig, q: ModelPlan) -> str:
     return ", ".join(f"{k} {old[k]} -> {new[k]}" for k in old if old[k] != new[k])
 
 
-def choose_world(job: JobConfig, strategy: ParallelStrategy, capacity: int, min_ranks: int,
+def choose_world(job: JobConfig, strategy: ParallelStrategy, capacity: int, min_ranks: int, runs: BackendCheck,
                  nodes: int = 1) -> tuple[Optional[ModelPlan], list[str]]:
     """The largest world <= capacity (and >= min_ranks, a multiple of the node count) with a
     usable plan, tp/pp/cp kept when any world allows it; None and the reasons when none does."""
@@ -85,13 +88,13 @@ def choose_world(job: JobConfig, strategy: ParallelStrategy, capacity: int, min_
         if world <= 0:
             break
         try:
-            return usable(job, replan(job, strategy, world)), reasons
+            return usable(job, replan(job, strategy, world), runs), reasons
         except StrategyError as exc:
             reasons.append(f"{world} rank(s) with tp/pp/cp kept: {exc}".splitlines()[0])
     for world in range(capacity - capacity % nodes, max(min_ranks, 1) - 1, -nodes):
         if world <= 0:
             break
-        found = searched(job, strategy, world)
+        found = searched(job, strategy, world, runs)
         if found is not None:
             return found, reasons
         reasons.append(f"{world} rank(s): the strategy search found no plan that fits a {job.device} and the "
