@@ -132,6 +132,38 @@ def test_both_checksum_eras_load_and_catch_a_flipped_byte(tp4, tmp_path, era):
         c.read_pieces(pieces)
 
 
+def test_same_layout_load_batches_back_to_back_runs(tp4, tmp_path, monkeypatch):
+    """A same-strategy load reads a rank's file front to back in batches (one preadv into many
+    destinations): split at IOV destinations, resumed after short reads, and a flipped byte in
+    one small tensor inside a batch is named by that tensor."""
+    ref, saved = tp4
+    pieces = rank_pieces(plan_for({"tp": 4}, 4), 3)
+    batches = []
+    monkeypatch.setattr(transfer, "IOV", 3)
+    monkeypatch.setattr(transfer.Batch, "run", lambda self, checked, run=transfer.Batch.run: (
+        batches.append(len(self.parts)), run(self, checked))[1])
+    real = os.preadv
+    monkeypatch.setattr(transfer.os, "preadv", lambda fd, views, *args: real(
+        fd, views, *args) if len(args) > 1 else real(fd, [v[:max(1, len(v) // 2)] for v in views[:1]], *args))
+    with Checkpoint(saved) as c:
+        got = c.read_pieces(pieces)
+    for name, piece in pieces.items():
+        assert got[name].tobytes() == cut(ref[name], piece.region).tobytes(), name
+    assert max(batches) == 3 and len(batches) < len(pieces)
+    monkeypatch.undo()
+    folder = tmp_path / saved.name
+    shutil.copytree(saved, folder)
+    small = "model.layers.1.input_layernorm.weight"
+    with Checkpoint(folder) as c:
+        shard = c.entry(small).shards[0]
+        at = c._shard(c.entry(small), shard).start + 3
+    data = bytearray((folder / shard.file).read_bytes())
+    data[at] ^= 0x01
+    (folder / shard.file).write_bytes(bytes(data))
+    with Checkpoint(folder) as c, pytest.raises(CheckpointError, match=f"tensor '{small}'.*fails its checksum"):
+        c.read_pieces(pieces)
+
+
 def _tier(tmp_path):
     """A memory-tier root (the keeper's lock file marks one) holding one committed checkpoint."""
     ref = reference()

@@ -48,6 +48,16 @@ class Region:
                 raise ValueError(f"flat range {self.flat} outside a box of {math.prod(self.sizes)} elements")
             object.__setattr__(self, "flat", None if (a, b) == (0, math.prod(self.sizes)) else (a, b))
 
+    @classmethod
+    def of_ints(cls, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> "Region":
+        """A whole box from tuples already known to hold ints (a parsed index holds thousands:
+        this skips the conversions of __post_init__)."""
+        region = object.__new__(cls)
+        object.__setattr__(region, "offsets", offsets)
+        object.__setattr__(region, "sizes", sizes)
+        object.__setattr__(region, "flat", None)
+        return region
+
     @property
     def numel(self) -> int:
         return self.flat[1] - self.flat[0] if self.flat else math.prod(self.sizes)

@@ -86,7 +86,9 @@ class ShardEntry:
             a, b = integers(flat, where, "flat", length=2)
             if not a <= b <= math.prod(sizes):
                 raise CheckpointError(f"{where}: 'flat' is {flat}; expected 0 <= start <= stop <= {math.prod(sizes)}")
-        region = Region(offsets, sizes, tuple(flat) if flat else None)
+            region = Region(offsets, sizes, (a, b))
+        else:                           # the common case, its integers checked above
+            region = Region.of_ints(offsets, sizes)
         named = [a for a in ALGORITHMS if a in data]
         if len(named) > 1:
             raise CheckpointError(f"{where}: checksums under both {named[0]!r} and {named[1]!r}; expected one")

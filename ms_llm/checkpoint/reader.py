@@ -56,7 +56,7 @@ class Checkpoint:
                 raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
             index = Index.from_json(data, str(path))
         self.index: Index = index
-        self._files: dict[str, tuple[int, dict[str, TensorSpan], bool]] = {}
+        self._files: dict[str, tuple[Path, int, dict[str, TensorSpan], bool]] = {}
         self._fds: dict[str, int] = {}
         self._shards: dict[tuple[str, str], Shard] = {}
         self._checked = Checked()
@@ -138,17 +138,21 @@ class Checkpoint:
                     out: Optional[dict[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
         """Read every piece (into `out[name]` where given); with strict=False tensors the
         checkpoint lacks are left out (e.g. optimizer states when starting from exported weights).
-        Each piece's reads start while the next one is planned."""
+        Every piece is planned before the first read, and the reads go in file order: runs that
+        lie back to back in a file are then read together whatever order the pieces came in, and
+        planning (Python, holding the GIL) does not hold up the reading threads."""
         missing = [n for n in pieces if n not in self.index.tensors]
         if missing and strict:
             raise CheckpointError(f"{self.folder}: lacks {len(missing)} wanted tensor(s), e.g. {missing[0]!r}; "
                                   "was it saved from a different model?")
-        arrays = {}
+        arrays, moves = {}, []
+        for name in pieces:
+            if name in self.index.tensors:
+                arrays[name], planned = self._plan(name, pieces[name], (out or {}).get(name))
+                moves += planned
+        moves.sort(key=lambda m: (m.shard.fd, m.shard.start + m.src))
         with Mover(self._checked, self.workers) as mover:
-            for name in pieces:
-                if name in self.index.tensors:
-                    arrays[name], moves = self._plan(name, pieces[name], (out or {}).get(name))
-                    mover.submit(moves)
+            mover.submit(moves)
         return arrays
 
     def verify(self) -> None:
@@ -179,7 +183,13 @@ class Checkpoint:
                 o < 0 or o + s > n for o, s, n in zip(region.offsets, region.sizes, entry.shape)):
             raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {entry.shape}; the wanted box "
                                   f"{region.offsets}+{region.sizes} does not fit (a different model config?)")
-        dtype, size = storage_dtype(entry.dtype), storage_dtype(entry.dtype).itemsize
+        dtype = storage_dtype(entry.dtype)
+        same = next((k for k, saved in enumerate(entry.shards) if saved.region == region), None)
+        if same is not None:                        # saved as wanted (a same-layout load): one run
+            shard = self._shard(entry, entry.shards[same])
+            out = self._destination(name, region, dtype, out)
+            return out, [RunMove(shard, 0, out.reshape(-1).view(np.uint8), 0, shard.nbytes)]
+        size = dtype.itemsize
         # Saved shards whose bounding box misses the wanted one are skipped before their sub-boxes.
         near = [(k, saved) for k, saved in enumerate(entry.shards)
                 if intersect(region.offsets, region.sizes, saved.region.offsets, saved.region.sizes)]
@@ -187,11 +197,7 @@ class Checkpoint:
                     if (box := intersect(wp.offsets, wp.sizes, sp.offsets, sp.sizes)) is not None]
         # The files to read hold what the index says, before anything is allocated.
         shards = {k: self._shard(entry, entry.shards[k]) for k in sorted({o[1] for o in overlaps})}
-        if out is None:
-            out = np.empty(region.shape, dtype=dtype)
-        elif out.shape != region.shape or out.dtype != dtype or not out.flags.c_contiguous:
-            raise CheckpointError(f"{name}: destination is {out.dtype} {out.shape}; reading this piece needs a "
-                                  f"C-contiguous {dtype} {region.shape} array")
+        out = self._destination(name, region, dtype, out)
         flat = out.reshape(-1)
         dst_bytes = flat.view(np.uint8)
         moves: list[Move] = []
@@ -211,8 +217,18 @@ class Checkpoint:
                                   f"{region.numel} wanted elements; the index does not cover the tensor")
         return out, moves
 
-    def _open_file(self, fname: str, tensor: str) -> tuple[int, dict[str, TensorSpan], bool]:
-        """The file's descriptor, its spans, and whether the memory tier's keeper sealed it."""
+    @staticmethod
+    def _destination(name: str, region: Region, dtype: np.dtype, out: Optional[np.ndarray]) -> np.ndarray:
+        """`out` checked to fit the region, or a new array for it."""
+        if out is None:
+            return np.empty(region.shape, dtype=dtype)
+        if out.shape != region.shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise CheckpointError(f"{name}: destination is {out.dtype} {out.shape}; reading this piece needs a "
+                                  f"C-contiguous {dtype} {region.shape} array")
+        return out
+
+    def _open_file(self, fname: str, tensor: str) -> tuple[Path, int, dict[str, TensorSpan], bool]:
+        """The file's path, descriptor and spans, and whether the memory tier's keeper sealed it."""
         with self._lock:
             if fname not in self._files:
                 path = confined(self.folder, fname, f"the shard 'file' of tensor {tensor!r}")
@@ -220,7 +236,7 @@ class Checkpoint:
                 fd = os.open(path, os.O_RDONLY)
                 self._fds[fname] = fd
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                self._files[fname] = (fd, spans, self._seal.matches(fname, os.fstat(fd)))
+                self._files[fname] = (path, fd, spans, self._seal.matches(fname, os.fstat(fd)))
             return self._files[fname]
 
     def _shard(self, entry: TensorEntry, shard: ShardEntry) -> Shard:
@@ -230,14 +246,14 @@ class Checkpoint:
         return got
 
     def _open_shard(self, entry: TensorEntry, shard: ShardEntry) -> Shard:
-        fd, spans, sealed = self._open_file(shard.file, entry.name)
+        path, fd, spans, sealed = self._open_file(shard.file, entry.name)
         span = spans.get(shard.key)
         if span is None:
             raise CheckpointError(f"{self.folder / shard.file}: has no key {shard.key!r} for tensor {entry.name!r}")
         if span.dtype != entry.dtype or span.shape != shard.region.shape:
             raise CheckpointError(f"{self.folder / shard.file}: tensor {entry.name!r} is {span.dtype} "
                                   f"{span.shape} in the file but {entry.dtype} {shard.region.shape} in the index")
-        return Shard(self.folder / shard.file, fd, span.start, span.nbytes, shard.block,
+        return Shard(path, fd, span.start, span.nbytes, shard.block,
                      () if sealed else shard.sums, shard.checksum, entry.name, shard.key)
 
 

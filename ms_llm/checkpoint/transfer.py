@@ -8,9 +8,12 @@ of the saved sub-box into a scratch buffer and copies the box out with one numpy
 than a Python loop over thousands of small rows). Both work in chunks aligned to the checksum
 blocks, and `read_checked` reads a chunk in SUB-byte pieces, each checksummed as soon as it
 lands, while it is still in the CPU cache (checking bytes already evicted to memory would
-cost as much as reading them again). The chunks run on a small thread pool (Mover): preadv,
-the checksums (checksum.py) and numpy copies release the GIL, so the cores read and check in
-parallel while the caller plans the next tensor.
+cost as much as reading them again). Runs of whole checksum blocks that lie back to back in
+one file (a same-layout load reads a rank's file front to back, one small tensor after
+another) are gathered into a `Batch`: one preadv into all their destinations, then each
+block is checked while the batch is still in the CPU cache. The chunks and batches run on a
+small thread pool (Mover): preadv, the checksums (checksum.py) and numpy copies release the
+GIL, so the cores read and check in parallel while the caller plans the next tensor.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -28,6 +31,7 @@ from ms_llm.errors import CheckpointError
 
 CHUNK = 4 << 20                     # bytes per unit of work (rounded to whole checksum blocks)
 SUB = 256 << 10                     # bytes read then checksummed at a time: fits in a core's L2 cache
+IOV = 512                           # destinations per batched preadv (the kernel takes up to IOV_MAX = 1024)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,24 @@ def read_into(shard: Shard, view: memoryview, offset: int) -> None:
         done += got
 
 
+def readv_into(path: Path, fd: int, views: list[memoryview], offset: int, tensor: str) -> None:
+    """Fill `views` in order from the file's bytes starting at absolute `offset`."""
+    views = [v for v in views if len(v)]
+    while views:
+        try:
+            got = os.preadv(fd, views[:IOV], offset)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: tensor {tensor!r}: cannot read ({exc.strerror or exc})") from None
+        if got <= 0:
+            raise CheckpointError(f"{path}: tensor {tensor!r}: file ended while reading")
+        offset += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
+
+
 def pread(shard: Shard, lo: int, hi: int) -> memoryview:
     """Shard bytes [lo, hi) in a new buffer (not zero-filled first)."""
     out = memoryview(np.empty(hi - lo, np.uint8))
@@ -96,19 +118,19 @@ def pread(shard: Shard, lo: int, hi: int) -> memoryview:
     return out
 
 
-def prefetch(shard: Shard, lo: int, n: int) -> None:
-    """Have the kernel start reading shard bytes [lo, lo + n) at once (WILLNEED) unless the page
-    cache holds them, as told by a non-blocking read of their last byte: threads reading one
-    file at different offsets defeat its sequential readahead, so a cold chunk would otherwise
-    arrive one small synchronous read per piece, and a warm one needs no hint."""
+def prefetch(fd: int, offset: int, n: int) -> None:
+    """Have the kernel start reading file bytes [offset, offset + n) at once (WILLNEED) unless
+    the page cache holds them, as told by a non-blocking read of their last byte: threads
+    reading one file at different offsets defeat its sequential readahead, so a cold chunk
+    would otherwise arrive one small synchronous read per piece, and a warm one needs no hint."""
     if n <= 0:
         return
     try:
-        if os.preadv(shard.fd, [bytearray(1)], shard.start + lo + n - 1, os.RWF_NOWAIT) == 1:
+        if os.preadv(fd, [bytearray(1)], offset + n - 1, os.RWF_NOWAIT) == 1:
             return
     except OSError:                     # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
         pass
-    os.posix_fadvise(shard.fd, shard.start + lo, n, os.POSIX_FADV_WILLNEED)
+    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
 
 
 def read_checked(shard: Shard, view: memoryview, offset: int, checked: Checked) -> None:
@@ -116,7 +138,7 @@ def read_checked(shard: Shard, view: memoryview, offset: int, checked: Checked) 
     touch that `checked` has not seen (an edge block's bytes outside `view` are read from the
     file for it). Each SUB-byte piece is checksummed right after it is read."""
     end = offset + len(view)
-    prefetch(shard, offset, len(view))
+    prefetch(shard.fd, shard.start + offset, len(view))
     pos = offset                                    # view bytes before it are filled
     for blk in shard.blocks(offset, end):
         if (shard, blk) in checked:
@@ -156,6 +178,41 @@ class RunMove:
 
     def run(self, a: int, b: int, checked: Checked) -> None:
         read_checked(self.shard, memoryview(self.dst)[self.at + a:self.at + b], self.src + a, checked)
+
+    def whole_blocks(self, a: int, b: int) -> bool:
+        """Whether bytes [a, b) of the move are whole checksum blocks of the shard (or unchecked)."""
+        shard, lo, hi = self.shard, self.src + a, self.src + b
+        return not shard.sums or lo % shard.block == 0 and (hi % shard.block == 0 or hi == shard.nbytes)
+
+
+@dataclass
+class Batch:
+    """Parts of RunMoves, each whole checksum blocks, that lie back to back in one file from
+    absolute offset `start`: read with one preadv, then each part's blocks checked."""
+    start: int
+    parts: list[tuple[RunMove, int, int]]
+    nbytes: int = 0
+
+    def follows(self, move: RunMove, a: int) -> bool:
+        first = self.parts[0][0].shard
+        return (move.shard.fd == first.fd and move.shard.start + move.src + a == self.start + self.nbytes
+                and len(self.parts) < IOV)
+
+    def add(self, move: RunMove, a: int, b: int) -> None:
+        self.parts.append((move, a, b))
+        self.nbytes += b - a
+
+    def run(self, checked: Checked) -> None:
+        first = self.parts[0][0].shard
+        views = [memoryview(m.dst)[m.at + a:m.at + b] for m, a, b in self.parts]
+        prefetch(first.fd, self.start, self.nbytes)
+        readv_into(first.path, first.fd, views, self.start, first.tensor)
+        for (m, a, b), view in zip(self.parts, views):
+            shard, update = m.shard, ALGORITHMS[m.shard.checksum] if m.shard.sums else None
+            for blk in shard.blocks(m.src + a, m.src + b):
+                if (shard, blk) not in checked:
+                    lo, hi = shard.block_range(blk)
+                    checked.check(shard, blk, update(view[lo - m.src - a:hi - m.src - a], 0))
 
 
 @dataclass
@@ -211,19 +268,37 @@ class Mover:
         self.checked = checked
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-read") if workers > 1 else None
         self._futures: list[Future] = []
+        self._batch: Optional[Batch] = None
 
     def submit(self, moves: Sequence[Move]) -> None:
         for m in moves:
             for a, b in m.chunks():
-                if self._pool is None:
-                    m.run(a, b, self.checked)
+                if isinstance(m, RunMove) and m.whole_blocks(a, b):
+                    if self._batch is not None and (not self._batch.follows(m, a) or self._batch.nbytes >= CHUNK):
+                        self._flush()
+                    if self._batch is None:
+                        self._batch = Batch(m.shard.start + m.src + a, [])
+                    self._batch.add(m, a, b)
                 else:
-                    self._futures.append(self._pool.submit(m.run, a, b, self.checked))
+                    self._run(m.run, a, b, self.checked)
+
+    def _flush(self) -> None:
+        if self._batch is not None:
+            batch, self._batch = self._batch, None
+            self._run(batch.run, self.checked)
+
+    def _run(self, fn, *args) -> None:
+        if self._pool is None:
+            fn(*args)
+        else:
+            self._futures.append(self._pool.submit(fn, *args))
 
     def __enter__(self) -> "Mover":
         return self
 
     def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self._flush()
         if self._pool is None:
             return
         try:
