@@ -173,10 +173,13 @@ INDEX_CASES = {
     "crc none": (lambda d: first_shard(d).pop("crc32c"), r"'crc32c' is None; expected a list"),
     "shape text": (lambda d: norm(d).update(shape="abc"), r"tensor 'model.norm.weight': 'shape' is 'abc'"),
     "shape float": (lambda d: norm(d).update(shape=[64.0]), r"'shape\[0\]' is 64.0"),
-    "shape huge": (lambda d: norm(d).update(shape=[10 ** 12]), "has 64 elements in its shards but shape"),
+    "shape huge": (lambda d: norm(d).update(shape=[10 ** 12]), r"'model.norm.weight' is \(1000000000000,\) in the "
+                                                             r"checkpoint but \(64,\) in the model loading it"),
+    "shards missing": (lambda d: norm(d)["shards"][0].update(sizes=[32], crc32c=[0]),
+                       "has 32 elements in its shards but shape"),
     "shape and shard huge": (lambda d: (norm(d).update(shape=[10 ** 12]), norm(d)["shards"][0].update(
-        sizes=[10 ** 12], block=4 * 10 ** 12, crc32c=[0])), r"model.norm.weight' is float32 \(64,\) in the file but "
-                                                           r"float32 \(1000000000000,\) in the index"),
+        sizes=[10 ** 12], block=4 * 10 ** 12, crc32c=[0])), r"'model.norm.weight' is \(1000000000000,\) in the "
+                                                           r"checkpoint but \(64,\) in the model loading it"),
     "offset negative": (lambda d: first_shard(d).update(offsets=[-1, 0]), r"'offsets\[0\]' is -1"),
     "offset past end": (lambda d: first_shard(d).update(offsets=[10 ** 6, 0]), "outside the tensor's"),
     "flat reversed": (lambda d: first_shard(d).update(flat=[5, 2]), "'flat' is"),

@@ -96,7 +96,7 @@ def merge_fragments(frags: list[dict], step: int, world_size: int) -> Index:
             tensors[s["name"]].shards.append(ShardEntry(frag["file"], s["key"], Region.from_json(s), s["block"],
                                                         tuple(s["sums"]), s["checksum"]))
     for entry in tensors.values():
-        check_coverage(entry, f"step {step}")
+        check_coverage(entry.name, entry.shape, entry.shards, f"step {step}")
     first = frags[0]
     return Index(step=step, world_size=world_size, config=first["config"], state=first["state"],
                  rank_states={f["rank"]: f["rank_state"] for f in frags if f.get("rank_state")},

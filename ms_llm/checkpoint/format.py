@@ -20,7 +20,7 @@ import base64
 import binascii
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -107,7 +107,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     dtype: str
     layout: str = ""                # how it was split when saved (TensorLayout.describe), informative
-    shards: list[ShardEntry] = field(default_factory=list)
+    shards: Sequence[ShardEntry] = field(default_factory=list)     # ParsedShards when read from an index
 
     @property
     def numel(self) -> int:
@@ -134,11 +134,55 @@ class TensorEntry:
         layout, shards = data.get("layout", ""), data.get("shards")
         if not isinstance(layout, str) or not isinstance(shards, list):
             raise CheckpointError(f"{where}: 'layout' must be a string and 'shards' a list")
-        itemsize = storage_dtype(dtype).itemsize
-        entry = cls(name, shape, dtype, layout,
-                    [ShardEntry.from_json(s, f"{where} shard {i}", shape, itemsize) for i, s in enumerate(shards)])
-        check_coverage(entry, where)
-        return entry
+        return cls(name, shape, dtype, layout, ParsedShards(shards, where, name, shape, storage_dtype(dtype).itemsize))
+
+    def exact_shard(self, region: Region) -> Optional[int]:
+        """The index of the shard saved with exactly `region` (what a same-strategy load wants), or None."""
+        if isinstance(self.shards, ParsedShards):
+            return self.shards.find(region)
+        return next((k for k, s in enumerate(self.shards) if s.region == region), None)
+
+
+class ParsedShards(Sequence):
+    """A saved tensor's shards, each parsed and checked (ShardEntry.from_json) when first used:
+    a load that wants a region saved as such parses that one shard, where a tensor of a
+    thousand-rank job has a thousand. Going through all of them also checks that together they
+    hold every element of the tensor (check_coverage)."""
+
+    def __init__(self, raw: list, where: str, name: str, shape: tuple[int, ...], itemsize: int):
+        self._raw, self._where, self._name, self._shape, self._itemsize = raw, where, name, shape, itemsize
+        self._parsed: list[Optional[ShardEntry]] = [None] * len(raw)
+        self._covered = False
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        i = range(len(self))[i]
+        shard = self._parsed[i]
+        if shard is None:
+            shard = self._parsed[i] = ShardEntry.from_json(self._raw[i], f"{self._where} shard {i}", self._shape,
+                                                           self._itemsize)
+        return shard
+
+    def __iter__(self) -> Iterator[ShardEntry]:
+        shards = [self[i] for i in range(len(self))]
+        if not self._covered:
+            check_coverage(self._name, self._shape, shards, self._where)
+            self._covered = True
+        return iter(shards)
+
+    def find(self, region: Region) -> Optional[int]:
+        """`TensorEntry.exact_shard`, comparing the raw JSON first (a bool there compares equal to
+        an int, so the match is parsed and checked before it is used)."""
+        offsets, sizes, flat = list(region.offsets), list(region.sizes), list(region.flat) if region.flat else None
+        for i, raw in enumerate(self._raw):
+            if (isinstance(raw, dict) and raw.get("offsets") == offsets and raw.get("sizes") == sizes
+                    and raw.get("flat") == flat and self[i].region == region):
+                return i
+        return None
 
 
 class Tensors(Mapping):
@@ -225,13 +269,13 @@ def _check_decodes(state: dict, where: str) -> None:
         raise CheckpointError(f"{where}: a stored byte string does not decode ({exc})") from None
 
 
-def check_coverage(entry: TensorEntry, where: str) -> None:
+def check_coverage(name: str, shape: tuple[int, ...], shards: Sequence[ShardEntry], where: str) -> None:
     """Every element of the tensor is in some shard exactly once (counts, not positions:
     overlapping shards would be a writer bug the reader also tolerates)."""
-    total = sum(s.region.numel for s in entry.shards)
-    if total != entry.numel:
-        raise CheckpointError(f"{where}: tensor {entry.name!r} has {total} elements in its shards but shape "
-                              f"{entry.shape} needs {entry.numel}; a rank's shards are missing")
+    total = sum(s.region.numel for s in shards)
+    if total != math.prod(shape):
+        raise CheckpointError(f"{where}: tensor {name!r} has {total} elements in its shards but shape "
+                              f"{shape} needs {math.prod(shape)}; a rank's shards are missing")
 
 
 def encode_state(value: Any) -> Any:

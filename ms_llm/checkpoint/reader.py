@@ -183,8 +183,12 @@ class Checkpoint:
                 o < 0 or o + s > n for o, s, n in zip(region.offsets, region.sizes, entry.shape)):
             raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {entry.shape}; the wanted box "
                                   f"{region.offsets}+{region.sizes} does not fit (a different model config?)")
+        if isinstance(want, Piece) and tuple(want.shape) != entry.shape:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is {entry.shape} in the checkpoint but "
+                                  f"{tuple(want.shape)} in the model loading it; was it saved from a different "
+                                  "model config?")
         dtype = storage_dtype(entry.dtype)
-        same = next((k for k, saved in enumerate(entry.shards) if saved.region == region), None)
+        same = entry.exact_shard(region) if isinstance(want, Piece) else None
         if same is not None:                        # saved as wanted (a same-layout load): one run
             shard = self._shard(entry, entry.shards[same])
             out = self._destination(name, region, dtype, out)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -256,9 +257,23 @@ def check_shard(shard: Shard, checked: Checked) -> None:
         read_checked(shard, buffer[:min(step, shard.nbytes - lo)], lo, checked)
 
 
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def reader_pool(workers: int) -> ThreadPoolExecutor:
+    """The process's reading threads, started once per worker count: a load then pays no thread
+    start-up. Keyed by process id too, since threads do not survive a fork."""
+    key = (os.getpid(), workers)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-read")
+        return pool
+
+
 class Mover:
-    """Runs moves' chunks on up to `workers` threads as they are submitted, so planning the
-    next tensor (Python, holding the GIL) overlaps reading and checking this one.
+    """Runs moves' chunks and batches on up to `workers` threads as they are submitted.
 
         with Mover(checked, workers) as mover:
             mover.submit(moves)             # returns at once; the `with` waits, re-raising the first error
@@ -266,7 +281,7 @@ class Mover:
 
     def __init__(self, checked: Checked, workers: int):
         self.checked = checked
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-read") if workers > 1 else None
+        self._pool = reader_pool(workers) if workers > 1 else None
         self._futures: list[Future] = []
         self._batch: Optional[Batch] = None
 
@@ -297,13 +312,12 @@ class Mover:
         return self
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self._flush()
-        if self._pool is None:
-            return
         try:
-            for f in self._futures:
-                if exc[0] is None:
+            if exc[0] is None:
+                self._flush()
+                for f in self._futures:
                     f.result()
-        finally:                            # after an error the queued chunks are dropped
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        finally:                            # after an error the queued work is dropped, the running waited for
+            for f in self._futures:
+                f.cancel()
+            wait(self._futures)
