@@ -16,8 +16,9 @@ from ms_llm.config.train import TrainConfig
 from ms_llm.errors import StrategyError
 from ms_llm.mindspore.apply import apply_lowering, auto_parallel, set_context
 from ms_llm.mindspore.dry_run import dry_run_text
-from ms_llm.mindspore.lower import LayoutStrategy, context_args, lower
+from ms_llm.mindspore.lower import context_args, lower
 from ms_llm.mindspore.model import LossCell, Transformer
+from ms_llm.mindspore.op_strategy import LayoutStrategy
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import plan
 

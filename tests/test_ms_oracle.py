@@ -35,7 +35,8 @@ import yaml
 import ms_oracle_moe
 from ms_llm.convert.common import ReadOptions
 from ms_llm.convert.mindformers import read
-from ms_llm.mindspore.lower import LayoutStrategy, OpShard, lower
+from ms_llm.mindspore.lower import lower
+from ms_llm.mindspore.op_strategy import LayoutStrategy, OpShard
 from ms_llm.strategy.plan import plan
 
 pytestmark = pytest.mark.mindspore

@@ -10,8 +10,9 @@ from pathlib import Path
 import mindspore as ms
 from mindspore import nn
 
-from ms_llm.mindspore.lower import LayoutStrategy, Lowering
+from ms_llm.mindspore.lower import Lowering
 from ms_llm.mindspore.model import LossCell
+from ms_llm.mindspore.op_strategy import LayoutStrategy
 
 
 def _resolve(root: LossCell, path: str):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-from ms_llm.mindspore.lower import Lowering, OpShard, cp_algorithm
+from ms_llm.mindspore.lower import Lowering, cp_algorithm
+from ms_llm.mindspore.op_strategy import OpShard
 from ms_llm.strategy.report import _ranges, strategy_summary
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")

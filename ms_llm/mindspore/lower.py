@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
 
 from ms_llm.errors import StrategyError
+from ms_llm.mindspore.lower_moe import moe_ops
+from ms_llm.mindspore.op_strategy import OpShard, flat_tokens, op_shard
 from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
 from ms_llm.strategy.cost import cp_algorithm as priced_cp_algorithm
 from ms_llm.strategy.devices import DEVICES
@@ -33,54 +34,6 @@ from ms_llm.strategy.plan import ModelPlan
 SCHEDULES = {"1f1b": (False, "1f1b"), "interleaved_1f1b": (True, "1f1b"), "gpipe": (True, "gpipe"),
              "zbv": (True, "zero_bubble_v")}
 MODES = {"semi_auto": "semi_auto_parallel", "auto": "auto_parallel"}
-
-
-@dataclass(frozen=True)
-class LayoutStrategy:
-    """A mindspore.parallel.Layout: device matrix with axis names, and the axes splitting each dim."""
-    dev_matrix: tuple[int, ...]
-    names: tuple[str, ...]
-    dims: tuple[tuple[str, ...], ...]          # () = dim not split
-
-    def aliases(self) -> tuple:
-        return tuple("None" if not d else d[0] if len(d) == 1 else d for d in self.dims)
-
-    def build(self):
-        from mindspore.parallel import Layout
-        return Layout(self.dev_matrix, self.names)(*self.aliases())
-
-    def __str__(self) -> str:
-        dev = ",".join(f"{n}{s}" for n, s in zip(self.names, self.dev_matrix))
-        return f"Layout({dev})(" + ", ".join("(" + ",".join(a) + ")" if isinstance(a, tuple) else a
-                                            for a in self.aliases()) + ")"
-
-
-Strategy = Union[tuple[int, ...], LayoutStrategy]
-
-
-def _split_axes(layout: TensorLayout) -> list[str]:
-    return [a for d in range(len(layout.shape)) for a in layout.axes_of(d) if layout.mesh.axis_size(a) > 1]
-
-
-def as_layout(layout: TensorLayout) -> LayoutStrategy:
-    names = tuple(a for a in layout.mesh.names if layout.mesh.axis_size(a) > 1) or (layout.mesh.names[-1],)
-    dims = tuple(tuple(a for a in layout.axes_of(d) if a in names and layout.mesh.axis_size(a) > 1)
-                 for d in range(len(layout.shape)))
-    return LayoutStrategy(tuple(layout.mesh.axis_size(a) for a in names), names, dims)
-
-
-def strategy_of(layout: TensorLayout) -> Strategy:
-    """Split counts when the splitting axes, read in dim order, are in mesh order; else a Layout."""
-    split = _split_axes(layout)
-    if split == [a for a in layout.mesh.names if a in split]:
-        return layout.ms_strategy()
-    return as_layout(layout)
-
-
-def _flat(layout: TensorLayout) -> TensorLayout:
-    """(..., last) -> (tokens, last): what a Linear's 2-D MatMul sees."""
-    n = len(layout.shape)
-    return layout.group_dims((tuple(range(n - 1)), (n - 1,)))
 
 
 def _select(layout: TensorLayout, dims: tuple[int, ...]) -> TensorLayout:
@@ -95,39 +48,6 @@ def _one_head(score: TensorLayout) -> TensorLayout:
     b, _, t, s = score.shape
     placements = tuple(Replicate() if p == Shard(1) else p for p in score.placements)
     return TensorLayout((b, 1, t, s), score.mesh, placements, score.order)
-
-
-@dataclass(frozen=True)
-class OpShard:
-    """One primitive's shard(): `op` is its attribute path in LossCell(Transformer) minus `net.`;
-    `attrs` are primitive attributes the parallel passes read (add_prim_attr), set with it."""
-    op: str
-    inputs: tuple[Strategy | tuple[()], ...]
-    output: Optional[tuple[Strategy, ...]] = None
-    attrs: tuple[tuple[str, object], ...] = ()
-
-    def __str__(self) -> str:
-        def fmt(s):
-            return str(s) if isinstance(s, LayoutStrategy) else str(tuple(s))
-        def group(items):                      # the Python tuple shard() receives
-            return "(" + ", ".join(fmt(s) for s in items) + ("," if len(items) == 1 else "") + ")"
-        text = f"{self.op}: in {group(self.inputs)}"
-        if self.output is not None:
-            text += f" out {group(self.output)}"
-        if self.attrs:
-            text += " attrs " + ", ".join(f"{k}={v}" for k, v in self.attrs)
-        return text
-
-
-def _op(op: str, inputs: list[TensorLayout | None], output: Optional[TensorLayout] = None,
-        attrs: tuple[tuple[str, object], ...] = ()) -> OpShard:
-    """Strategies for one op; None is a scalar operand. MindSpore takes all-tuples or all-Layouts
-    per op, so one operand that needs a Layout makes every operand a Layout."""
-    layouts = [l for l in inputs + [output] if l is not None]
-    lift = any(isinstance(strategy_of(l), LayoutStrategy) for l in layouts)
-    conv = as_layout if lift else strategy_of
-    ins = tuple(() if l is None else conv(l) for l in inputs)
-    return OpShard(op, ins, None if output is None else (conv(output),), attrs)
 
 
 @dataclass(frozen=True)
@@ -173,8 +93,8 @@ def context_args(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = 
 
 
 def _norm_ops(prefix: str, x: TensorLayout, weight: TensorLayout) -> list[OpShard]:
-    return [_op(prefix + "square", [x]), _op(prefix + "mean", [x]), _op(prefix + "add", [x, None]),
-            _op(prefix + "rsqrt", [x]), _op(prefix + "mul", [x, x]), _op(prefix + "mul2", [x, weight])]
+    return [op_shard(prefix + "square", [x]), op_shard(prefix + "mean", [x]), op_shard(prefix + "add", [x, None]),
+            op_shard(prefix + "rsqrt", [x]), op_shard(prefix + "mul", [x, x]), op_shard(prefix + "mul2", [x, weight])]
 
 
 # Context-parallel algorithms this lowering emits, as MindFormers 2.1's LLaMA does for
@@ -258,59 +178,58 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
     tables = _select(qt, (2, 3))                                             # rotary cos/sin (T, hd)
     ops = _norm_ops(p + "input_layernorm.", hidden, w[p + "input_layernorm.weight"])
     for proj, out in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
-        ops.append(_op(f"{p}self_attn.{proj}.matmul", [_flat(a["attn_input"]), w[f"{p}self_attn.{proj}.weight"]]))
+        ops.append(op_shard(f"{p}self_attn.{proj}.matmul", [flat_tokens(a["attn_input"]), w[f"{p}self_attn.{proj}.weight"]]))
         if plan.model.qkv_bias:      # (tokens, heads * hd) + bias, both split over the heads like the weight rows
-            ops.append(_op(f"{p}self_attn.{proj}.bias_add", [a[out].group_dims(((0, 1), (2, 3))),
+            ops.append(op_shard(f"{p}self_attn.{proj}.bias_add", [a[out].group_dims(((0, 1), (2, 3))),
                                                              w[f"{p}self_attn.{proj}.bias"]]))
     if plan.model.qk_norm:           # over each head's features of (B, T, heads, hd); the weight is replicated
         for norm, out in (("q_norm", "q"), ("k_norm", "k")):
             ops += _norm_ops(f"{p}self_attn.{norm}.", a[out], w[f"{p}self_attn.{norm}.weight"])
     r = p + "self_attn.rotary."
-    ops += [_op(p + "self_attn.transpose", [a["q"]]),
-            _op(r + "split", [qt]), _op(r + "neg", [qt]), _op(r + "concat", [qt, qt]),
-            _op(r + "mul_cos", [qt, tables]), _op(r + "mul_sin", [qt, tables]), _op(r + "add", [qt, qt]),
-            _op(p + "self_attn.tile_kv", [kv_tiled]),
-            _op(p + "self_attn.batch_matmul_q_k", [q_core, k_all]),
-            _op(p + "self_attn.mul", [score, None]),
-            _op(p + "self_attn.add", [_select(score, (2, 3)), score]),
-            _op(p + "self_attn.softmax", [score]),
-            _op(p + "self_attn.batch_matmul", [score, v_all]),
-            _op(p + "self_attn.merge_heads", [qt]),
-            _op(p + "self_attn.o_proj.matmul", [_flat(a["attn_output"]), w[p + "self_attn.o_proj.weight"]],
-                _flat(hidden)),
-            _op(p + "add", [hidden, hidden])]
+    ops += [op_shard(p + "self_attn.transpose", [a["q"]]),
+            op_shard(r + "split", [qt]), op_shard(r + "neg", [qt]), op_shard(r + "concat", [qt, qt]),
+            op_shard(r + "mul_cos", [qt, tables]), op_shard(r + "mul_sin", [qt, tables]), op_shard(r + "add", [qt, qt]),
+            op_shard(p + "self_attn.tile_kv", [kv_tiled]),
+            op_shard(p + "self_attn.batch_matmul_q_k", [q_core, k_all]),
+            op_shard(p + "self_attn.mul", [score, None]),
+            op_shard(p + "self_attn.add", [_select(score, (2, 3)), score]),
+            op_shard(p + "self_attn.softmax", [score]),
+            op_shard(p + "self_attn.batch_matmul", [score, v_all]),
+            op_shard(p + "self_attn.merge_heads", [qt]),
+            op_shard(p + "self_attn.o_proj.matmul", [flat_tokens(a["attn_output"]), w[p + "self_attn.o_proj.weight"]],
+                flat_tokens(hidden)),
+            op_shard(p + "add", [hidden, hidden])]
     if plan.model.flash_attention and ring_attention(plan):
         # Ring attention: k/v keep their cp split of the sequence like q (the pass moves the blocks),
         # and there is no mask input. MindFormers: (dp, cp, mp) for q, k and v.
-        ops.append(_op(p + "self_attn.flash_attention", [q_core, k_core, v_core], attrs=RING_ATTRS))
+        ops.append(op_shard(p + "self_attn.flash_attention", [q_core, k_core, v_core], attrs=RING_ATTRS))
     elif plan.model.flash_attention:
         # FlashAttentionScore (BNSD): q, k, v as the BatchMatMul path reads them (keys whole along the
         # sequence), k/v with their own kv heads (the kernel serves GQA), the mask split like score rows.
-        ops.append(_op(p + "self_attn.flash_attention", [q_core, k_all, v_all, _one_head(score)]))
+        ops.append(op_shard(p + "self_attn.flash_attention", [q_core, k_all, v_all, _one_head(score)]))
     ops += _norm_ops(p + "post_attention_layernorm.", hidden, w[p + "post_attention_layernorm.weight"])
     if plan.model.is_moe_layer(i):
-        from ms_llm.mindspore.lower_moe import moe_ops     # it builds on this module's _op and _flat
         return ops + moe_ops(plan, i)
     mh = a["mlp_hidden"]
-    ops += [_op(f"{p}mlp.{proj}.matmul", [_flat(a["mlp_input"]), w[f"{p}mlp.{proj}.weight"]])
+    ops += [op_shard(f"{p}mlp.{proj}.matmul", [flat_tokens(a["mlp_input"]), w[f"{p}mlp.{proj}.weight"]])
             for proj in ("gate_proj", "up_proj")]
-    ops += [_op(p + "mlp.sigmoid", [mh]), _op(p + "mlp.silu_mul", [mh, mh]), _op(p + "mlp.mul", [mh, mh]),
-            _op(p + "mlp.down_proj.matmul", [_flat(mh), w[p + "mlp.down_proj.weight"]], _flat(hidden))]
+    ops += [op_shard(p + "mlp.sigmoid", [mh]), op_shard(p + "mlp.silu_mul", [mh, mh]), op_shard(p + "mlp.mul", [mh, mh]),
+            op_shard(p + "mlp.down_proj.matmul", [flat_tokens(mh), w[p + "mlp.down_proj.weight"]], flat_tokens(hidden))]
     return ops
 
 
 def _head_ops(plan: ModelPlan) -> list[OpShard]:
     a, params = plan.activations, plan.params
     head = params["model.embed_tokens.weight" if plan.model.tie_embeddings else "lm_head.weight"].layout
-    logits = _flat(a["logits"])                      # (tokens, vocab)
+    logits = flat_tokens(a["logits"])                      # (tokens, vocab)
     rows = logits.replicate_dim(1)                   # per-token reductions
     labels = _select(logits, (0,))
     ops = _norm_ops("model.norm.", a["hidden"], params["model.norm.weight"].layout)
-    ops.append(_op("lm_head.matmul", [_flat(a["head_input"]), head]))
-    ops += [_op("loss.max", [logits]), _op("loss.sub", [logits, rows]), _op("loss.exp", [logits]),
-            _op("loss.sum", [logits]), _op("loss.log", [rows]), _op("loss.sub2", [logits, rows]),
-            _op("loss.onehot", [logits, None, None]), _op("loss.mul", [logits, logits]),
-            _op("loss.neg", [logits]), _op("loss.sum2", [logits]), _op("loss.mean", [labels])]
+    ops.append(op_shard("lm_head.matmul", [flat_tokens(a["head_input"]), head]))
+    ops += [op_shard("loss.max", [logits]), op_shard("loss.sub", [logits, rows]), op_shard("loss.exp", [logits]),
+            op_shard("loss.sum", [logits]), op_shard("loss.log", [rows]), op_shard("loss.sub2", [logits, rows]),
+            op_shard("loss.onehot", [logits, None, None]), op_shard("loss.mul", [logits, logits]),
+            op_shard("loss.neg", [logits]), op_shard("loss.sum2", [logits]), op_shard("loss.mean", [labels])]
     return ops
 
 
@@ -329,10 +248,10 @@ def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strate
     if plan.strategy.cp > 1 and cp_refusals(plan):
         raise StrategyError(cp_refusals(plan))
     embed = plan.params["model.embed_tokens.weight"].layout
-    ops = [_op("model.embed_tokens.gather", [embed, plan.activations["tokens"]])]
+    ops = [op_shard("model.embed_tokens.gather", [embed, plan.activations["tokens"]])]
     if plan.model.flash_attention:      # the (1, 1, T, T) causal mask tiled to the batch, whole on every rank
         t = plan.train.seq_len
-        ops.append(_op("mask_tile", [TensorLayout.replicated((1, 1, t, t), plan.stage_mesh)]))
+        ops.append(op_shard("mask_tile", [TensorLayout.replicated((1, 1, t, t), plan.stage_mesh)]))
     for i in range(plan.model.num_layers):
         ops += _layer_ops(plan, i)
     ops += _head_ops(plan)

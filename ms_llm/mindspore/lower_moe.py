@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from ms_llm.mindspore.op_strategy import flat_tokens, op_shard
 from ms_llm.strategy.layout import TensorLayout
 from ms_llm.strategy.plan import ModelPlan
 
@@ -27,12 +28,11 @@ def _tokens(flat: TensorLayout, *trailing: int) -> TensorLayout:
 
 def moe_ops(plan: ModelPlan, layer: int) -> list:
     """Every primitive of layer `layer`'s MoE feed-forward, with its strategy."""
-    from ms_llm.mindspore.lower import _flat, _op      # lower.py calls this module per MoE layer
 
     m, a, params = plan.model, plan.activations, plan.params
     p = f"model.layers.{layer}.mlp."
     e, k, h, f = m.moe.num_experts, m.moe.top_k, m.hidden_size, m.expert_ffn_size
-    flat = _flat(a["mlp_input"])                                   # (N, H): tokens over dp*cp
+    flat = flat_tokens(a["mlp_input"])                                   # (N, H): tokens over dp*cp
     n = flat.shape[0]
     tok = partial(_tokens, flat)
     whole = TensorLayout.replicated((e,), plan.stage_mesh)         # per-expert load statistics
@@ -41,35 +41,35 @@ def moe_ops(plan: ModelPlan, layer: int) -> list:
     h_e = TensorLayout.build((e, n, f), em, ep=0, edp=1, tp=2)     # expert SwiGLU hidden
     w = {proj: params[f"{p}experts.{proj}.weight"].layout for proj in ("gate_proj", "up_proj", "down_proj")}
 
-    ops = [_op(p + "gate.matmul", [flat, params[p + "gate.weight"].layout]),
-           _op(p + "softmax", [tok(e)]), _op(p + "topk", [tok(e)]),
-           _op(p + "sum_top", [tok(k)]), _op(p + "div", [tok(k), tok(1)]),
-           _op(p + "one_hot", [tok(k, e), None, None]),
+    ops = [op_shard(p + "gate.matmul", [flat, params[p + "gate.weight"].layout]),
+           op_shard(p + "softmax", [tok(e)]), op_shard(p + "topk", [tok(e)]),
+           op_shard(p + "sum_top", [tok(k)]), op_shard(p + "div", [tok(k), tok(1)]),
+           op_shard(p + "one_hot", [tok(k, e), None, None]),
            # capacity: queue positions run over the whole batch in token order
-           _op(p + "cumsum", [TensorLayout.replicated((n * k, e), plan.stage_mesh)]),
-           _op(p + "less_equal", [tok(k, e), None]), _op(p + "mul_kept", [tok(k, e), tok(k, e)]),
-           _op(p + "mul_weights", [tok(k, e), tok(k, 1)]), _op(p + "sum_copies", [tok(k, e)]),
-           _op(p + "transpose", [tok(e)]),
-           _op(p + "tile", [x_e]),                                  # the tiled dim splits its multiples
-           _op(p + "experts.bmm_gate", [x_e, w["gate_proj"]]), _op(p + "experts.bmm_up", [x_e, w["up_proj"]]),
-           _op(p + "experts.sigmoid", [h_e]), _op(p + "experts.silu_mul", [h_e, h_e]),
-           _op(p + "experts.mul", [h_e, h_e]),
-           _op(p + "experts.bmm_down", [h_e, w["down_proj"]]),
-           _op(p + "mul_combine", [x_e, TensorLayout.build((e, n, 1), em, ep=0, edp=1)]),
-           _op(p + "sum_experts", [x_e])]
+           op_shard(p + "cumsum", [TensorLayout.replicated((n * k, e), plan.stage_mesh)]),
+           op_shard(p + "less_equal", [tok(k, e), None]), op_shard(p + "mul_kept", [tok(k, e), tok(k, e)]),
+           op_shard(p + "mul_weights", [tok(k, e), tok(k, 1)]), op_shard(p + "sum_copies", [tok(k, e)]),
+           op_shard(p + "transpose", [tok(e)]),
+           op_shard(p + "tile", [x_e]),                                  # the tiled dim splits its multiples
+           op_shard(p + "experts.bmm_gate", [x_e, w["gate_proj"]]), op_shard(p + "experts.bmm_up", [x_e, w["up_proj"]]),
+           op_shard(p + "experts.sigmoid", [h_e]), op_shard(p + "experts.silu_mul", [h_e, h_e]),
+           op_shard(p + "experts.mul", [h_e, h_e]),
+           op_shard(p + "experts.bmm_down", [h_e, w["down_proj"]]),
+           op_shard(p + "mul_combine", [x_e, TensorLayout.build((e, n, 1), em, ep=0, edp=1)]),
+           op_shard(p + "sum_experts", [x_e])]
     r = p + "router_losses."
-    ops += [_op(r + "sum_copies", [tok(k, e)]), _op(r + "mean_tokens", [tok(e)]),
-            _op(r + "mul", [whole, whole]), _op(r + "sum_experts", [whole]),
-            _op(r + "max", [tok(e)]), _op(r + "sub", [tok(e), tok(1)]), _op(r + "exp", [tok(e)]),
-            _op(r + "sum", [tok(e)]), _op(r + "log", [tok()]), _op(r + "add", [tok(), tok()]),
-            _op(r + "square", [tok()]), _op(r + "mean", [tok()])]
+    ops += [op_shard(r + "sum_copies", [tok(k, e)]), op_shard(r + "mean_tokens", [tok(e)]),
+            op_shard(r + "mul", [whole, whole]), op_shard(r + "sum_experts", [whole]),
+            op_shard(r + "max", [tok(e)]), op_shard(r + "sub", [tok(e), tok(1)]), op_shard(r + "exp", [tok(e)]),
+            op_shard(r + "sum", [tok(e)]), op_shard(r + "log", [tok()]), op_shard(r + "add", [tok(), tok()]),
+            op_shard(r + "square", [tok()]), op_shard(r + "mean", [tok()])]
     if m.moe.shared_experts:      # a dense SwiGLU of its own width, laid out as the dense MLP
         s, mh = p + "shared_experts.", a["mlp_hidden"]
         hidden = TensorLayout(mh.shape[:-1] + (m.moe.shared_experts * f,), mh.mesh, mh.placements, mh.order)
-        ops += [_op(f"{s}{proj}.matmul", [flat, params[f"{s}{proj}.weight"].layout])
+        ops += [op_shard(f"{s}{proj}.matmul", [flat, params[f"{s}{proj}.weight"].layout])
                 for proj in ("gate_proj", "up_proj")]
-        ops += [_op(s + "sigmoid", [hidden]), _op(s + "silu_mul", [hidden, hidden]), _op(s + "mul", [hidden, hidden]),
-                _op(s + "down_proj.matmul", [_flat(hidden), params[s + "down_proj.weight"].layout],
-                    _flat(a["hidden"])),
-                _op(p + "add", [a["hidden"], a["hidden"]])]
+        ops += [op_shard(s + "sigmoid", [hidden]), op_shard(s + "silu_mul", [hidden, hidden]), op_shard(s + "mul", [hidden, hidden]),
+                op_shard(s + "down_proj.matmul", [flat_tokens(hidden), params[s + "down_proj.weight"].layout],
+                    flat_tokens(a["hidden"])),
+                op_shard(p + "add", [a["hidden"], a["hidden"]])]
     return ops

@@ -17,6 +17,8 @@ from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.init import init_param
+from ms_llm.mindspore.layers import MLP, Linear
+from ms_llm.mindspore.moe import MoE
 from ms_llm.rope import inv_frequencies
 
 MASK_VALUE = -1e4     # additive causal mask (MindFormers' value): exp() is exactly 0 in fp32, and fp16 holds it
@@ -27,28 +29,6 @@ def uses_flash_attention(cfg: ModelConfig) -> bool:
     """Flash attention when the config asks for it and the device target has the kernel; elsewhere
     (CPU) the BatchMatMul path computes the same attention, so a config runs on both."""
     return cfg.flash_attention and ms.get_context("device_target") in FLASH_TARGETS
-
-
-class Linear(nn.Cell):
-    """y = x W^T (+ b) with W [out, in]; x is flattened to (tokens, in) for one 2-D MatMul."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(Tensor(np.zeros((out_features, in_features), np.float32)), name="weight")
-        self.matmul = ops.MatMul(transpose_b=True)
-        self.reshape = ops.Reshape()
-        self.has_bias = bias
-        if bias:
-            self.bias = Parameter(Tensor(np.zeros((out_features,), np.float32)), name="bias")
-            self.bias_add = ops.Add()
-
-    def construct(self, x):
-        lead = x.shape[:-1]
-        y = self.matmul(self.reshape(x, (-1, self.in_features)), self.weight)
-        if self.has_bias:
-            y = self.bias_add(y, self.bias)                  # (tokens, out) + (out,)
-        return self.reshape(y, lead + (self.out_features,))
 
 
 class Embedding(nn.Cell):
@@ -180,27 +160,9 @@ class Attention(nn.Cell):
         return self.o_proj(y)
 
 
-class MLP(nn.Cell):
-    def __init__(self, cfg: ModelConfig, width: int | None = None):
-        super().__init__()
-        width = width or cfg.ffn_hidden_size          # MoE shared experts: their own width
-        self.gate_proj = Linear(cfg.hidden_size, width)
-        self.up_proj = Linear(cfg.hidden_size, width)
-        self.down_proj = Linear(width, cfg.hidden_size)
-        self.sigmoid = ops.Sigmoid()        # silu = x * sigmoid(x): mint silu is not on every target
-        self.silu_mul = ops.Mul()
-        self.mul = ops.Mul()
-
-    def construct(self, x):
-        gate = self.gate_proj(x)
-        return self.down_proj(self.mul(self.silu_mul(gate, self.sigmoid(gate)), self.up_proj(x)))
-
-
 class DecoderLayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        from ms_llm.mindspore.moe import MoE       # moe.py builds on this module's Linear and MLP
-
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)

@@ -23,7 +23,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from ms_llm.config.model import ModelConfig
-from ms_llm.mindspore.model import MLP, Linear
+from ms_llm.mindspore.layers import MLP, Linear
 
 
 class StackedLinear(nn.Cell):

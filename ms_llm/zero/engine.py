@@ -323,7 +323,7 @@ class ZeroEngine:
                 if pbuf is None:
                     pbuf = ops.empty(b.numel, self._dtype(b))     # the owned segment comes next, whole
                 pbuf = ops.write(pbuf, self._own_start(b), p)
-                gathers.append((b, pbuf, self._gather(b, pbuf)))
+                gathers.append((b, pbuf, self.gather_bucket(b, pbuf)))
             self._drop_grads(b)
         for b, pbuf, handle in gathers:
             handle.wait()
@@ -346,7 +346,7 @@ class ZeroEngine:
             ops.free(st.grad_shard)
             st.grad_shard = None
 
-    def _gather(self, b: Bucket, pbuf: Tensor) -> Handle:
+    def gather_bucket(self, b: Bucket, pbuf: Tensor) -> Handle:
         if not b.sharded or self.groups["shard"] is None:
             return _Done()
         return self.comm.all_gather_into(pbuf, self.groups["shard"], async_op=True)

@@ -9,17 +9,28 @@ A unit of only replicated parameters (none sharded) is never freed.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from ms_llm.zero.partition import Unit
-from ms_llm.zero.protocol import Handle, Tensor
+from ms_llm.zero.partition import Bucket, Unit
+from ms_llm.zero.plan import ZeroPlan
+from ms_llm.zero.protocol import Handle, Tensor, TensorOps
 
-if TYPE_CHECKING:
-    from ms_llm.zero.engine import ZeroEngine
+
+class GatherHost(Protocol):
+    """What UnitGather uses of its engine (ms_llm.zero.engine.ZeroEngine, which owns it)."""
+    zplan: ZeroPlan
+    rank: int
+    index: int                      # this rank's shard in its buckets
+    ops: TensorOps
+    state: dict[int, Any]           # per bucket: its param_shard
+    params: dict[str, Tensor]
+    in_backward: bool
+
+    def gather_bucket(self, b: Bucket, pbuf: Tensor) -> Handle: ...
 
 
 class UnitGather:
-    def __init__(self, engine: "ZeroEngine"):
+    def __init__(self, engine: GatherHost):
         self.engine = engine
         self.units = [u for u in engine.zplan.units_of(engine.rank)
                       if any(engine.zplan.buckets[b].sharded for b in u.buckets)]
@@ -44,7 +55,7 @@ class UnitGather:
                 continue
             pbuf = ops.empty(b.numel, e.zplan.buffers[b.buffer].dtype)     # filled whole: shard + gather
             pbuf = ops.write(pbuf, e.index * b.segment, e.state[index].param_shard)
-            issued.append((index, pbuf, e._gather(b, pbuf)))
+            issued.append((index, pbuf, e.gather_bucket(b, pbuf)))
         self.inflight[u.name] = issued
         self.status[u.name] = "gathering"
         self.gathers += 1
