@@ -164,6 +164,19 @@ def test_same_layout_load_batches_back_to_back_runs(tp4, tmp_path, monkeypatch):
         c.read_pieces(pieces)
 
 
+def test_a_load_parses_only_the_shards_it_reads(tp4):
+    """A same-strategy load parses one index entry per tensor, a reshard the entries of the
+    shards it reads from: at N ranks a tensor has N."""
+    ref, folder = tp4
+    for strategy, world, rank, most in (({"tp": 4}, 4, 3, 1), ({"tp": 2}, 2, 1, 2)):
+        pieces = rank_pieces(plan_for(strategy, world), rank)
+        with Checkpoint(folder) as c:
+            got = c.read_pieces(pieces)
+            parsed = {n: sum(s is not None for s in c.index.tensors[n].shards._parsed) for n in pieces}
+        assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items())
+        assert max(parsed.values()) == most and len(c.index.tensors[W].shards) == 4, parsed
+
+
 def _tier(tmp_path):
     """A memory-tier root (the keeper's lock file marks one) holding one committed checkpoint."""
     ref = reference()

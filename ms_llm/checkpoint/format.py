@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ms_llm.checkpoint.boxes import Region
+from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
 from ms_llm.checkpoint.untrusted import MAX_COUNT, integer, integers
@@ -142,10 +142,19 @@ class TensorEntry:
             return self.shards.find(region)
         return next((k for k, s in enumerate(self.shards) if s.region == region), None)
 
+    def shards_near(self, region: Region) -> list[int]:
+        """Indices of the shards whose box meets `region`'s box."""
+        if isinstance(self.shards, ParsedShards):
+            candidates = self.shards.maybe_near(region)
+        else:
+            candidates = range(len(self.shards))
+        return [k for k in candidates if intersect(region.offsets, region.sizes, self.shards[k].region.offsets,
+                                                   self.shards[k].region.sizes)]
+
 
 class ParsedShards(Sequence):
     """A saved tensor's shards, each parsed and checked (ShardEntry.from_json) when first used:
-    a load that wants a region saved as such parses that one shard, where a tensor of a
+    a load parses the shards it reads from (`find`, `maybe_near`), where a tensor of a
     thousand-rank job has a thousand. Going through all of them also checks that together they
     hold every element of the tensor (check_coverage)."""
 
@@ -173,6 +182,22 @@ class ParsedShards(Sequence):
             check_coverage(self._name, self._shape, shards, self._where)
             self._covered = True
         return iter(shards)
+
+    def maybe_near(self, region: Region) -> list[int]:
+        """Indices of the shards that may meet `region`'s box: all but those whose raw box is well
+        formed, inside the tensor and away from it (a shard this read does not touch is not
+        parsed; the read itself checks that the shards it touches cover what it wants)."""
+        lo, hi, n = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes)), len(region.offsets)
+        out = []
+        for i, raw in enumerate(self._raw):
+            offsets, sizes = (raw.get("offsets"), raw.get("sizes")) if isinstance(raw, dict) else (None, None)
+            if (isinstance(offsets, list) and isinstance(sizes, list) and len(offsets) == len(sizes) == n
+                    and all(type(v) is int and v >= 0 for v in offsets + sizes)
+                    and all(o + s <= d for o, s, d in zip(offsets, sizes, self._shape))
+                    and any(o >= h or o + s <= l for o, s, l, h in zip(offsets, sizes, lo, hi))):
+                continue
+            out.append(i)
+        return out
 
     def find(self, region: Region) -> Optional[int]:
         """`TensorEntry.exact_shard`, comparing the raw JSON first (a bool there compares equal to

@@ -3,9 +3,10 @@
     ckpt = Checkpoint.open(root)                      # a root (follows `latest`) or a step folder
     arrays = ckpt.read_pieces(param_pieces(plan, rank))
 
-For each wanted region the reader intersects its sub-boxes with every saved shard's
-sub-boxes (boxes.py) and reads the overlaps straight into the destination (transfer.py), so
-only the touched byte ranges are read. Every checksum block a read touches is verified (once
+A wanted region saved exactly as such (a same-strategy load) is one run of its shard. Any
+other is intersected, sub-box by sub-box (boxes.py), with the saved shards whose box meets it,
+and the overlaps are read straight into the destination (transfer.py), so only the touched
+byte ranges are read, and only the index entries of the shards read from are parsed. Every checksum block a read touches is verified (once
 per Checkpoint), so a flipped bit or a truncated file raises CheckpointError naming the file
 and the tensor; `load_with_fallback` then tries the previous checkpoint. Files the memory
 tier's keeper verified and sealed (seal.py) are read without a second checksum pass.
@@ -195,8 +196,7 @@ class Checkpoint:
             return out, [RunMove(shard, 0, out.reshape(-1).view(np.uint8), 0, shard.nbytes)]
         size = dtype.itemsize
         # Saved shards whose bounding box misses the wanted one are skipped before their sub-boxes.
-        near = [(k, saved) for k, saved in enumerate(entry.shards)
-                if intersect(region.offsets, region.sizes, saved.region.offsets, saved.region.sizes)]
+        near = [(k, entry.shards[k]) for k in entry.shards_near(region)]
         overlaps = [(wp, k, sp, box) for wp in region.pieces() for k, saved in near for sp in saved.region.pieces()
                     if (box := intersect(wp.offsets, wp.sizes, sp.offsets, sp.sizes)) is not None]
         # The files to read hold what the index says, before anything is allocated.

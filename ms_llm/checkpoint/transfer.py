@@ -13,7 +13,7 @@ one file (a same-layout load reads a rank's file front to back, one small tensor
 another) are gathered into a `Batch`: one preadv into all their destinations, then each
 block is checked while the batch is still in the CPU cache. The chunks and batches run on a
 small thread pool (Mover): preadv, the checksums (checksum.py) and numpy copies release the
-GIL, so the cores read and check in parallel while the caller plans the next tensor.
+GIL, so the cores read and check in parallel.
 """
 from __future__ import annotations
 
