@@ -379,7 +379,7 @@ def test_mindspore_shrinks_dp2_to_dp1_on_a_failure(reference):
     (run / "elastic").mkdir(parents=True)
     (run / "elastic" / "capacity.node0").write_text("1")
     proc = _start(_cmd(_ms_job(tmp, tokens), run, 2, "--elastic", "--max-restarts", "1", "--steps", "12"))
-    Chaos(run, proc).strike(1, 10)
+    hit = Chaos(run, proc).strike(1, 10)
     out = _finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert [(w["reason"], w["world"], w["micro_batches"]) for w in _events(run, "world")] == [("shrink", 1, 4)]
@@ -387,7 +387,9 @@ def test_mindspore_shrinks_dp2_to_dp1_on_a_failure(reference):
     assert sorted(losses) == list(range(1, 13))
     resumed = [r["resumed_step"] for r in read_metrics(run / "metrics.jsonl") if "resumed_step" in r]
     repeated = sorted(k for k, v in losses.items() if len(v) > 1)
-    assert resumed == [8] and repeated[:2] == [9, 10], (resumed, repeated)
+    # Rank 1 finished step k only after rank 0 had logged step k - 1 (rank 0 may not have logged k itself).
+    assert resumed == [8] and repeated == list(range(9, repeated[-1] + 1)) and repeated[-1] >= hit["step"] - 1, (
+        resumed, repeated)
     for k in repeated:
         assert losses[k][1] == pytest.approx(losses[k][0], abs=1e-5), k
     _no_workers_left(run)
