@@ -15,6 +15,7 @@ from torch import nn
 from ms_llm.config.model import ModelConfig
 from ms_llm.init import init_param
 from ms_llm.rope import inv_frequencies
+from torch_backend.layers import MLP
 from torch_backend.moe import MoE
 
 
@@ -87,17 +88,6 @@ class Attention(nn.Module):
         y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, -1)                             # (B, T, nh*hs)
         return self.o_proj(y)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ms_llm.config.model import ModelConfig
+from torch_backend.layers import MLP
 
 
 class StackedLinear(nn.Module):
@@ -35,19 +36,6 @@ class StackedLinear(nn.Module):
     def __init__(self, experts: int, out_features: int, in_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
-
-
-class SwiGLU(nn.Module):
-    """gate/up/down projections; the same math as torch_backend.model.MLP at a given width."""
-
-    def __init__(self, hidden: int, width: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.up_proj = nn.Linear(hidden, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
@@ -160,7 +148,7 @@ class MoE(nn.Module):
         self.capacity_factor, self.aux_coeff, self.z_coeff = m.capacity_factor, m.aux_loss_coeff, m.z_loss_coeff
         self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)
         self.experts = Experts(m.num_experts, cfg.hidden_size, cfg.expert_ffn_size)
-        self.shared_experts = (SwiGLU(cfg.hidden_size, m.shared_experts * cfg.expert_ffn_size)
+        self.shared_experts = (MLP(cfg, width=m.shared_experts * cfg.expert_ffn_size)
                                if m.shared_experts else None)
         self.ep_group: Optional[dist.ProcessGroup] = None      # set by torch_backend.parallelize.ep
         self.tp_group: Optional[dist.ProcessGroup] = None      # experts' own tensor parallelism

@@ -124,14 +124,16 @@ def prefetch(fd: int, offset: int, n: int) -> None:
     the page cache holds them, as told by a non-blocking read of their last byte: threads
     reading one file at different offsets defeat its sequential readahead, so a cold chunk
     would otherwise arrive one small synchronous read per piece, and a warm one needs no hint."""
-    if n <= 0:
-        return
+    if n > 0 and not _cached(fd, offset + n - 1):
+        os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+
+
+def _cached(fd: int, offset: int) -> bool:
+    """Whether the page cache holds the file's byte at `offset`, by a read that may not block."""
     try:
-        if os.preadv(fd, [bytearray(1)], offset + n - 1, os.RWF_NOWAIT) == 1:
-            return
+        return os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT) == 1
     except OSError:                     # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
-        pass
-    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+        return False
 
 
 def read_checked(shard: Shard, view: memoryview, offset: int, checked: Checked) -> None:

@@ -1,6 +1,7 @@
 """The MindSpore model's building blocks shared by the dense model (model.py) and the MoE layer
 (moe.py): a Linear laid out as one 2-D MatMul (what the lowering's strategies address) and the
-SwiGLU MLP. In the torch backend torch.nn provides the first and each file its own SwiGLU."""
+SwiGLU MLP, also the MoE layer's shared experts at their own width. torch_backend/layers.py
+holds the same MLP (torch.nn has the Linear)."""
 from __future__ import annotations
 
 import numpy as np
