@@ -1,6 +1,7 @@
 """The shared checkpoint format in one process: boxes, safetensors files, save/load, commit."""
 import json
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -129,6 +130,29 @@ def test_retention_latest_and_second_save_waits(tmp_path):
     assert latest(tmp_path).name == "step_00000040"
     assert np.array_equal(Checkpoint.open(tmp_path).read_full("x"), ref["x"] + 40)
     assert w.last.total_s >= w.last.stall_s > 0
+
+
+def test_an_overlapped_save_copies_beside_training_and_the_fence_waits_for_the_copy(tmp_path):
+    """save(overlap=True) returns while a copy is still running (the next step's forward and
+    backward go on meanwhile); fence() blocks until the snapshot is taken, so the update after
+    it is not in the checkpoint, and the stall counted, here and in the record, is what fence waited."""
+    weights = np.arange(6, dtype=np.float32)
+    release = threading.Event()
+
+    def slow_copy(dst: np.ndarray) -> None:
+        assert release.wait(10)
+        dst[...] = weights
+    w = CheckpointWriter(tmp_path, 0, 1, session="o")
+    stats = w.save(1, [SaveItem(Piece("x", (6,), Region((0,), (6,))), slow_copy, "float32")], overlap=True)
+    assert not stats.copied.is_set() and stats.stall_s == 0.0
+    threading.Timer(0.2, release.set).start()
+    w.fence()
+    assert stats.copied.is_set() and stats.stall_s >= 0.15
+    weights += 100                                    # the optimizer's update, after the fence
+    w.close()
+    ckpt = Checkpoint.open(tmp_path)
+    assert np.array_equal(ckpt.read_full("x"), np.arange(6, dtype=np.float32))
+    assert ckpt.index.save_stats["stall_s"] == stats.stall_s
 
 
 def test_fragments_of_another_session_are_not_committed(tmp_path):

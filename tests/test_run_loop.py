@@ -29,7 +29,8 @@ def make(tmp_path, losses, grad_clip=1.0, **strategy):
                                    "data": {"source": str(tokens)}, "optimizer": {"grad_clip": grad_clip}}})
     seen = []
 
-    def step(i, rows):
+    def step(i, rows, before_update):
+        before_update()
         seen.append((i, rows.copy()))
         return losses[i]
 

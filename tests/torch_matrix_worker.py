@@ -26,8 +26,10 @@ from ms_llm.machine import Machine
 from ms_llm.run import lr_at
 from ms_llm.strategy.plan import plan as make_plan
 from torch_backend.apply import apply, cross_entropy
+from torch_backend.checkpoint import local
 from torch_backend.lower import lower
 from torch_backend.mesh import build_meshes
+from torch_backend.state import training_state
 from torch_backend.model import Transformer
 from torch_backend.step import TrainStep
 from torch_backend.weights import canonical_name
@@ -157,6 +159,33 @@ def plain_reference(job, sampler) -> list[float]:
     return losses
 
 
+class FencedSteps:
+    """Runs the steps as the shared loop does, checking its contract (ms_llm/run/loop.py,
+    StepFunction): no tensor of the training state changes before the step calls
+    before_update, where the loop fences an overlapped checkpoint snapshot that may still be
+    copying them. Each check compares every tensor with its value after the previous step."""
+
+    def __init__(self, step_fn: TrainStep, plan, rank: int):
+        self.step_fn, self.plan, self.rank = step_fn, plan, rank
+        self.fences, self.after_step = 0, self.values()
+
+    def values(self) -> dict[str, torch.Tensor]:
+        held = training_state(self.step_fn, self.plan, self.rank, False)
+        return {name: local(t).detach().clone() for name, (_, t) in held.items()}
+
+    def before_update(self) -> None:
+        now = self.values()
+        changed = [name for name, value in self.after_step.items() if not torch.equal(now[name], value)]
+        assert not changed, f"rank {self.rank}: written before the checkpoint fence: {changed[:3]}"
+        self.fences += 1
+
+    def __call__(self, k: int, batch: torch.Tensor) -> float:
+        loss = self.step_fn(k, batch, self.before_update)[0].item()
+        assert self.fences == k + 1, f"rank {self.rank}: step {k} did not call before_update once"
+        self.after_step = self.values()
+        return loss
+
+
 def run_case(case: str, tokens: np.ndarray, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     job = job_for(case)
@@ -176,8 +205,8 @@ def run_case(case: str, tokens: np.ndarray, out: Path) -> None:
         tensors = gathered(lowered.parts, "grad")
         step_fn.optimizer.zero_grad(set_to_none=True)
 
-    losses = [step_fn(k, torch.from_numpy(sampler.local_batch(k, dp_rank, dp_size)))[0].item()
-              for k in range(tc.steps)]
+    steps = FencedSteps(step_fn, plan, rank)
+    losses = [steps(k, torch.from_numpy(sampler.local_batch(k, dp_rank, dp_size))) for k in range(tc.steps)]
     lowered.dp.gather_params()
     tensors |= gathered(lowered.parts, "param")
     if meshes.coord("dp") == 0 and meshes.coord("tp") == 0:

@@ -27,7 +27,7 @@ from torch_backend.lower import lower
 from torch_backend.mesh import build_meshes
 from torch_backend.step import TrainStep
 from torch_backend.weights import canonical_name
-from torch_matrix_worker import FP32, full, main
+from torch_matrix_worker import FP32, FencedSteps, full, main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = yaml.safe_load((ROOT / "configs" / "models" / "tiny_moe.yaml").read_text())
@@ -95,8 +95,8 @@ def run_case(case: str, tokens, out: Path) -> None:
     step_fn = TrainStep(lowered)
     sampler = GlobalBatchSampler(tokens, tc.seq_len, tc.global_batch_size, tc.seed)
     dp_rank, dp_size = meshes.coord("dp"), meshes.size("dp")
-    losses = [step_fn(k, torch.from_numpy(sampler.local_batch(k, dp_rank, dp_size)))[0].item()
-              for k in range(tc.steps)]
+    steps = FencedSteps(step_fn, plan, rank)
+    losses = [steps(k, torch.from_numpy(sampler.local_batch(k, dp_rank, dp_size))) for k in range(tc.steps)]
     lowered.dp.gather_params()
     tensors = full_params(lowered.parts, plan, meshes)
     if dp_rank == 0 and meshes.coord("tp") == 0:

@@ -8,6 +8,8 @@ the update of a step whose global gradient norm is not finite (that norm is retu
 the scale moves by ms_llm.run.loss_scale's policy."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -87,14 +89,19 @@ class TrainStep:
             total += local_value(loss.detach())
         return total
 
-    def __call__(self, step: int, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, step: int, batch: torch.Tensor,
+                 before_update: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: (B_local, T + 1) token ids. Returns (global mean loss, grad norm), unsynced; under
-        loss scaling a skipped step's norm is the non-finite one."""
+        loss scaling a skipped step's norm is the non-finite one. `before_update` runs after the
+        gradients are reduced and before the optimizer (the shared loop's checkpoint fence):
+        until then the step only reads weights and optimizer states."""
         batch = batch.to(self.m.device, non_blocking=True)
         loss = self.forward_backward(batch[:, :-1], batch[:, 1:])
         n = self.plan.micro_batches
         aux = sum((moe.take_aux(n) for moe in self.moe), torch.zeros(())) / n
         self.m.dp.reduce_grads(self.m.parts)
+        if before_update is not None:
+            before_update()
         scale = None if self.loss_scale is None else self.loss_scale.scale
         grad_norm = self.m.dp.step(self.optimizer, self.params, lr_at(step, self.plan.train),
                                    self.plan.train.optimizer.grad_clip, self.pp_group, scale)

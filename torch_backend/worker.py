@@ -59,9 +59,9 @@ def build_trainer(run: RunFolder, device):
               f"{plan.micro_batches} micro-batch(es) | precision {plan.strategy.precision.compute_dtype} | "
               f"device {device}", flush=True)
 
-    def step(i: int, rows) -> tuple[float, float]:
+    def step(i: int, rows, before_update) -> tuple[float, float]:
         with out_of_memory_error(limit, rank, i):
-            loss, grad_norm = step_fn(i, torch.from_numpy(rows))
+            loss, grad_norm = step_fn(i, torch.from_numpy(rows), before_update)
             return loss.item(), grad_norm.item()              # waits for the step
 
     def memory_gb() -> float:

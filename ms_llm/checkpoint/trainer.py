@@ -2,9 +2,15 @@
 
     checkpoints = TrainerCheckpoints(job, run, plan, state, sampler, rank, logger, loss_scale)
     for step in range(checkpoints.resume(), train.steps):
-        ...one training step...
+        ...forward and backward...
+        checkpoints.fence()          # before the optimizer writes: the last save's snapshot is taken
+        ...the optimizer's update...
         checkpoints.after_step(step + 1, step_time)
     checkpoints.close()
+
+With train.checkpoint.async_save the snapshot's copies run beside the next forward and
+backward, which only read the training state, so a save stalls training only for what the
+fence still has to wait for.
 
 `state` is the backend's TrainerState: it lists the tensors of its training state with
 the Piece of the global tensor each holds, converts them, and runs the two tiny collectives
@@ -83,6 +89,7 @@ class TrainerCheckpoints:
         self.interval = self.cfg.interval if isinstance(self.cfg.interval, int) else None
         self.step_times: list[float] = []
         self.last_step: Optional[int] = None        # newest checkpoint saved or resumed from
+        self._unfenced: Optional[SaveStats] = None  # a save whose snapshot may still be copying
 
     # ---- resume --------------------------------------------------------------------------
     def _folders(self) -> list[Path]:
@@ -202,6 +209,7 @@ class TrainerCheckpoints:
             self.save(step)
 
     def _decide(self) -> None:
+        self.fence()
         last = self.writer.wait()
         times = sorted(self.step_times)
         stall, total, iter_s = self.state.max_over_ranks([last.stall_s, last.total_s, times[len(times) // 2]])
@@ -224,18 +232,29 @@ class TrainerCheckpoints:
                   "loss_scale": scaler.state() if scaler else None}
         previous = self.writer.last
         self.last_step = step
-        stats = self.writer.save(step, items, state=record, rank_state=self.state.rank_state(),
-                                 config=run_config(self.plan, self.state.backend))   # waits for `previous` first
+        self._unfenced = self.writer.save(step, items, state=record, rank_state=self.state.rank_state(),
+                                          config=run_config(self.plan, self.state.backend),
+                                          overlap=self.cfg.async_save)         # waits for `previous` first
         self._report_durable(previous)
-        self.logger.event(checkpoint_step=step, stall_s=stats.stall_s, wait_s=stats.wait_s, bytes=stats.bytes)
         if not self.cfg.async_save:
+            self.fence()
             self.writer.wait()
+
+    def fence(self) -> None:
+        """Called before the optimizer changes the training state: waits until the last save's
+        snapshot is taken, then logs what that save stalled training."""
+        if self._unfenced is None:
+            return
+        stats, self._unfenced = self._unfenced, None
+        self.writer.fence()
+        self.logger.event(checkpoint_step=stats.step, stall_s=stats.stall_s, wait_s=stats.wait_s, bytes=stats.bytes)
 
     def _report_durable(self, stats: Optional[SaveStats]) -> None:
         if stats is not None:
             self.logger.event(checkpoint_step=stats.step, total_s=stats.total_s, persist_s=stats.persist_s)
 
     def close(self) -> None:
+        self.fence()
         if self.writer is not None:
             self._report_durable(self.writer.wait())
             self.writer.close()

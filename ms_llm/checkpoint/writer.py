@@ -1,13 +1,18 @@
 """Two-stage save: snapshot to host memory on the training thread, persist in the background.
 
     writer = CheckpointWriter(root, rank, world_size, session=run_id)
-    stats = writer.save(step, items, state=..., config=run_config(plan, "torch"))  # returns after the copy
+    stats = writer.save(step, items, state=..., config=run_config(plan, "torch"), overlap=True)
+    ...the next step's forward and backward...
+    writer.fence()                                    # before the optimizer changes any tensor
     ...training continues...
     writer.wait()                                     # only needed before exit
 
-Stage 1 (the training stall): wait for this rank's previous save, then copy every primary
-piece into one reusable host buffer laid out as the final safetensors file image.
-Stage 2 (a background thread): a checksum per block (checksum.py), then the image goes to the memory tier
+Stage 1 (the snapshot): wait for this rank's previous save, then copy every primary piece into
+one reusable host buffer laid out as the final safetensors file image. Without `overlap`,
+save() returns after the copy; with it, save() returns once the copies are queued and they
+run beside the next forward and backward, which only read the tensors (CheckFreq's pipelined
+snapshot): training stalls only where fence() still finds copies running.
+Stage 2 (a background thread, after the copies): a checksum per block (checksum.py), then the image goes to the memory tier
 (/dev/shm, if enabled) and to <root>/step_N.tmp/ with fsync, then this rank's fragment;
 rank 0 commits (commit.py) once every rank's fragment is there. Errors from stage 2 are
 raised by the next save() or wait(), so a failed save is never silent.
@@ -52,11 +57,22 @@ class SaveStats:
     step: int
     bytes: int = 0                  # bytes this rank wrote
     wait_s: float = 0.0             # part of the stall spent waiting for the previous save
-    stall_s: float = 0.0            # time save() blocked training (wait + snapshot)
+    stall_s: float = 0.0            # time save() and fence() blocked training (wait + snapshot)
     persist_s: float = 0.0          # background: checksums + memory tier + disk + fsync
     total_s: float = 0.0            # from save() to durable (to commit on rank 0)
     memory_s: float = 0.0           # background time until the memory-tier copy was published
     done: threading.Event = field(default_factory=threading.Event, repr=False)
+    copied: threading.Event = field(default_factory=threading.Event, repr=False)   # the snapshot is taken
+    fenced_at: Optional[float] = field(default=None, repr=False)   # when fence() began waiting
+    copied_at: float = field(default=0.0, repr=False)
+    saved_s: float = field(default=0.0, repr=False)                # time inside save()
+
+    def settle_stall(self) -> None:
+        """The stall once the copies are done: save()'s own time plus what fence() waited for
+        them. Both threads compute it with this one formula (a fence that begins after the
+        copies waited for nothing), so the metrics and the checkpoint's record agree."""
+        waited = 0.0 if self.fenced_at is None else max(0.0, self.copied_at - self.fenced_at)
+        self.stall_s = self.saved_s + waited
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in ("step", "bytes", "wait_s", "stall_s", "persist_s", "total_s",
@@ -105,10 +121,12 @@ class CheckpointWriter:
 
     # ---- stage 1: on the training thread -------------------------------------------------
     def save(self, step: int, items: Sequence[SaveItem], *, state: Optional[dict] = None,
-             rank_state: Optional[dict] = None, config: Optional[dict] = None) -> SaveStats:
-        """Snapshot `items` (only primary pieces are written) and return; persisting goes on
-        in the background. `state` is the shared training state (same on every rank; rank 0's
-        is kept), `rank_state` this rank's own (RNG states; bytes allowed)."""
+             rank_state: Optional[dict] = None, config: Optional[dict] = None, overlap: bool = False) -> SaveStats:
+        """Snapshot `items` (only primary pieces are written) and return; persisting goes on in
+        the background. With `overlap` the snapshot's copies go on too, and fence() must come
+        before anything writes to the items' tensors. `state` is the shared training state
+        (same on every rank; rank 0's is kept), `rank_state` this rank's own (RNG states;
+        bytes allowed)."""
         start = time.perf_counter()
         self._join()
         stats = SaveStats(step=step, wait_s=time.perf_counter() - start)
@@ -122,19 +140,32 @@ class CheckpointWriter:
         dsts = [image[span.start:span.start + span.nbytes].view(storage_dtype(dtype)).reshape(span.shape)
                 for dtype, span in zip(layout.dtypes, layout.spans)]
         copies = [c for item, dst in zip(layout.items, dsts) for c in self._copies(item, dst)]
-        list(self._pool.map(lambda copy: copy(), copies))       # copies release the GIL: run them in parallel
         meta = {"state": encode_state(state or {}), "rank_state": encode_state(rank_state or {}),
                 "config": config or {}}
         stats.bytes = layout.nbytes
-        stats.stall_s = time.perf_counter() - start
         self.last = stats
-        self._thread = threading.Thread(target=self._persist_guarded, args=(stats, layout, image, meta, start),
+        self._thread = threading.Thread(target=self._persist_guarded,
+                                        args=(stats, layout, image, copies, meta, start),
                                         name=f"ckpt-persist-{step}", daemon=True)
+        stats.saved_s = time.perf_counter() - start
         self._thread.start()
+        if not overlap:
+            self.fence()
         return stats
+
+    def fence(self) -> None:
+        """Block until the last save's snapshot is taken: from then on its tensors may change."""
+        stats = self.last
+        if stats is None:
+            return
+        if stats.fenced_at is None:
+            stats.fenced_at = time.perf_counter()
+        stats.copied.wait()
+        stats.settle_stall()
 
     def wait(self) -> Optional[SaveStats]:
         """Block until the last save is durable (committed, on rank 0); re-raise its error."""
+        self.fence()
         self._join()
         return self.last
 
@@ -194,9 +225,15 @@ class CheckpointWriter:
         return [lambda a=a: np.copyto(d[a:a + step], s[a:a + step]) for a in range(0, s.size, step)]
 
     # ---- stage 2: background --------------------------------------------------------------
-    def _persist_guarded(self, stats: SaveStats, layout: _Layout, image: np.ndarray, meta: dict,
-                         start: float) -> None:
+    def _persist_guarded(self, stats: SaveStats, layout: _Layout, image: np.ndarray,
+                         copies: list[Callable[[], None]], meta: dict, start: float) -> None:
         try:
+            try:
+                list(self._pool.map(lambda copy: copy(), copies))     # copies release the GIL: in parallel
+            finally:
+                stats.copied_at = time.perf_counter()
+                stats.copied.set()
+            stats.settle_stall()
             self._persist(stats, layout, image, meta, start)
         except OSError as exc:                 # ENOSPC, EIO, EROFS: say where and how much
             self._error = self._write_error(stats, exc)

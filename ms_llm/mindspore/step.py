@@ -11,7 +11,7 @@ Two kinds, chosen by ms_llm.mindspore.support's ZeRO engine:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import mindspore as ms
@@ -119,7 +119,9 @@ class GraphStep:
         x, y = self._inputs(rows, 1.0, 0.0)[:2]
         return float(self.evaluator(x, y).asnumpy())
 
-    def __call__(self, step: int, rows: np.ndarray) -> tuple[float, float]:
+    def __call__(self, step: int, rows: np.ndarray, before_update: Callable[[], None]) -> tuple[float, float]:
+        """One compiled step; the optimizer is inside the graph, so the fence comes first."""
+        before_update()
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         loss, norm = self.cell(*self._inputs(rows, scale, lr_at(step, self.train)))
         loss, norm = float(loss.asnumpy()), float(norm.asnumpy().reshape(-1)[0])
@@ -142,7 +144,8 @@ class ZeroStep:
         self.mean = MeanOverRanks(world)
         self.train, self.shape = job.train, (plan.micro_batches, job.train.micro_batch_size, job.train.seq_len + 1)
 
-    def __call__(self, step: int, rows: np.ndarray) -> tuple[float, float]:
+    def __call__(self, step: int, rows: np.ndarray, before_update: Callable[[], None]) -> tuple[float, float]:
+        """Forward and backward of each micro-batch, then (after the fence) the engine's update."""
         rows = rows.reshape(self.shape)
         n, total = len(rows), 0.0
         for i, micro in enumerate(rows):
@@ -153,6 +156,7 @@ class ZeroStep:
             else:
                 loss = self.runner.backward(x, y, scale=1.0 / n)
             total += float(loss.asnumpy())
+        before_update()
         norm = self.runner.step(lr_at(step, self.train))
         loss = float(self.mean(Tensor([total], ms.float32)).asnumpy()[0])
         return loss, float("nan") if norm is None else norm

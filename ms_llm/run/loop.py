@@ -31,9 +31,11 @@ DIVERGED_EXIT = 3        # a worker's exit status after a divergence stop: resta
 
 
 class StepFunction(Protocol):
-    def __call__(self, step: int, rows: np.ndarray) -> tuple[float, float]:
+    def __call__(self, step: int, rows: np.ndarray, before_update: Callable[[], None]) -> tuple[float, float]:
         """One optimizer step on rows (B_local, T + 1) of the global batch of `step` (0-based);
-        returns (global mean loss, global gradient norm) once the step is done."""
+        returns (global mean loss, global gradient norm) once the step is done. The step calls
+        `before_update` before it writes to any tensor of the training state (an
+        asynchronous save may still be copying them), as late as it can."""
 
 
 @dataclass
@@ -113,7 +115,7 @@ def train(t: Trainer) -> list[StepMetrics]:
             rows = sampler.local_batch(step, dp_rank, t.plan.strategy.dp)         # (B_local, T + 1)
             scale = t.loss_scale.scale if t.loss_scale is not None else None      # the scale this step uses
             start = time.perf_counter()
-            loss, grad_norm = t.step(step, rows)                                   # host floats: the step is done
+            loss, grad_norm = t.step(step, rows, checkpoints.fence)                # host floats: the step is done
             elapsed = time.perf_counter() - start
             done = step + 1
             heartbeat.beat(done)
