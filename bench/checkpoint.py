@@ -48,7 +48,7 @@ from ms_llm.strategy.ir import ParallelStrategy  # noqa: E402
 # ~40M parameters = 160 MB in fp32.
 MODEL = ModelConfig(name="bench", vocab_size=16384, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
                     ffn_hidden_size=1408, max_seq_len=256, dtype="float32")
-REPEATS = 5
+REPEATS = 9
 
 
 def timed(fn, cpu: list[float] | None = None) -> float:

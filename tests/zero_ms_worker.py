@@ -1,10 +1,14 @@
 """msrun worker for tests/test_zero_mindspore.py: the MindSpore LLaMA trained data parallel by
 the shared ZeRO engine, on the same model, data and settings as the torch workers. Rank 0
-writes the final parameters and losses, every rank its model-state bytes."""
+writes the final parameters and losses, every rank its model-state bytes. Each step also checks
+the shared loop's checkpoint fence contract: forward and backward leave every tensor of the
+training state (MsTrainerState.held: engine shards, moments, weights) as the last update left
+it, so an overlapped snapshot copying them before ZeroStep's fence sees one step's values."""
 from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +18,7 @@ from mindspore.communication import get_group_size, get_rank, init
 from safetensors.numpy import save_file
 
 from ms_llm.mindspore.model import LossCell, Transformer
+from ms_llm.mindspore.state import MsTrainerState
 from ms_llm.mindspore.zero import MsZeroDataParallel
 from ms_llm.strategy.plan import plan
 from ms_llm.zero import zero_plan
@@ -34,6 +39,11 @@ def run_case(rank: int, world: int, case: str, out: Path) -> None:
     per_rank = GLOBAL_BATCH // world
     mean = ops.AllReduce()
     losses, state_bytes = [], None
+    held = MsTrainerState(SimpleNamespace(runner=runner), mplan, rank, world)
+
+    def state_values() -> dict[str, np.ndarray]:
+        return {name: t.asnumpy().copy() for name, (_, t) in held.held(create=False).items()}
+    after_update = state_values()
     for step in batches():
         local = step[rank * per_rank:(rank + 1) * per_rank].astype(np.int32)
         total = 0.0
@@ -46,7 +56,12 @@ def run_case(rank: int, world: int, case: str, out: Path) -> None:
                 loss = runner.backward(inputs, labels, scale=1 / MICRO)
             total += float(loss.asnumpy())
         state_bytes = runner.model_state_bytes()
+        now = state_values()                    # where ZeroStep calls the loop's fence
+        changed = [n for n, v in after_update.items() if not np.array_equal(now[n], v)]
+        assert not changed, f"rank {rank}: forward/backward wrote the training state: {changed[:3]}"
         runner.step(train.optimizer.lr)
+        before, after_update = now, state_values()
+        assert any(not np.array_equal(before[n], v) for n, v in after_update.items()), "the update went unseen"
         losses.append(float(mean(ms.Tensor([total / world], ms.float32)).asnumpy()[0]))
     gather = runner.engine.gather
     gathers = {"gathers": gather.gathers, "peak_live": gather.peak_live} if gather is not None else {}
