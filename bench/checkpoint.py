@@ -8,7 +8,8 @@
     copies cost the step on shared cores
 (b) ms_llm save (persist) vs a raw write + fsync; same-strategy and cross-strategy (reshard)
     loads vs a raw read of the same bytes, page cache warm (every file read once, untimed,
-    just before) and cold (our own files evicted with posix_fadvise DONTNEED before each read)
+    just before each timed read, so each starts with the same page cache and CPU caches) and
+    cold (our own files evicted with posix_fadvise DONTNEED before each read)
 (c) restore from the memory tier (/dev/shm, sealed by its keeper) vs from disk, cold page cache,
     and a raw read of the same bytes from /dev/shm on two threads: the floor of any restore that
     copies the bytes into the process
@@ -171,8 +172,9 @@ def load_vs_raw(folder: Path, pieces: dict, first_files: list[Path]) -> dict[str
     t: dict[str, list[float]] = {k: [] for k in ("load", "raw", "cold_load", "cold_raw")}
     t.update({f"cpu_{k}": [] for k in list(t)})
     for _ in range(REPEATS):
-        warm(folder)
+        warm(folder)                      # before each timed read: the same page cache and CPU caches
         t["load"].append(timed(load, t["cpu_load"]))
+        warm(folder)
         t["raw"].append(timed(lambda: raw_read(first_files, nbytes, out), t["cpu_raw"]))
         drop_cache(folder)
         t["cold_load"].append(timed(load, t["cpu_cold_load"]))
@@ -300,7 +302,9 @@ def run(work: Path, shm: Path) -> int:
     shm_out = np.empty(nbytes, np.uint8)
     t = {k: [] for k in ("mem", "cpu_mem", "mem_raw", "cpu_cold_ours", *loads, *(f"cold_{k}" for k in loads))}
     for _ in range(REPEATS):
+        warm(shm)
         t["mem"].append(timed(lambda: restore(shm), t["cpu_mem"]))
+        warm(shm)
         t["mem_raw"].append(timed(lambda: raw_read_parallel(shm_file, nbytes, shm_out)))
         for k, fn in loads.items():
             warm(where[k]) if where[k].is_dir() else where[k].read_bytes()
