@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from safetensors.torch import load_file
@@ -24,22 +24,28 @@ TOL = 1e-5
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """Runs each world size's launch once, on first use; returns the output folder."""
-    out = tmp_path_factory.mktemp("matrix")
-    tokens = build_stdlib_corpus(out / "data", max_bytes=100_000)
+def launcher(out: Path, worker: str, worlds: dict[str, int], max_bytes: int) -> Callable[[int], Path]:
+    """`results(world)`: runs `worker` once per world size under torchrun, on first use, with
+    the cases of that size (`worlds`: case -> world size), and returns `out`, where the worker
+    writes them."""
+    tokens = build_stdlib_corpus(out / "data", max_bytes=max_bytes)
     done: set[int] = set()
 
     def results(world: int) -> Path:
         if world not in done:
-            cases = [c for c, (w, _, _) in CASES.items() if w == world]
-            cmd = [*torchrun(world), str(ROOT / "tests" / "torch_matrix_worker.py"), str(tokens), str(out), *cases]
+            cases = [c for c, w in worlds.items() if w == world]
+            cmd = [*torchrun(world), str(ROOT / "tests" / worker), str(tokens), str(out), *cases]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
             done.add(world)
         return out
     return results
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    return launcher(tmp_path_factory.mktemp("matrix"), "torch_matrix_worker.py",
+                    {c: w for c, (w, _, _) in CASES.items()}, 100_000)
 
 
 def load(out: Path, case: str) -> tuple[dict, dict]:

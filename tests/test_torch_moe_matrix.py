@@ -5,13 +5,9 @@ tensors) equal the world-1 run within 1e-5; under ZeRO the experts' optimizer st
 over their expert-data-parallel ranks."""
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from ms_llm.data import build_stdlib_corpus
-from test_torch_matrix import ROOT, TOL, load, max_diff
-from torch_backend.launch import torchrun
+from test_torch_matrix import TOL, launcher, load, max_diff
 from torch_moe_worker import CASES
 
 pytestmark = pytest.mark.slow
@@ -19,20 +15,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    """One torchrun launch per world size, on first use; returns the output folder."""
-    out = tmp_path_factory.mktemp("moe_matrix")
-    tokens = build_stdlib_corpus(out / "data", max_bytes=50_000)
-    done: set[int] = set()
-
-    def results(world: int):
-        if world not in done:
-            cases = [c for c, (w, _) in CASES.items() if w == world]
-            cmd = [*torchrun(world), str(ROOT / "tests" / "torch_moe_worker.py"), str(tokens), str(out), *cases]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-            done.add(world)
-        return out
-    return results
+    return launcher(tmp_path_factory.mktemp("moe_matrix"), "torch_moe_worker.py",
+                    {c: w for c, (w, _) in CASES.items()}, 50_000)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "ref"])
