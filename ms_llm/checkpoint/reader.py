@@ -63,7 +63,9 @@ class Checkpoint:
         self._checked = Checked()
         self._seal = Seal.load(self.folder)
         self._lock = threading.Lock()
-        self.workers = min(4, os.cpu_count() or 1)
+        # One reading thread more than cores (up to 4): a thread back from its preadv waits to
+        # retake the GIL for its checksum loop, and the spare thread keeps its core copying.
+        self.workers = min(4, (os.cpu_count() or 1) + 1)
 
     @classmethod
     def open(cls, path: str | Path) -> "Checkpoint":
