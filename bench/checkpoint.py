@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -98,7 +99,6 @@ def raw_read(paths: list[Path], nbytes: int, out: bytearray) -> None:
 def raw_read_parallel(path: Path, nbytes: int, out: np.ndarray, threads: int = 2, chunk: int = 4 << 20) -> None:
     """Read the file's first `nbytes` into `out`, `chunk` bytes per preadv, on `threads` threads:
     the fastest plain copy of the bytes out of the page cache (the floor for a restore)."""
-    from concurrent.futures import ThreadPoolExecutor
     fd = os.open(path, os.O_RDONLY)
     view = memoryview(out)
 
@@ -338,7 +338,8 @@ def run(work: Path, shm: Path) -> int:
         ("    forward + backward (1 x 64 tokens) alone", f"{a['fb'] * 1e3:8.1f} ms", ""),
         ("      beside the overlapped snapshot + persist", f"{a['fb_overlap'] * 1e3:8.1f} ms",
          f"{(a['fb_overlap'] - a['fb']) * 1e3:+.1f} ms: the copies and the persist share the cores"),
-        ("      beside the persist only", f"{a['fb_persist'] * 1e3:8.1f} ms", f"{(a['fb_persist'] - a['fb']) * 1e3:+.1f} ms"),
+        ("      beside the persist only", f"{a['fb_persist'] * 1e3:8.1f} ms",
+         f"{(a['fb_persist'] - a['fb']) * 1e3:+.1f} ms"),
         ("(b) save: ms_llm persist (crc32c + write + fsync)", f"{mb / a['persist']:8.0f} MB/s", ""),
         ("    raw write + fsync of the same bytes", f"{mb / a['raw_write']:8.0f} MB/s",
          f"throughput ratio {a['raw_write'] / a['persist']:.2f}"),

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from ms_llm.config.job import load_job
 from ms_llm.errors import MsLlmError, TrainingDiverged
@@ -59,7 +60,7 @@ def build_trainer(run: RunFolder, device):
               f"{plan.micro_batches} micro-batch(es) | precision {plan.strategy.precision.compute_dtype} | "
               f"device {device}", flush=True)
 
-    def step(i: int, rows, before_update) -> tuple[float, float]:
+    def step(i: int, rows, before_update: Callable[[], None]) -> tuple[float, float]:
         with out_of_memory_error(limit, rank, i):
             loss, grad_norm = step_fn(i, torch.from_numpy(rows), before_update)
             return loss.item(), grad_norm.item()              # waits for the step

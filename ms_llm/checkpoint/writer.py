@@ -12,8 +12,9 @@ one reusable host buffer laid out as the final safetensors file image. Without `
 save() returns after the copy; with it, save() returns once the copies are queued and they
 run beside the next forward and backward, which only read the tensors (CheckFreq's pipelined
 snapshot): training stalls only where fence() still finds copies running.
-Stage 2 (a background thread, after the copies): a checksum per block (checksum.py), then the image goes to the memory tier
-(/dev/shm, if enabled) and to <root>/step_N.tmp/ with fsync, then this rank's fragment;
+Stage 2 (a background thread, after the copies): a checksum per block (checksum.py), then the
+image goes to the memory tier (/dev/shm, if enabled) and to <root>/step_N.tmp/ with fsync,
+then this rank's fragment;
 rank 0 commits (commit.py) once every rank's fragment is there. Errors from stage 2 are
 raised by the next save() or wait(), so a failed save is never silent.
 """
