@@ -164,6 +164,33 @@ def test_same_layout_load_batches_back_to_back_runs(tp4, tmp_path, monkeypatch):
         c.read_pieces(pieces)
 
 
+def test_a_reshard_reads_split_rows_in_batches_and_checks_them(tp4, tmp_path, monkeypatch):
+    """Merging tp4 row-parallel shards into tp2 copies boxes out of whole saved rows: those
+    rows join the file's batches (one preadv with the runs around them, into scratch), are
+    checked there, and a flipped byte in them is named by their tensor."""
+    ref, saved = tp4
+    pieces = rank_pieces(plan_for({"tp": 2}, 2), 0)
+    kinds = []
+    monkeypatch.setattr(transfer.Batch, "run", lambda self, checked, run=transfer.Batch.run: (
+        kinds.append({type(m).__name__ for m, _, _ in self.parts}), run(self, checked))[1])
+    with Checkpoint(saved) as c:
+        got = c.read_pieces(pieces)
+    for name, piece in pieces.items():
+        assert got[name].tobytes() == cut(ref[name], piece.region).tobytes(), name
+    assert {"BoxMove", "RunMove"} in kinds, kinds
+    monkeypatch.undo()
+    folder = tmp_path / saved.name
+    shutil.copytree(saved, folder)
+    with Checkpoint(folder) as c:
+        shard = c.entry(W).shards[1]
+        at = c._shard(c.entry(W), shard).start + shard.block + 7
+    data = bytearray((folder / shard.file).read_bytes())
+    data[at] ^= 0x04
+    (folder / shard.file).write_bytes(bytes(data))
+    with Checkpoint(folder) as c, pytest.raises(CheckpointError, match=f"tensor '{W}'.*fails its checksum"):
+        c.read_pieces(pieces)
+
+
 def test_a_load_parses_only_the_shards_it_reads(tp4):
     """A same-strategy load parses one index entry per tensor, a reshard the entries of the
     shards it reads from: at N ranks a tensor has N."""

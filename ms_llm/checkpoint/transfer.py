@@ -5,15 +5,16 @@ this module runs them. When the overlap is one byte run both in the file and in 
 destination (every same-layout load, and splits along the first dimension), `RunMove` reads it
 straight into the destination's memory: one kernel copy. Otherwise `BoxMove` reads whole rows
 of the saved sub-box into a scratch buffer and copies the box out with one numpy copy (cheaper
-than a Python loop over thousands of small rows). Both work in chunks aligned to the checksum
-blocks, and `read_checked` reads a chunk in SUB-byte pieces, each checksummed as soon as it
-lands, while it is still in the CPU cache (checking bytes already evicted to memory would
-cost as much as reading them again). Runs of whole checksum blocks that lie back to back in
-one file (a same-layout load reads a rank's file front to back, one small tensor after
-another) are gathered into a `Batch`: one preadv into all their destinations, then each
-block is checked while the batch is still in the CPU cache. The chunks and batches run on a
-small thread pool (Mover): preadv, the checksums (checksum.py) and numpy copies release the
-GIL, so the cores read and check in parallel.
+than a Python loop over thousands of small rows). Moves' chunks that are whole checksum blocks
+and lie back to back in one file (a same-layout load reads a rank's file front to back, one
+small tensor after another; a reshard that merges split rows reads whole saved shards) are
+gathered into a `Batch`: one preadv into all their destinations and scratch rows, then each
+block is checked while the batch is still in the CPU cache and the boxes are copied out.
+Other chunks go through `read_checked`, which reads in SUB-byte pieces, each checksummed as
+soon as it lands, while it is still in the CPU cache (checking bytes already evicted to
+memory would cost as much as reading them again). The chunks and batches run on a small
+thread pool (Mover): preadv, the checksums (checksum.py) and numpy copies release the GIL, so
+the cores read and check in parallel.
 """
 from __future__ import annotations
 
@@ -179,43 +180,19 @@ class RunMove:
         edges = [0, *range((self.src // step + 1) * step - self.src, end, step), end]
         return list(zip(edges[:-1], edges[1:]))
 
+    def span(self, a: int, b: int) -> tuple[int, int]:
+        """The shard's bytes that chunk [a, b) reads."""
+        return self.src + a, self.src + b
+
+    def view(self, a: int, b: int) -> memoryview:
+        """Where chunk [a, b)'s bytes are read to: the destination itself."""
+        return memoryview(self.dst)[self.at + a:self.at + b]
+
+    def finish(self, a: int, b: int, landed: memoryview) -> None:
+        """Nothing: the bytes landed in place."""
+
     def run(self, a: int, b: int, checked: Checked) -> None:
-        read_checked(self.shard, memoryview(self.dst)[self.at + a:self.at + b], self.src + a, checked)
-
-    def whole_blocks(self, a: int, b: int) -> bool:
-        """Whether bytes [a, b) of the move are whole checksum blocks of the shard (or unchecked)."""
-        shard, lo, hi = self.shard, self.src + a, self.src + b
-        return not shard.sums or lo % shard.block == 0 and (hi % shard.block == 0 or hi == shard.nbytes)
-
-
-@dataclass
-class Batch:
-    """Parts of RunMoves, each whole checksum blocks, that lie back to back in one file from
-    absolute offset `start`: read with one preadv, then each part's blocks checked."""
-    start: int
-    parts: list[tuple[RunMove, int, int]]
-    nbytes: int = 0
-
-    def follows(self, move: RunMove, a: int) -> bool:
-        first = self.parts[0][0].shard
-        return (move.shard.fd == first.fd and move.shard.start + move.src + a == self.start + self.nbytes
-                and len(self.parts) < IOV)
-
-    def add(self, move: RunMove, a: int, b: int) -> None:
-        self.parts.append((move, a, b))
-        self.nbytes += b - a
-
-    def run(self, checked: Checked) -> None:
-        first = self.parts[0][0].shard
-        views = [memoryview(m.dst)[m.at + a:m.at + b] for m, a, b in self.parts]
-        prefetch(first.fd, self.start, self.nbytes)
-        readv_into(first.path, first.fd, views, self.start, first.tensor)
-        for (m, a, b), view in zip(self.parts, views):
-            shard, update = m.shard, ALGORITHMS[m.shard.checksum] if m.shard.sums else None
-            for blk in shard.blocks(m.src + a, m.src + b):
-                if (shard, blk) not in checked:
-                    lo, hi = shard.block_range(blk)
-                    checked.check(shard, blk, update(view[lo - m.src - a:hi - m.src - a], 0))
+        read_checked(self.shard, self.view(a, b), self.src + a, checked)
 
 
 @dataclass
@@ -240,15 +217,85 @@ class BoxMove:
         rows = self.dst.shape[0]
         return [(a, min(a + per, rows)) for a in range(0, rows, per)]
 
+    def span(self, a: int, b: int) -> tuple[int, int]:
+        """The shard's bytes that rows [a, b) of the box read: those rows of the sub-box, whole."""
+        return self.src + (self.r0 + a) * self.row, self.src + (self.r0 + b) * self.row
+
+    def finish(self, a: int, b: int, landed: memoryview) -> None:
+        """Copy the box out of rows [a, b), read whole into `landed`."""
+        rows = np.frombuffer(landed, self.dtype).reshape((b - a,) + self.sizes[1:])
+        np.copyto(self.dst[a:b], rows[(slice(None),) + self.index[1:]])
+
     def run(self, a: int, b: int, checked: Checked) -> None:
-        lo, hi = self.src + (self.r0 + a) * self.row, self.src + (self.r0 + b) * self.row
-        scratch = np.empty(hi - lo, np.uint8)
-        read_checked(self.shard, memoryview(scratch), lo, checked)
-        src = scratch.view(self.dtype).reshape((b - a,) + self.sizes[1:])
-        np.copyto(self.dst[a:b], src[(slice(None),) + self.index[1:]])
+        lo, hi = self.span(a, b)
+        landed = scratch(hi - lo)
+        read_checked(self.shard, landed, lo, checked)
+        self.finish(a, b, landed)
 
 
 Move = Union[RunMove, BoxMove]
+
+_SCRATCH = threading.local()
+
+
+def scratch(nbytes: int) -> memoryview:
+    """A scratch buffer of `nbytes`: up to two chunks, this thread's own, kept from load to
+    load (fresh pages would be faulted in for every box copied out); a larger one (a single
+    saved row longer than that) is the caller's alone."""
+    if nbytes > 2 * CHUNK:
+        return memoryview(np.empty(nbytes, np.uint8))
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _SCRATCH.buf = memoryview(np.empty(nbytes, np.uint8))
+    return buf[:nbytes]
+
+
+def whole_blocks(move: Move, a: int, b: int) -> bool:
+    """Whether the bytes chunk [a, b) of `move` reads are whole checksum blocks of its shard
+    (or unchecked): they can then be read in a Batch and checked there."""
+    shard, (lo, hi) = move.shard, move.span(a, b)
+    return not shard.sums or lo % shard.block == 0 and (hi % shard.block == 0 or hi == shard.nbytes)
+
+
+@dataclass
+class Batch:
+    """Chunks of moves, each whole checksum blocks, that lie back to back in one file from
+    absolute offset `start`: read with one preadv (runs into their destinations, box rows
+    into this thread's scratch), then each chunk's blocks checked and the boxes copied out."""
+    start: int
+    parts: list[tuple[Move, int, int]]
+    nbytes: int = 0
+
+    def follows(self, move: Move, a: int, b: int) -> bool:
+        first = self.parts[0][0].shard
+        return (move.shard.fd == first.fd and move.shard.start + move.span(a, b)[0] == self.start + self.nbytes
+                and len(self.parts) < IOV)
+
+    def add(self, move: Move, a: int, b: int) -> None:
+        lo, hi = move.span(a, b)
+        self.parts.append((move, a, b))
+        self.nbytes += hi - lo
+
+    def run(self, checked: Checked) -> None:
+        first = self.parts[0][0].shard
+        spans = [m.span(a, b) for m, a, b in self.parts]
+        room = scratch(sum(hi - lo for (m, _, _), (lo, hi) in zip(self.parts, spans) if isinstance(m, BoxMove)))
+        views, used = [], 0
+        for (m, a, b), (lo, hi) in zip(self.parts, spans):
+            if isinstance(m, RunMove):
+                views.append(m.view(a, b))
+            else:
+                views.append(room[used:used + hi - lo])
+                used += hi - lo
+        prefetch(first.fd, self.start, self.nbytes)
+        readv_into(first.path, first.fd, views, self.start, first.tensor)
+        for (m, a, b), (lo, hi), view in zip(self.parts, spans, views):
+            shard, update = m.shard, ALGORITHMS[m.shard.checksum] if m.shard.sums else None
+            for blk in shard.blocks(lo, hi):
+                if (shard, blk) not in checked:
+                    b_lo, b_hi = shard.block_range(blk)
+                    checked.check(shard, blk, update(view[b_lo - lo:b_hi - lo], 0))
+            m.finish(a, b, view)
 
 
 def check_shard(shard: Shard, checked: Checked) -> None:
@@ -285,24 +332,27 @@ class Mover:
         self.checked = checked
         self._pool = reader_pool(workers) if workers > 1 else None
         self._futures: list[Future] = []
-        self._batch: Optional[Batch] = None
+        self._batches: dict[int, Batch] = {}       # by file descriptor: the batch still growing
 
     def submit(self, moves: Sequence[Move]) -> None:
         for m in moves:
             for a, b in m.chunks():
-                if isinstance(m, RunMove) and m.whole_blocks(a, b):
-                    if self._batch is not None and (not self._batch.follows(m, a) or self._batch.nbytes >= CHUNK):
-                        self._flush()
-                    if self._batch is None:
-                        self._batch = Batch(m.shard.start + m.src + a, [])
-                    self._batch.add(m, a, b)
-                else:
+                if not whole_blocks(m, a, b):
                     self._run(m.run, a, b, self.checked)
+                    continue
+                fd = m.shard.fd
+                batch = self._batches.get(fd)
+                if batch is not None and not batch.follows(m, a, b):
+                    self._flush(fd)
+                    batch = None
+                if batch is None:
+                    batch = self._batches[fd] = Batch(m.shard.start + m.span(a, b)[0], [])
+                batch.add(m, a, b)
+                if batch.nbytes >= CHUNK:
+                    self._flush(fd)
 
-    def _flush(self) -> None:
-        if self._batch is not None:
-            batch, self._batch = self._batch, None
-            self._run(batch.run, self.checked)
+    def _flush(self, fd: int) -> None:
+        self._run(self._batches.pop(fd).run, self.checked)
 
     def _run(self, fn, *args) -> None:
         if self._pool is None:
@@ -316,7 +366,8 @@ class Mover:
     def __exit__(self, *exc) -> None:
         try:
             if exc[0] is None:
-                self._flush()
+                for fd in list(self._batches):
+                    self._flush(fd)
                 for f in self._futures:
                     f.result()
         finally:                            # after an error the queued work is dropped, the running waited for
