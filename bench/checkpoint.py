@@ -7,9 +7,12 @@
     loop does; the forward + backward's own time alone and beside the save shows what the
     copies cost the step on shared cores
 (b) ms_llm save (persist) vs a raw write + fsync; same-strategy and cross-strategy (reshard)
-    loads vs a raw read of the same bytes, page cache warm (every file read once, untimed,
-    just before each timed read, so each starts with the same page cache and CPU caches) and
-    cold (our own files evicted with posix_fadvise DONTNEED before each read)
+    loads vs a raw read of the same bytes (the byte ranges, in the shard files, of the saved
+    shards the load's pieces meet: one sequential read per range, one thread), page cache warm
+    (every file read once, untimed, just before each timed read, so each starts with the same
+    page cache and CPU caches) and cold (our own files evicted with posix_fadvise DONTNEED
+    before each read); a reshard's bytes lie in two files, and a raw read of as many bytes from
+    one file is shown beside it
 (c) restore from the memory tier (/dev/shm, sealed by its keeper) vs from disk, cold page cache,
     and a raw read of the same bytes from /dev/shm on two threads: the floor of any restore that
     copies the bytes into the process
@@ -42,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # read when torch loads its OpenMP runtime
 
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, MemoryTier, SaveItem, param_pieces  # noqa: E402
+from ms_llm.checkpoint.boxes import intersect  # noqa: E402
 from ms_llm.checkpoint.reshard import layout_plan  # noqa: E402
+from ms_llm.checkpoint.safetensors_io import read_header  # noqa: E402
 from ms_llm.config.model import ModelConfig  # noqa: E402
 from ms_llm.init import init_param  # noqa: E402
 from ms_llm.strategy.ir import ParallelStrategy  # noqa: E402
@@ -84,16 +89,37 @@ def raw_write(path: Path, buf: memoryview) -> None:
         os.fsync(f.fileno())
 
 
-def raw_read(paths: list[Path], nbytes: int, out: bytearray) -> None:
-    """Read `nbytes` from the files in order into `out` (the same bytes a loader would move)."""
+def raw_read(ranges: list[tuple[Path, int, int]], out: bytearray) -> None:
+    """Read the files' byte ranges [start, stop), in order, into `out`, one thread."""
     view, done = memoryview(out), 0
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while done < nbytes:
-                n = f.readinto(view[done:nbytes])
+    for path, start, stop in ranges:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            end = done + stop - start
+            while done < end:
+                n = f.readinto(view[done:end])
                 if not n:
-                    break
+                    raise OSError(f"{path}: ended before byte {stop}")
                 done += n
+
+
+def saved_ranges(folder: Path, pieces: dict) -> list[tuple[Path, int, int]]:
+    """The byte ranges (file, start, stop), in file order with neighbours merged, of the saved
+    shards whose boxes meet the pieces: the bytes a load of them has to read."""
+    spans: list[tuple[Path, int, int]] = []
+    with Checkpoint.open(folder) as c:
+        for name, piece in pieces.items():
+            for shard in c.entry(name).shards:
+                if intersect(piece.region.offsets, piece.region.sizes, shard.region.offsets, shard.region.sizes):
+                    span = read_header(str(c.folder / shard.file))[0][shard.key]
+                    spans.append((c.folder / shard.file, span.start, span.start + span.nbytes))
+    merged: list[tuple[Path, int, int]] = []
+    for path, start, stop in sorted(spans):
+        if merged and merged[-1][0] == path and merged[-1][2] == start:
+            merged[-1] = (path, merged[-1][1], stop)
+        else:
+            merged.append((path, start, stop))
+    return merged
 
 
 def raw_read_parallel(path: Path, nbytes: int, out: np.ndarray, threads: int = 2, chunk: int = 4 << 20) -> None:
@@ -158,27 +184,31 @@ def save_sharded(folder: Path, state: dict, plan) -> None:
         w.close()
 
 
-def load_vs_raw(folder: Path, pieces: dict, first_files: list[Path]) -> dict[str, float]:
-    """Median seconds of loading `pieces` from `folder` and of a raw read of as many bytes from
-    `first_files` (in order), warm and cold, interleaved."""
+def load_vs_raw(folder: Path, pieces: dict) -> dict[str, float]:
+    """Median seconds of loading `pieces` from `folder`, of a raw read of the same bytes and,
+    when those lie in more than one file, of as many bytes from the first file; warm and cold,
+    interleaved."""
     dest = {n: np.empty(p.local_shape, np.float32) for n, p in pieces.items()}     # the model's parameters
     nbytes = sum(a.nbytes for a in dest.values())
     out = bytearray(nbytes)
+    same = saved_ranges(folder, pieces)
+    if sum(stop - start for _, start, stop in same) != nbytes:
+        raise SystemExit(f"bench: the saved shards the load meets hold other than its {nbytes} bytes")
+    reads = {"raw": same}
+    if len({path for path, _, _ in same}) > 1:
+        reads["one_file"] = [(same[0][0], 0, nbytes)]
 
     def load():
         with Checkpoint.open(folder) as c:
             c.read_pieces(pieces, out=dest)
-    t: dict[str, list[float]] = {k: [] for k in ("load", "raw", "cold_load", "cold_raw")}
-    t.update({f"cpu_{k}": [] for k in list(t)})
+    runs = {"load": load, **{k: (lambda r=r: raw_read(r, out)) for k, r in reads.items()}}
+    t: dict[str, list[float]] = {}
     for _ in range(REPEATS):
-        warm(folder)                      # before each timed read: the same page cache and CPU caches
-        t["load"].append(timed(load, t["cpu_load"]))
-        warm(folder)
-        t["raw"].append(timed(lambda: raw_read(first_files, nbytes, out), t["cpu_raw"]))
-        drop_cache(folder)
-        t["cold_load"].append(timed(load, t["cpu_cold_load"]))
-        drop_cache(folder)
-        t["cold_raw"].append(timed(lambda: raw_read(first_files, nbytes, out), t["cpu_cold_raw"]))
+        for k, fn in runs.items():
+            warm(folder)                  # before each timed read: the same page cache and CPU caches
+            t.setdefault(k, []).append(timed(fn, t.setdefault(f"cpu_{k}", [])))
+            drop_cache(folder)
+            t.setdefault(f"cold_{k}", []).append(timed(fn, t.setdefault(f"cpu_cold_{k}", [])))
     return {"bytes": nbytes, **{k: med(v) for k, v in t.items()}}
 
 
@@ -268,9 +298,8 @@ def run(work: Path, shm: Path) -> int:
     # rank 0 of tp4 reads its own shard; reshard: rank 0 of tp2 x pp2 reads half of two shards.
     tp4, target = layout_plan(MODEL, ParallelStrategy(tp=4), 4), layout_plan(MODEL, ParallelStrategy(tp=2, pp=2), 4)
     save_sharded(work / "tp4", state, tp4)
-    files = sorted((work / "tp4").glob("step_*/rank_*.safetensors"))
-    same = load_vs_raw(work / "tp4", param_pieces(tp4, 0), files)
-    cross = load_vs_raw(work / "tp4", param_pieces(target, 0), files)
+    same = load_vs_raw(work / "tp4", param_pieces(tp4, 0))
+    cross = load_vs_raw(work / "tp4", param_pieces(target, 0))
 
     # ---- (c) memory tier vs disk, (d) full-state loads vs the peers --------------------------
     tier = MemoryTier(shm, ttl_s=120)
@@ -346,14 +375,20 @@ def run(work: Path, shm: Path) -> int:
     ]
     for label, r in (("same strategy tp4 -> tp4", same), ("reshard tp4 -> tp2 x pp2", cross)):
         rmb = r["bytes"] / 1e6
+        one_file = [("      raw read of as many bytes from one file", f"{rmb / r['one_file']:8.0f} MB/s",
+                     f"throughput ratio {r['one_file'] / r['load']:.2f}")] if "one_file" in r else []
+        cold_one_file = [("      raw read, cold, as many bytes from one file", f"{rmb / r['cold_one_file']:8.0f} MB/s",
+                          f"throughput ratio {r['cold_one_file'] / r['cold_load']:.2f}")] if "one_file" in r else []
         rows += [
             (f"    ms_llm load {label} (rank 0)", f"{rmb / r['load']:8.0f} MB/s", f"CPU {r['cpu_load'] * 1e3:.0f} ms"),
             ("      raw read of the same bytes", f"{rmb / r['raw']:8.0f} MB/s",
              f"CPU {r['cpu_raw'] * 1e3:.0f} ms; throughput ratio {r['raw'] / r['load']:.2f} (goal >= 0.7)"),
+            *one_file,
             ("      the same load, cold page cache", f"{rmb / r['cold_load']:8.0f} MB/s",
              f"CPU {r['cpu_cold_load'] * 1e3:.0f} ms"),
-            ("      raw read, cold page cache", f"{rmb / r['cold_raw']:8.0f} MB/s",
+            ("      raw read of the same bytes, cold page cache", f"{rmb / r['cold_raw']:8.0f} MB/s",
              f"CPU {r['cpu_cold_raw'] * 1e3:.0f} ms; throughput ratio {r['cold_raw'] / r['cold_load']:.2f} (goal >= 0.7)"),
+            *cold_one_file,
         ]
     rows += [
         ("(c) restore: memory tier (/dev/shm, sealed)", f"{d['mem'] * 1e3:8.1f} ms", f"CPU {d['cpu_mem'] * 1e3:.0f} ms"),
