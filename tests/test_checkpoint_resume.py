@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ms_llm.checkpoint import Checkpoint
+from ms_llm.checkpoint.safetensors_io import storage_dtype
 from ms_llm.data import build_stdlib_corpus
 from ms_llm.elastic.procs import descendants
 from ms_llm.run.metrics import read_metrics
@@ -71,6 +73,11 @@ def test_restart_in_place_continues_the_loss_curve(reference):
     saves = [r for r in records if "checkpoint_step" in r]
     assert {r["checkpoint_step"] for r in saves if "stall_s" in r} == {2, 4, 6}
     assert all(r["total_s"] >= 0 for r in saves if "total_s" in r)
+    # dp2 without ZeRO: rank 0 (which logs) holds every tensor whole, so it read all of step 4.
+    [resumed] = [r for r in records if "resumed_step" in r]
+    with Checkpoint(run / "checkpoints" / "step_00000004") as ckpt:
+        saved = sum(ckpt.entry(n).numel * storage_dtype(ckpt.entry(n).dtype).itemsize for n in ckpt.names())
+    assert resumed["resumed_step"] == 4 and resumed["load_bytes"] == saved and resumed["load_s"] > 0
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ def make_run(folder, backend, launches, recovered=None):
     for resumed, first, last in launches:
         log = MetricsLogger(folder / "metrics.jsonl", total_steps=10, every=100)
         if resumed is not None:
-            log.event(resumed_from="ckpt", resumed_step=resumed)
+            log.event(resumed_from="ckpt", resumed_step=resumed, load_s=0.25 * resumed, load_bytes=3_200_000)
         for s in range(first, last + 1):
             m = StepMetrics(step=s, loss=4 - 0.2 * s + 0.01 * (resumed is not None), lr=1e-3, tokens_per_s=100.0 * s, mfu=0.001 * s, memory_gb=0.5)
             if s % 3 == 0:
@@ -59,8 +59,9 @@ def test_report_of_a_torch_run_and_the_mindspore_run_continuing_it(tmp_path, cap
     torch_row, ms_row = rows
     assert torch_row[1:3] == ["torch", "dp2, bfloat16 params / bfloat16 compute / float32 master"]
     assert torch_row[3:6] == ["1-6", f"{4 - 1.2 + 0.01:.4f}", f"{4.1 - 1.2:.4f}"]
-    assert torch_row[6] == "400" and torch_row[8:] == ["1", "2.5 s"]     # median of steps 2-6; one restart
+    assert torch_row[6] == "400" and torch_row[8:] == ["1", "2.5 s", "1.00 s (3.2 MB)"]   # median of steps 2-6
     assert ms_row[1] == "mindspore" and ms_row[3:5] == ["7-10", f"{4 - 2.0 + 0.01:.4f}"] and ms_row[8] == "0"
+    assert ms_row[10] == "1.50 s (3.2 MB)"
     assert math.isclose(float(ms_row[7].rstrip("%")), 0.9)                # median MFU of steps 8-10, in %
 
 

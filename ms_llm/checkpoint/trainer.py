@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -89,6 +90,7 @@ class TrainerCheckpoints:
         self.interval = self.cfg.interval if isinstance(self.cfg.interval, int) else None
         self.step_times: list[float] = []
         self.last_step: Optional[int] = None        # newest checkpoint saved or resumed from
+        self.restore_s: Optional[float] = None      # how long this rank's resume took to load
         self._unfenced: Optional[SaveStats] = None  # a save whose snapshot may still be copying
 
     # ---- resume --------------------------------------------------------------------------
@@ -125,7 +127,9 @@ class TrainerCheckpoints:
             renamed = {w: (dataclasses.replace(held[n][0], name=w), held[n][1]) for w, n in masters.items()}
             return loaded + self._load(ckpt, renamed)
 
+        started = time.perf_counter()
         ckpt = self._load_agreed(folders, load)
+        self.restore_s = time.perf_counter() - started     # fallbacks past damaged folders included
         saved = ckpt.state
         self.state.set_optimizer_step(int(saved.get("optimizer_step", ckpt.step)))
         if self.loss_scale is not None:
@@ -135,8 +139,10 @@ class TrainerCheckpoints:
             self.state.set_rank_state(own)
         if self.rank == 0:
             print(f"resumed from {ckpt.folder} (step {ckpt.step}, saved by {ckpt.config.get('backend', '?')} on "
-                  f"{ckpt.index.world_size} rank(s))", flush=True)
-        self.logger.event(resumed_from=str(ckpt.folder), resumed_step=ckpt.step)
+                  f"{ckpt.index.world_size} rank(s)): {ckpt.bytes_read / 1e6:.1f} MB loaded in {self.restore_s:.2f} s",
+                  flush=True)
+        self.logger.event(resumed_from=str(ckpt.folder), resumed_step=ckpt.step, load_s=self.restore_s,
+                          load_bytes=ckpt.bytes_read)
         self.last_step = ckpt.step
         ckpt.close()
         return ckpt.step
@@ -212,8 +218,11 @@ class TrainerCheckpoints:
         self.fence()
         last = self.writer.wait()
         times = sorted(self.step_times)
-        stall, total, iter_s = self.state.max_over_ranks([last.stall_s, last.total_s, times[len(times) // 2]])
-        decision = choose_interval(IntervalInputs(stall, total, iter_s, total, self.cfg.mtbf_hours))
+        # A run that resumed measured its restore; one that did not takes a save's time for it.
+        restore = last.total_s if self.restore_s is None else self.restore_s
+        stall, total, iter_s, restore = self.state.max_over_ranks(
+            [last.stall_s, last.total_s, times[len(times) // 2], restore])
+        decision = choose_interval(IntervalInputs(stall, total, iter_s, restore, self.cfg.mtbf_hours))
         self.interval = decision.steps                    # every rank computed the same
         if self.rank == 0:
             print(decision.report(), flush=True)

@@ -30,6 +30,7 @@ class Run:
     resumes: list[int] = field(default_factory=list)        # checkpoint step each launch resumed from
     failures: list[tuple[int, str]] = field(default_factory=list)   # (step, kind) the supervisor saw
     recovery_s: list[float] = field(default_factory=list)
+    loads: list[tuple[float, int]] = field(default_factory=list)   # (seconds, bytes) of each resume's load
     first_resume: int | None = None                         # the step the run's first launch resumed from
 
     @property
@@ -71,6 +72,8 @@ def read_run(folder: Path) -> Run:
             run.steps[r["step"]] = r
         elif isinstance(r.get("resumed_step"), int):
             run.resumes.append(r["resumed_step"])
+            if isinstance(r.get("load_s"), (int, float)) and isinstance(r.get("load_bytes"), int):
+                run.loads.append((float(r["load_s"]), r["load_bytes"]))
             if not run.steps and run.first_resume is None:
                 run.first_resume = r["resumed_step"]
         elif r.get("event") == "failure" and isinstance(r.get("step"), int):
@@ -158,9 +161,10 @@ def summary(runs: list[Run], files: list[Path]) -> str:
         rows.append([r.folder.name, r.backend, r.strategy, f"{min(r.steps)}-{max(r.steps)}", f"{last['loss']:.4f}",
                      f"{val[-1]:.4f}" if val else "-", f"{statistics.median(rates):,.0f}",
                      f"{100 * statistics.median(mfus):.2f}%", str(r.restarts),
-                     ", ".join(f"{s:.1f} s" for s in r.recovery_s) or "-"])
+                     ", ".join(f"{s:.1f} s" for s in r.recovery_s) or "-",
+                     ", ".join(f"{s:.2f} s ({n / 1e6:,.1f} MB)" for s, n in r.loads) or "-"])
     headers = ["run", "backend", "strategy", "steps", "final loss", "final val loss", "tokens/s (median)",
-               "MFU (median)", "restarts", "recovery"]
+               "MFU (median)", "restarts", "recovery", "checkpoint load (rank 0)"]
     lines = ["# Run report", ""]
     lines += [f"![{p.stem}]({p.name})" for p in files] + [""]
     lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
