@@ -20,7 +20,7 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class Checkpoint:
                 raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
             index = Index.from_json(data, str(path))
         self.index: Index = index
-        self._files: dict[str, tuple[Path, int, dict[str, TensorSpan], bool]] = {}
+        self._files: dict[str, tuple[Path, int, Mapping[str, TensorSpan], bool]] = {}
         self._fds: dict[str, int] = {}
         self._shards: dict[tuple[str, str], Shard] = {}
         self._checked = Checked()
@@ -237,7 +237,7 @@ class Checkpoint:
                                   f"C-contiguous {dtype} {region.shape} array")
         return out
 
-    def _open_file(self, fname: str, tensor: str) -> tuple[Path, int, dict[str, TensorSpan], bool]:
+    def _open_file(self, fname: str, tensor: str) -> tuple[Path, int, Mapping[str, TensorSpan], bool]:
         """The file's path, descriptor and spans, and whether the memory tier's keeper sealed it."""
         with self._lock:
             if fname not in self._files:

@@ -18,6 +18,7 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -102,8 +103,9 @@ def header_bytes(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict
     return head, [TensorSpan(k, d, s, len(head) + o, n) for k, d, s, o, n in rel]
 
 
-def read_header(path: str) -> tuple[dict[str, TensorSpan], dict[str, str], int]:
-    """Parse a safetensors header: spans by key, metadata, and the file size.
+def read_header(path: str) -> tuple[Mapping[str, TensorSpan], dict[str, str], int]:
+    """Parse a safetensors header: spans by key (each checked when first looked up), metadata,
+    and the file size.
 
     Raises CheckpointError naming the file (and the tensor and field) when the header is
     unreadable, a value in it is not what the format allows, or a tensor's bytes lie past
@@ -119,8 +121,28 @@ def read_header(path: str) -> tuple[dict[str, TensorSpan], dict[str, str], int]:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise CheckpointError(f"{path}: safetensors '__metadata__' is not a JSON object")
-    spans = {key: _span(path, key, info, base, size) for key, info in header.items()}
-    return spans, metadata, size
+    return Spans(path, header, base, size), metadata, size
+
+
+class Spans(Mapping):
+    """A header's entries by key, each checked (_span) when first looked up: a load that reads
+    some of a file's tensors (one pipeline stage's of a rank's file) pays for those only."""
+
+    def __init__(self, path: str, header: dict, base: int, size: int):
+        self._path, self._raw, self._base, self._size = path, header, base, size
+        self._parsed: dict[str, TensorSpan] = {}
+
+    def __getitem__(self, key: str) -> TensorSpan:
+        span = self._parsed.get(key)
+        if span is None:
+            span = self._parsed[key] = _span(self._path, key, self._raw[key], self._base, self._size)
+        return span
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
 
 
 def _header_text(path: str) -> tuple[bytes, int]:
