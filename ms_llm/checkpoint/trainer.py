@@ -90,7 +90,7 @@ class TrainerCheckpoints:
         self.interval = self.cfg.interval if isinstance(self.cfg.interval, int) else None
         self.step_times: list[float] = []
         self.last_step: Optional[int] = None        # newest checkpoint saved or resumed from
-        self.restore_s: Optional[float] = None      # how long this rank's resume took to load
+        self.restore_s: Optional[float] = None      # seconds this rank's resume spent loading
         self._unfenced: Optional[SaveStats] = None  # a save whose snapshot may still be copying
 
     # ---- resume --------------------------------------------------------------------------
@@ -127,9 +127,7 @@ class TrainerCheckpoints:
             renamed = {w: (dataclasses.replace(held[n][0], name=w), held[n][1]) for w, n in masters.items()}
             return loaded + self._load(ckpt, renamed)
 
-        started = time.perf_counter()
         ckpt = self._load_agreed(folders, load)
-        self.restore_s = time.perf_counter() - started     # fallbacks past damaged folders included
         saved = ckpt.state
         self.state.set_optimizer_step(int(saved.get("optimizer_step", ckpt.step)))
         if self.loss_scale is not None:
@@ -176,7 +174,9 @@ class TrainerCheckpoints:
             raise CheckpointError(f"ranks see {-least:.0f} to {most:.0f} checkpoints to resume from; every rank "
                                   "needs the same run folder (and train.checkpoint.load)")
         failures = []
+        self.restore_s = 0.0
         for folder in folders:
+            started = time.perf_counter()
             try:
                 ckpt = Checkpoint(folder)
                 load(ckpt)
@@ -184,6 +184,7 @@ class TrainerCheckpoints:
                 log.warning("checkpoint %s unusable, trying the previous one: %s", folder, exc)
                 failures.append(f"  - {exc}")
                 ckpt = None
+            self.restore_s += time.perf_counter() - started     # this rank's reading; not the others' pace
             if self.state.max_over_ranks([float(ckpt is None)])[0]:
                 if ckpt is not None:
                     ckpt.close()
