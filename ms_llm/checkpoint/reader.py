@@ -64,7 +64,7 @@ class Checkpoint:
         self._checked = Checked()
         self._seal = Seal.load(self.folder)
         self._lock = threading.Lock()
-        self.bytes_read = 0             # bytes filled by read() and read_pieces(): what a load cost
+        self.bytes_loaded = 0           # bytes read() and read_pieces() filled: what a load delivered
         # One reading thread more than cores (up to 4): a thread back from its preadv waits to
         # retake the GIL for its checksum loop, and the spare thread keeps its core copying.
         self.workers = min(4, (os.cpu_count() or 1) + 1)
@@ -133,7 +133,7 @@ class Checkpoint:
         out, moves = self._plan(name, want, out)
         with Mover(self._checked, self.workers) as mover:
             mover.submit(moves)
-        self.bytes_read += out.nbytes
+        self.bytes_loaded += out.nbytes
         return out
 
     def read_full(self, name: str) -> np.ndarray:
@@ -159,7 +159,7 @@ class Checkpoint:
         moves.sort(key=lambda m: (m.shard.fd, m.shard.start + m.src))
         with Mover(self._checked, self.workers) as mover:
             mover.submit(moves)
-        self.bytes_read += sum(a.nbytes for a in arrays.values())
+        self.bytes_loaded += sum(a.nbytes for a in arrays.values())
         return arrays
 
     def verify(self) -> None:

@@ -137,10 +137,10 @@ class TrainerCheckpoints:
             self.state.set_rank_state(own)
         if self.rank == 0:
             print(f"resumed from {ckpt.folder} (step {ckpt.step}, saved by {ckpt.config.get('backend', '?')} on "
-                  f"{ckpt.index.world_size} rank(s)): {ckpt.bytes_read / 1e6:.1f} MB loaded in {self.restore_s:.2f} s",
+                  f"{ckpt.index.world_size} rank(s)): {ckpt.bytes_loaded / 1e6:.1f} MB loaded in {self.restore_s:.2f} s",
                   flush=True)
         self.logger.event(resumed_from=str(ckpt.folder), resumed_step=ckpt.step, load_s=self.restore_s,
-                          load_bytes=ckpt.bytes_read)
+                          load_bytes=ckpt.bytes_loaded)
         self.last_step = ckpt.step
         ckpt.close()
         return ckpt.step
