@@ -4,7 +4,6 @@ backends' launch modules; imports no framework."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import shutil
@@ -118,21 +117,25 @@ def exit_with_supervisor() -> None:
     threading.Thread(target=watch, name="exit-with-supervisor", daemon=True).start()
 
 
-def _die_with_parent(parent: int, prctl, sig: int) -> None:
-    """Run in the launcher child before exec: `sig` when the supervisor that started it dies
-    (PR_SET_PDEATHSIG), so a killed supervisor leaves no launcher behind."""
-    prctl(PR_SET_PDEATHSIG, sig)
-    if os.getppid() != parent:                        # it died before the call above: nothing will signal
-        os._exit(1)
+# Run as `python -S -c _TRAMPOLINE <parent pid> <signal> <command...>`: asks the kernel for the
+# signal when the parent dies (PR_SET_PDEATHSIG, kept across exec), gives up if the parent died
+# before the call, then becomes the command. It runs in a fresh single-threaded process, where a
+# preexec_fn would run between fork and exec in a copy of the threaded supervisor and could
+# deadlock on a lock another of its threads held at the fork.
+_TRAMPOLINE = ("import ctypes, os, sys\n"
+               f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, int(sys.argv[2]))\n"
+               "if os.getppid() != int(sys.argv[1]):\n"
+               "    os._exit(1)\n"
+               "os.execvp(sys.argv[3], sys.argv[3:])\n")
 
 
-def die_with_parent(sig: int = signal.SIGKILL):
-    """preexec_fn for a launcher the supervisor starts (Linux; None elsewhere). SIGTERM for one
-    that stops its own children on it (msrun's log tails)."""
+def die_with_parent(cmd: list[str], sig: int = signal.SIGKILL) -> list[str]:
+    """`cmd` for a launcher the supervisor starts, such that it gets `sig` when the supervisor
+    dies, so a killed supervisor leaves no launcher behind (Linux; `cmd` as is elsewhere).
+    SIGTERM for one that stops its own children on it (msrun's log tails)."""
     if not sys.platform.startswith("linux"):
-        return None
-    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()     # looked up before the fork
-    return lambda: _die_with_parent(parent, prctl, sig)
+        return cmd
+    return [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()), str(int(sig)), *cmd]
 
 
 def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
@@ -165,8 +168,8 @@ def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool =
     out = open(log, "a")
     out.write("$ " + " ".join(cmd) + "\n")
     out.flush()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=session, preexec_fn=die_with_parent() if session else None)
+    proc = subprocess.Popen(die_with_parent(cmd) if session else cmd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=session)
 
     def echo() -> None:
         logging = True
