@@ -45,7 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # read when torch loads its OpenMP runtime
 
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, MemoryTier, SaveItem, param_pieces  # noqa: E402
-from ms_llm.checkpoint.boxes import intersect  # noqa: E402
 from ms_llm.checkpoint.reshard import layout_plan  # noqa: E402
 from ms_llm.checkpoint.safetensors_io import read_header  # noqa: E402
 from ms_llm.config.model import ModelConfig  # noqa: E402
@@ -107,12 +106,15 @@ def saved_ranges(folder: Path, pieces: dict) -> list[tuple[Path, int, int]]:
     """The byte ranges (file, start, stop), in file order with neighbours merged, of the saved
     shards whose boxes meet the pieces: the bytes a load of them has to read."""
     spans: list[tuple[Path, int, int]] = []
+    headers: dict[str, dict] = {}
     with Checkpoint.open(folder) as c:
         for name, piece in pieces.items():
-            for shard in c.entry(name).shards:
-                if intersect(piece.region.offsets, piece.region.sizes, shard.region.offsets, shard.region.sizes):
-                    span = read_header(str(c.folder / shard.file))[0][shard.key]
-                    spans.append((c.folder / shard.file, span.start, span.start + span.nbytes))
+            entry = c.entry(name)
+            for shard in (entry.shards[k] for k in entry.shards_near(piece.region)):
+                if shard.file not in headers:
+                    headers[shard.file] = read_header(str(c.folder / shard.file))[0]
+                span = headers[shard.file][shard.key]
+                spans.append((c.folder / shard.file, span.start, span.start + span.nbytes))
     merged: list[tuple[Path, int, int]] = []
     for path, start, stop in sorted(spans):
         if merged and merged[-1][0] == path and merged[-1][2] == start:
