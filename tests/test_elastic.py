@@ -1,13 +1,16 @@
 """The restart policy both launchers share (a real worker crash is in test_checkpoint_resume)."""
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
 
 from ms_llm.config.job import job_from_dict
 from ms_llm.elastic import check_restarts, with_restarts
+from ms_llm.elastic.watch import LaunchWatch, Timeouts
 from ms_llm.errors import ConfigError
 from ms_llm.run import RunFolder
+from ms_llm.run.heartbeat import Heartbeat
 
 
 def launches(codes: list[int]):
@@ -162,3 +165,23 @@ def test_mindspore_compile_cache_is_keyed_by_job_and_world(tmp_path):
     assert compile_cache(run, 4) != two
     run.config.write_text("strategy: {dp: 2, zero: {stage: 1}}\n")
     assert compile_cache(run, 2) != two
+
+
+def test_a_recovery_counts_ranks_that_stepped_then_failed(tmp_path):
+    """A launch resumed from step 4 has recovered once every rank completed a step in it, even
+    when the supervisor next looks only after a peer's death turned a rank's record to "failed";
+    a rank that failed before any new step has not."""
+    watch = LaunchWatch(tmp_path, range(2), time.time(), Timeouts())
+    beats = [Heartbeat(tmp_path, rank) for rank in range(2)]
+    for beat in beats:
+        beat.beat(4, phase="start")
+    watch.current()
+    assert not watch.first_new_step(4)
+    beats[0].beat(5)
+    beats[1].fail(4, ConnectionResetError("peer closed"))
+    watch.current()
+    assert not watch.first_new_step(4)
+    beats[0].beat(11)
+    beats[1].fail(11, ConnectionResetError("peer closed"))
+    watch.current()
+    assert watch.first_new_step(4)

@@ -218,12 +218,12 @@ class Supervisor:
         while True:
             rc = proc.poll()
             failure = watch.poll()
-            if recovering is not None and watch.first_new_step():
+            if recovering is not None and watch.first_new_step(base):
                 seconds = time.monotonic() - recovering[0]
                 self.log(f"recovered in {seconds:.1f} s (failure detected -> every rank's first new step)")
                 self.record(event="recovered", recovery_s=round(seconds, 3), cause=recovering[1], world=world)
                 recovering = None
-            if self.warm_standby and self.standby is None and rc is None and watch.first_new_step():
+            if self.warm_standby and self.standby is None and rc is None and watch.first_new_step(base):
                 self._prepare_standby(world)         # after the first step: its imports do not slow startup
             if failure is not None and failure.kind == "exit":
                 failure = self._settle(watch, failure)

@@ -93,6 +93,10 @@ class LaunchWatch:
     def all_done(self) -> bool:
         return all(self.beats.get(r, {}).get("phase") == "done" for r in self.ranks)
 
-    def first_new_step(self) -> bool:
-        """Every rank of this node has completed a step in this launch."""
-        return all(self.beats.get(r, {}).get("phase") in ("train", "done") for r in self.ranks)
+    def first_new_step(self, resumed_at: int) -> bool:
+        """Every rank of this node has completed a step in this launch, which resumed from step
+        `resumed_at` or before: it reports steps, or it failed after one (a rank whose peer died
+        a few steps in may already say "failed" when the supervisor next looks)."""
+        beats = [self.beats.get(r, {}) for r in self.ranks]
+        return all(b.get("phase") in ("train", "done") or (b.get("phase") == "failed" and b["step"] > resumed_at)
+                   for b in beats)
