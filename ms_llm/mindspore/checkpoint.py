@@ -50,9 +50,11 @@ def to_numpy(t) -> tuple[np.ndarray, str]:
 
 
 def from_numpy(array: np.ndarray, dtype: str) -> ms.Tensor:
+    """A Tensor over the array's own memory (ms.Tensor(array) would copy it first); bfloat16
+    bits are widened to float32 and cast back."""
     if dtype == "bfloat16":
-        return ms.Tensor(bf16_to_f32(array)).astype(ms.bfloat16)
-    return ms.Tensor(array)
+        return ms.Tensor.from_numpy(bf16_to_f32(array)).astype(ms.bfloat16)
+    return ms.Tensor.from_numpy(np.ascontiguousarray(array))
 
 
 def save_items(pieces: dict[str, Piece], params: dict) -> list[SaveItem]:
@@ -76,7 +78,9 @@ def load_into(ckpt: Checkpoint, pieces: dict[str, Piece], params: dict, strict: 
         value = from_numpy(array, ckpt.entry(name).dtype)
         if tuple(param.shape) != tuple(value.shape):
             raise CheckpointError(f"{name}: Parameter {tuple(param.shape)} but the piece read is {tuple(value.shape)}")
-        param[:] = value.astype(param.dtype)     # in place: compiled graphs holding it see the values
+        if value.dtype != param.dtype:
+            value = value.astype(param.dtype)
+        param[:] = value                            # in place: compiled graphs holding it see the values
     return sorted(arrays)
 
 
