@@ -73,6 +73,20 @@ def test_resume_from_step_3_repeats_steps_4_and_5(fp32_run, tokens, tmp_path):
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in records[3:]]
 
 
+
+def test_every_resume_agreement_gathers_one_row_shape():
+    """A resume agrees on folder counts (2 values), load failures (1), the step loaded (2), the
+    session token (4 draws) and, for an auto interval, 4 timings: one float32 row for all, so
+    the AllGather compiles once per launch; the values come back exactly."""
+    from ms_llm.mindspore.state import AGREE_WIDTH, agreement_row
+    asked = [[3.0, -3.0], [0.0], [1200.0, -1200.0], [65535.0, 0.0, 17.0, 1.0], [0.01, 2.5, 0.2, 0.03]]
+    rows = [agreement_row(v) for v in asked]
+    assert {(r.shape, r.dtype) for r in rows} == {((1, AGREE_WIDTH), np.dtype(np.float32))}
+    for values, row in zip(asked, rows):
+        assert row[0, :len(values)].tolist() == np.float32(values).tolist()
+        assert not row[0, len(values):].any()
+    with pytest.raises(ValueError, match="holds 4"):
+        agreement_row([0.0] * (AGREE_WIDTH + 1))
 def test_fp16_with_dynamic_loss_scaling_is_finite_and_close_to_fp32(fp32_run, tokens, tmp_path):
     _, records = fp32_run
     fp16 = {"param_dtype": "float32", "compute_dtype": "float16", "loss_scale": "dynamic"}

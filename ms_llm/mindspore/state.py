@@ -22,6 +22,7 @@ from ms_llm.mindspore.checkpoint import load_into, save_items
 from ms_llm.strategy.plan import ModelPlan
 
 STATES = ("exp_avg", "exp_avg_sq")
+AGREE_WIDTH = 4             # values per agreement row: the most any caller compares at once
 
 
 class _Gather(nn.Cell):
@@ -33,6 +34,18 @@ class _Gather(nn.Cell):
 
     def construct(self, x):
         return self.all_gather(x)
+
+
+def agreement_row(values: list[float]) -> np.ndarray:
+    """`values` as one float32 row of AGREE_WIDTH, zero-padded: every agreement a resume makes
+    (folder counts, load failures, steps, the session token) gathers the same shape, so the
+    AllGather graph compiles once per launch, not once per value count and dtype (each new shape
+    was one more graph compilation in every recovery: 70-90 ms each on a CPU)."""
+    if len(values) > AGREE_WIDTH:
+        raise ValueError(f"{len(values)} values to agree on; an agreement row holds {AGREE_WIDTH}")
+    row = np.zeros((1, AGREE_WIDTH), np.float32)
+    row[0, :len(values)] = values
+    return row
 
 
 class SegmentSlice:
@@ -104,17 +117,18 @@ class MsTrainerState:
     def max_over_ranks(self, values: list[float]) -> list[float]:
         if self._gather is None:
             return list(values)
-        every = self._gather(ms.Tensor([values], ms.float32)).asnumpy()      # (world, len(values))
-        return [float(x) for x in every.max(axis=0)]
+        every = self._gather(ms.Tensor.from_numpy(agreement_row(values))).asnumpy()     # (world, AGREE_WIDTH)
+        return [float(x) for x in every.max(axis=0)[:len(values)]]
 
     def session_token(self) -> str:
         """Rank 0's random draw, the same on every rank and new for every launch (a relaunch on
-        several nodes reuses msrun's scheduler address and port)."""
-        mine = np.frombuffer(os.urandom(8), np.int32)
+        several nodes reuses msrun's scheduler address and port): four 16-bit draws, each exact
+        in the float32 agreement row."""
+        mine = np.frombuffer(os.urandom(2 * AGREE_WIDTH), np.uint16)
         if self._gather is None:
             return mine.tobytes().hex()
-        every = self._gather(ms.Tensor(mine[None], ms.int32)).asnumpy()        # (world, 2)
-        return every[0].tobytes().hex()
+        every = self._gather(ms.Tensor.from_numpy(agreement_row(mine.tolist()))).asnumpy()
+        return every[0].astype(np.uint16).tobytes().hex()
 
     def set_optimizer_step(self, steps: int) -> None:
         engine = getattr(getattr(self.step_fn, "runner", None), "engine", None)
