@@ -17,7 +17,8 @@
     and a raw read of the same bytes from /dev/shm on two threads: the floor of any restore that
     copies the bytes into the process
 (d) full-state load, one rank, into existing tensors: ms_llm vs torch DCP dcp.load vs
-    safetensors load_file + copy_ (what load_state_dict does)
+    safetensors load_file + copy_ (what load_state_dict does); into a MindSpore net's
+    Parameters: ms_llm's load_into vs mindspore.load_checkpoint (its own .ckpt of the same state)
 
     python bench/checkpoint.py            (make bench runs it too)
 
@@ -329,6 +330,18 @@ def run(work: Path, shm: Path) -> int:
         "st": lambda: load_state(st_dest, safetensors.torch.load_file(str(st_file))),
     }
     where = {"ours": work / "tiered", "dcp": dcp_dir, "st": st_file}
+    if ms is not None:
+        from ms_llm.mindspore.checkpoint import load_into as ms_load_into
+        ms_net = ms.nn.Cell()
+        ms_net.weights = ms.ParameterTuple([ms.Parameter(ms.Tensor(np.zeros_like(a)), name=n) for n, a in state.items()])
+        ms_params = {p.name: p for p in ms_net.weights}
+        ms_file = work / f"ms{REPEATS}.ckpt"
+
+        def ms_restore() -> None:
+            with Checkpoint.open(work / "tiered") as c:
+                ms_load_into(c, pieces, ms_params)
+        loads |= {"ms_ours": ms_restore, "ms": lambda: ms.load_checkpoint(str(ms_file), ms_net)}
+        where |= {"ms_ours": work / "tiered", "ms": ms_file}
     shm_file = next(tier.latest().glob("rank_*.safetensors"))
     shm_out = np.empty(nbytes, np.uint8)
     t = {k: [] for k in ("mem", "cpu_mem", "mem_raw", "cpu_cold_ours", *loads, *(f"cold_{k}" for k in loads))}
@@ -405,6 +418,14 @@ def run(work: Path, shm: Path) -> int:
         ("    safetensors load_file + copy_, warm / cold", f"{d['st'] * 1e3:8.1f} ms",
          f"{d['cold_st'] * 1e3:8.1f} ms cold; ms_llm {d['st'] / d['ours']:.1f}x / {d['cold_st'] / d['cold_ours']:.1f}x"),
     ]
+    if "ms" in d:
+        rows += [
+            ("    into MindSpore Parameters: ms_llm load_into, warm / cold", f"{d['ms_ours'] * 1e3:8.1f} ms",
+             f"{d['cold_ms_ours'] * 1e3:8.1f} ms cold"),
+            ("    mindspore.load_checkpoint into the net, warm / cold", f"{d['ms'] * 1e3:8.1f} ms",
+             f"{d['cold_ms'] * 1e3:8.1f} ms cold; ms_llm {d['ms'] / d['ms_ours']:.1f}x / "
+             f"{d['cold_ms'] / d['cold_ms_ours']:.1f}x"),
+        ]
     width = max(len(r[0]) for r in rows)
     for name, value, ratio in rows:
         print(f"{name:<{width}}  {value}  {ratio}")

@@ -121,8 +121,8 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
         mode, loss_scale = "DATA_PARALLEL, PyNative + shared ZeRO engine", None
     else:
         # MindSpore's cache names graphs by their order of compilation: only the start-up ones
-        # (parameter broadcast, the step) come in a fixed order; later ones (checkpoint gathers,
-        # one per shape) compile afresh.
+        # (parameter broadcast, the step) come in a fixed order; later ones (the checkpoint
+        # agreements' one gather, state.agreement_row) compile afresh.
         cache = compile_cache(ascend)
         if cache is not None:
             os.environ["MS_COMPILER_CACHE_PATH"] = cache
