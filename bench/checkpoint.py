@@ -12,7 +12,8 @@
     (every file read once, untimed, just before each timed read, so each starts with the same
     page cache and CPU caches) and cold (our own files evicted with posix_fadvise DONTNEED
     before each read); a reshard's bytes lie in two files, and a raw read of as many bytes from
-    one file is shown beside it
+    one file is shown beside it. The same two loads of a wider model's state (WIDE, ~470 MB,
+    tensors of a few MB) show what per-tensor planning weighs once tensors are that large
 (c) restore from the memory tier (/dev/shm, sealed by its keeper) vs from disk, cold page cache,
     and a raw read of the same bytes from /dev/shm on two threads: the floor of any restore that
     copies the bytes into the process
@@ -55,6 +56,9 @@ from ms_llm.strategy.ir import ParallelStrategy  # noqa: E402
 # ~40M parameters = 160 MB in fp32.
 MODEL = ModelConfig(name="bench", vocab_size=16384, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
                     ffn_hidden_size=1408, max_seq_len=256, dtype="float32")
+# (b) again on wider layers (~470 MB): tensors of a few MB instead of MODEL's 0.5 MB average.
+WIDE = ModelConfig(name="bench_wide", vocab_size=32768, hidden_size=1024, num_layers=4, num_heads=8, num_kv_heads=4,
+                   ffn_hidden_size=2816, max_seq_len=256, dtype="float32")
 REPEATS = 9
 
 
@@ -303,6 +307,15 @@ def run(work: Path, shm: Path) -> int:
     save_sharded(work / "tp4", state, tp4)
     same = load_vs_raw(work / "tp4", param_pieces(tp4, 0))
     cross = load_vs_raw(work / "tp4", param_pieces(target, 0))
+    wide_tp4, wide_target = (layout_plan(WIDE, ParallelStrategy(tp=4), 4),
+                             layout_plan(WIDE, ParallelStrategy(tp=2, pp=2), 4))
+    wide_state = {n: init_param(n, p.shape, 0, std=1.0) for n, p in layout_plan(WIDE, ParallelStrategy(dp=1), 1).params.items()}
+    save_sharded(work / "wide", wide_state, wide_tp4)
+    del wide_state
+    wide_pieces = param_pieces(wide_tp4, 0)
+    wide_same = load_vs_raw(work / "wide", wide_pieces)
+    wide_cross = load_vs_raw(work / "wide", param_pieces(wide_target, 0))
+    shutil.rmtree(work / "wide")
 
     # ---- (c) memory tier vs disk, (d) full-state loads vs the peers --------------------------
     tier = MemoryTier(shm, ttl_s=120)
@@ -388,7 +401,13 @@ def run(work: Path, shm: Path) -> int:
         ("    raw write + fsync of the same bytes", f"{mb / a['raw_write']:8.0f} MB/s",
          f"throughput ratio {a['raw_write'] / a['persist']:.2f}"),
     ]
-    for label, r in (("same strategy tp4 -> tp4", same), ("reshard tp4 -> tp2 x pp2", cross)):
+    def per_tensor(r: dict, pieces: dict) -> str:
+        return f"{r['bytes'] / len(pieces) / 1e6:.1f} MB a tensor"
+    loads_b = [(f"same strategy tp4 -> tp4 ({per_tensor(same, param_pieces(tp4, 0))})", same),
+               ("reshard tp4 -> tp2 x pp2", cross),
+               (f"same strategy, wider layers ({per_tensor(wide_same, wide_pieces)})", wide_same),
+               ("reshard, wider layers", wide_cross)]
+    for label, r in loads_b:
         rmb = r["bytes"] / 1e6
         one_file = [("      raw read of as many bytes from one file", f"{rmb / r['one_file']:8.0f} MB/s",
                      f"throughput ratio {r['one_file'] / r['load']:.2f}")] if "one_file" in r else []
