@@ -238,6 +238,27 @@ def test_torch_to_mindspore_and_back(tmp_path):
     assert all(np.array_equal(back.read_full(n), ref[n]) for n in ref)
 
 
+@pytest.mark.mindspore
+def test_mindspore_load_into_widens_bfloat16_exactly(tmp_path):
+    """A bfloat16 checkpoint (a torch bf16 run's, a Hugging Face import) loads into the float32
+    Parameters MindSpore holds on a CPU, widened exactly, through the Tensor load_into makes over
+    the read array's memory."""
+    ms = pytest.importorskip("mindspore")
+    from ms_llm.checkpoint import Piece, Region
+    from ms_llm.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16
+    from ms_llm.mindspore.checkpoint import load_into as ms_load_into
+
+    bits = f32_to_bf16(np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32))
+    piece = Piece("w", (8, 16), Region((0, 0), (8, 16)))
+    writer = CheckpointWriter(tmp_path, 0, 1, session="bf16")
+    writer.save(1, [SaveItem(piece, bits, "bfloat16")])
+    writer.close()
+    param = ms.Parameter(ms.Tensor(np.zeros((8, 16), np.float32)), name="w")
+    with Checkpoint.open(tmp_path) as ckpt:
+        assert ms_load_into(ckpt, {"w": piece}, {"w": param}) == ["w"]
+    assert param.dtype == ms.float32 and np.array_equal(param.asnumpy(), bf16_to_f32(bits))
+
+
 def test_convert_checkpoint_command(tmp_path, capsys):
     ref = reference()
     _write(tmp_path / "ckpt", ref, {"tp": 2}, 2)
