@@ -309,7 +309,8 @@ def run(work: Path, shm: Path) -> int:
     cross = load_vs_raw(work / "tp4", param_pieces(target, 0))
     wide_tp4, wide_target = (layout_plan(WIDE, ParallelStrategy(tp=4), 4),
                              layout_plan(WIDE, ParallelStrategy(tp=2, pp=2), 4))
-    wide_state = {n: init_param(n, p.shape, 0, std=1.0) for n, p in layout_plan(WIDE, ParallelStrategy(dp=1), 1).params.items()}
+    wide_one = layout_plan(WIDE, ParallelStrategy(dp=1), 1)
+    wide_state = {n: init_param(n, p.shape, 0, std=1.0) for n, p in wide_one.params.items()}
     save_sharded(work / "wide", wide_state, wide_tp4)
     del wide_state
     wide_pieces = param_pieces(wide_tp4, 0)
@@ -346,7 +347,8 @@ def run(work: Path, shm: Path) -> int:
     if ms is not None:
         from ms_llm.mindspore.checkpoint import load_into as ms_load_into
         ms_net = ms.nn.Cell()
-        ms_net.weights = ms.ParameterTuple([ms.Parameter(ms.Tensor(np.zeros_like(a)), name=n) for n, a in state.items()])
+        ms_net.weights = ms.ParameterTuple([ms.Parameter(ms.Tensor(np.zeros_like(a)), name=n)
+                                            for n, a in state.items()])
         ms_params = {p.name: p for p in ms_net.weights}
         ms_file = work / f"ms{REPEATS}.ckpt"
 
