@@ -305,7 +305,8 @@ def run(work: Path, shm: Path) -> int:
     # rank 0 of tp4 reads its own shard; reshard: rank 0 of tp2 x pp2 reads half of two shards.
     tp4, target = layout_plan(MODEL, ParallelStrategy(tp=4), 4), layout_plan(MODEL, ParallelStrategy(tp=2, pp=2), 4)
     save_sharded(work / "tp4", state, tp4)
-    same = load_vs_raw(work / "tp4", param_pieces(tp4, 0))
+    tp4_pieces = param_pieces(tp4, 0)
+    same = load_vs_raw(work / "tp4", tp4_pieces)
     cross = load_vs_raw(work / "tp4", param_pieces(target, 0))
     wide_tp4, wide_target = (layout_plan(WIDE, ParallelStrategy(tp=4), 4),
                              layout_plan(WIDE, ParallelStrategy(tp=2, pp=2), 4))
@@ -405,7 +406,7 @@ def run(work: Path, shm: Path) -> int:
     ]
     def per_tensor(r: dict, pieces: dict) -> str:
         return f"{r['bytes'] / len(pieces) / 1e6:.1f} MB a tensor"
-    loads_b = [(f"same strategy tp4 -> tp4 ({per_tensor(same, param_pieces(tp4, 0))})", same),
+    loads_b = [(f"same strategy tp4 -> tp4 ({per_tensor(same, tp4_pieces)})", same),
                ("reshard tp4 -> tp2 x pp2", cross),
                (f"same strategy, wider layers ({per_tensor(wide_same, wide_pieces)})", wide_same),
                ("reshard, wider layers", wide_cross)]

@@ -172,7 +172,7 @@ def test_a_reshard_reads_split_rows_in_batches_and_checks_them(tp4, tmp_path, mo
     pieces = rank_pieces(plan_for({"tp": 2}, 2), 0)
     kinds = []
     monkeypatch.setattr(transfer.Batch, "run", lambda self, checked, run=transfer.Batch.run: (
-        kinds.append({type(m).__name__ for m, _, _ in self.parts}), run(self, checked))[1])
+        kinds.append({type(m).__name__ for m, *_ in self.parts}), run(self, checked))[1])
     with Checkpoint(saved) as c:
         got = c.read_pieces(pieces)
     for name, piece in pieces.items():

@@ -27,7 +27,7 @@ from typing import Any, Optional
 from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
-from ms_llm.checkpoint.untrusted import MAX_COUNT, integer, integers
+from ms_llm.checkpoint.untrusted import MAX_COUNT, CheckedOnUse, integer, integers
 from ms_llm.config.schema import to_dict
 from ms_llm.errors import CheckpointError
 from ms_llm.strategy.ir import MAX_WORLD_SIZE
@@ -210,32 +210,6 @@ class ParsedShards(Sequence):
         return None
 
 
-class Tensors(Mapping):
-    """The tensor entries of a saved index, each parsed and checked when first used: a load
-    that wants some tensors (one pipeline stage's, weights without optimizer states) pays for
-    those only, and a loader plans and reads each tensor as soon as its entry is parsed.
-    A malformed entry raises CheckpointError on use, inside the caller's fallback."""
-
-    def __init__(self, raw: dict, where: str):
-        self._raw, self._where = raw, where
-        self._parsed: dict[str, TensorEntry] = {}
-
-    def __getitem__(self, name: str) -> TensorEntry:
-        entry = self._parsed.get(name)
-        if entry is None:
-            entry = self._parsed[name] = TensorEntry.from_json(name, self._raw[name], self._where)
-        return entry
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._raw
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
-
-    def __len__(self) -> int:
-        return len(self._raw)
-
-
 @dataclass
 class Index:
     step: int
@@ -275,7 +249,8 @@ class Index:
             rank_states[int(r)] = _mapping(s, f"{where}: 'rank_states' of rank {r}")
         for value, what in [(state, "state")] + [(s, f"rank_states[{r}]") for r, s in rank_states.items()]:
             _check_decodes(value, f"{where}: '{what}'")
-        return cls(step, world_size, config, state, rank_states, Tensors(tensors, where),
+        entries = CheckedOnUse(tensors, lambda name, value: TensorEntry.from_json(name, value, where))
+        return cls(step, world_size, config, state, rank_states, entries,
                    _mapping(data.get("save_stats", {}), f"{where}: 'save_stats'"))
 
 

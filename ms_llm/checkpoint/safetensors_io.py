@@ -18,11 +18,11 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from ms_llm.checkpoint.untrusted import integers
+from ms_llm.checkpoint.untrusted import CheckedOnUse, integers
 from ms_llm.errors import CheckpointError
 
 # Our dtype name -> (safetensors code, numpy storage dtype).
@@ -121,28 +121,7 @@ def read_header(path: str) -> tuple[Mapping[str, TensorSpan], dict[str, str], in
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise CheckpointError(f"{path}: safetensors '__metadata__' is not a JSON object")
-    return Spans(path, header, base, size), metadata, size
-
-
-class Spans(Mapping):
-    """A header's entries by key, each checked (_span) when first looked up: a load that reads
-    some of a file's tensors (one pipeline stage's of a rank's file) pays for those only."""
-
-    def __init__(self, path: str, header: dict, base: int, size: int):
-        self._path, self._raw, self._base, self._size = path, header, base, size
-        self._parsed: dict[str, TensorSpan] = {}
-
-    def __getitem__(self, key: str) -> TensorSpan:
-        span = self._parsed.get(key)
-        if span is None:
-            span = self._parsed[key] = _span(self._path, key, self._raw[key], self._base, self._size)
-        return span
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
-
-    def __len__(self) -> int:
-        return len(self._raw)
+    return CheckedOnUse(header, lambda key, info: _span(path, key, info, base, size)), metadata, size
 
 
 def _header_text(path: str) -> tuple[bytes, int]:

@@ -58,6 +58,11 @@ class Shard:
     def block_range(self, b: int) -> tuple[int, int]:
         return b * self.block, min((b + 1) * self.block, self.nbytes)
 
+    def whole_blocks(self, lo: int, hi: int) -> bool:
+        """Whether bytes [lo, hi) are whole checksum blocks (or unchecked): a Batch can read and
+        check them."""
+        return not self.sums or lo % self.block == 0 and (hi % self.block == 0 or hi == self.nbytes)
+
     def step(self) -> int:
         """Chunk length: whole blocks, about CHUNK bytes."""
         return self.block * max(1, CHUNK // self.block) if self.sums else CHUNK
@@ -250,38 +255,29 @@ def scratch(nbytes: int) -> memoryview:
     return buf[:nbytes]
 
 
-def whole_blocks(move: Move, a: int, b: int) -> bool:
-    """Whether the bytes chunk [a, b) of `move` reads are whole checksum blocks of its shard
-    (or unchecked): they can then be read in a Batch and checked there."""
-    shard, (lo, hi) = move.shard, move.span(a, b)
-    return not shard.sums or lo % shard.block == 0 and (hi % shard.block == 0 or hi == shard.nbytes)
-
-
 @dataclass
 class Batch:
     """Chunks of moves, each whole checksum blocks, that lie back to back in one file from
     absolute offset `start`: read with one preadv (runs into their destinations, box rows
-    into this thread's scratch), then each chunk's blocks checked and the boxes copied out."""
+    into this thread's scratch), then each chunk's blocks checked and the boxes copied out.
+    A part is (move, chunk [a, b), the shard's bytes [lo, hi) it reads)."""
     start: int
-    parts: list[tuple[Move, int, int]]
+    parts: list[tuple[Move, int, int, int, int]]
     nbytes: int = 0
 
-    def follows(self, move: Move, a: int, b: int) -> bool:
+    def follows(self, shard: Shard, lo: int) -> bool:
         first = self.parts[0][0].shard
-        return (move.shard.fd == first.fd and move.shard.start + move.span(a, b)[0] == self.start + self.nbytes
-                and len(self.parts) < IOV)
+        return shard.fd == first.fd and shard.start + lo == self.start + self.nbytes and len(self.parts) < IOV
 
-    def add(self, move: Move, a: int, b: int) -> None:
-        lo, hi = move.span(a, b)
-        self.parts.append((move, a, b))
+    def add(self, move: Move, a: int, b: int, lo: int, hi: int) -> None:
+        self.parts.append((move, a, b, lo, hi))
         self.nbytes += hi - lo
 
     def run(self, checked: Checked) -> None:
         first = self.parts[0][0].shard
-        spans = [m.span(a, b) for m, a, b in self.parts]
-        room = scratch(sum(hi - lo for (m, _, _), (lo, hi) in zip(self.parts, spans) if isinstance(m, BoxMove)))
+        room = scratch(sum(hi - lo for m, _, _, lo, hi in self.parts if isinstance(m, BoxMove)))
         views, used = [], 0
-        for (m, a, b), (lo, hi) in zip(self.parts, spans):
+        for m, a, b, lo, hi in self.parts:
             if isinstance(m, RunMove):
                 views.append(m.view(a, b))
             else:
@@ -289,7 +285,7 @@ class Batch:
                 used += hi - lo
         prefetch(first.fd, self.start, self.nbytes)
         readv_into(first.path, first.fd, views, self.start, first.tensor)
-        for (m, a, b), (lo, hi), view in zip(self.parts, spans, views):
+        for (m, a, b, lo, hi), view in zip(self.parts, views):
             shard, update = m.shard, ALGORITHMS[m.shard.checksum] if m.shard.sums else None
             for blk in shard.blocks(lo, hi):
                 if (shard, blk) not in checked:
@@ -336,20 +332,21 @@ class Mover:
 
     def submit(self, moves: Sequence[Move]) -> None:
         for m in moves:
+            shard = m.shard
             for a, b in m.chunks():
-                if not whole_blocks(m, a, b):
+                lo, hi = m.span(a, b)
+                if not shard.whole_blocks(lo, hi):
                     self._run(m.run, a, b, self.checked)
                     continue
-                fd = m.shard.fd
-                batch = self._batches.get(fd)
-                if batch is not None and not batch.follows(m, a, b):
-                    self._flush(fd)
+                batch = self._batches.get(shard.fd)
+                if batch is not None and not batch.follows(shard, lo):
+                    self._flush(shard.fd)
                     batch = None
                 if batch is None:
-                    batch = self._batches[fd] = Batch(m.shard.start + m.span(a, b)[0], [])
-                batch.add(m, a, b)
+                    batch = self._batches[shard.fd] = Batch(shard.start + lo, [])
+                batch.add(m, a, b, lo, hi)
                 if batch.nbytes >= CHUNK:
-                    self._flush(fd)
+                    self._flush(shard.fd)
 
     def _flush(self, fd: int) -> None:
         self._run(self._batches.pop(fd).run, self.checked)

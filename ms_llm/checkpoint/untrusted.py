@@ -9,10 +9,13 @@ value is a CheckpointError naming where it was, never an OverflowError or a 3 Ti
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
-from typing import Optional
+from typing import Optional, TypeVar
 
 from ms_llm.errors import CheckpointError
+
+T = TypeVar("T")
 
 
 def confined(folder: str | Path, name: object, field: str) -> Path:
@@ -58,3 +61,29 @@ def integers(value: object, where: str, field: str, lo: int = 0, hi: int = MAX_C
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+class CheckedOnUse(Mapping[str, T]):
+    """A JSON object's entries, each parsed and checked by `parse(key, raw value)` when first
+    looked up: a load that wants some entries (one pipeline stage's tensors of an index, some
+    of a shard file's header) pays for those only, and a malformed entry raises CheckpointError
+    on use, inside the caller's fallback."""
+
+    def __init__(self, raw: dict, parse: Callable[[str, object], T]):
+        self._raw, self._parse = raw, parse
+        self._parsed: dict[str, T] = {}
+
+    def __getitem__(self, key: str) -> T:
+        entry = self._parsed.get(key)
+        if entry is None:
+            entry = self._parsed[key] = self._parse(key, self._raw[key])
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
