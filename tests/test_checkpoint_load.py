@@ -1,6 +1,7 @@
 """The loader's fast paths: threaded chunked reads equal serial ones, edge blocks are checked,
 checkpoints from before CRC32C (zlib CRC32 in the index) still load and are still checked,
 and the memory tier's seal skips checksums only for the files the keeper verified, unchanged."""
+import gc
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import pytest
 
 from ckpt_helpers import cut, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Region, SaveItem
-from ms_llm.checkpoint import transfer
+from ms_llm.checkpoint import reader, transfer
 from ms_llm.checkpoint.keeper import seal_new
 from ms_llm.checkpoint.safetensors_io import read_header
 from ms_llm.checkpoint.seal import KEEPER_LOCK, SEAL
@@ -203,6 +204,49 @@ def test_a_load_parses_only_the_shards_it_reads(tp4):
         assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items())
         assert max(parsed.values()) == most and len(c.index.tensors[W].shards) == 4, parsed
 
+
+def test_parsing_and_planning_a_load_pause_the_collector(tp4, monkeypatch):
+    """The index parse and the planning allocate thousands of acyclic objects: with the
+    collector on, each of its thresholds would traverse them again. At a threshold low enough
+    to start dozens of collections in each (88 in this open), they run at most the ones that
+    fall due after the pause; the collector is left as found, also after an error."""
+    ref, folder = tp4
+    pieces = rank_pieces(plan_for({"tp": 2, "pp": 2}, 4), 0)
+    started, planned = [], []
+
+    class Moves(reader.Mover):
+        def __init__(self, *args):
+            planned.append(len(started))        # every read is planned before the Mover starts
+            super().__init__(*args)
+
+    def record(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+    monkeypatch.setattr(reader, "Mover", Moves)
+    gc.collect()
+    threshold = gc.get_threshold()
+    gc.set_threshold(20)
+    gc.callbacks.append(record)
+    try:
+        with Checkpoint(folder) as c:
+            opened = len(started)
+            got = c.read_pieces(pieces)
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*threshold)
+    assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items())
+    assert opened <= 3 and planned[0] - opened <= 2, (opened, planned)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with Checkpoint(folder) as c:
+            c.read_pieces(pieces)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with Checkpoint(folder) as c, pytest.raises(CheckpointError, match="does not fit"):
+        c.read_pieces({W: Region((0, 0), (10 ** 6, 1))})
+    assert gc.isenabled()
 
 def _tier(tmp_path):
     """A memory-tier root (the keeper's lock file marks one) holding one committed checkpoint."""

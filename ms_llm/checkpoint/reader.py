@@ -26,6 +26,7 @@ import numpy as np
 
 from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.boxes import Region, byte_run, intersect, local_slices
+from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.format import INDEX, Index, ShardEntry, TensorEntry, decode_state
 from ms_llm.checkpoint.safetensors_io import TensorSpan, read_header, storage_dtype
 from ms_llm.checkpoint.seal import Seal
@@ -49,7 +50,8 @@ class Checkpoint:
         if index is None:
             path = confined(self.folder, INDEX, "the index")
             try:
-                data = json.loads(path.read_text())
+                with collector_paused():
+                    data = json.loads(path.read_text())
             except FileNotFoundError:
                 raise CheckpointError(f"{self.folder}: no {INDEX}; not a committed checkpoint") from None
             except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -152,11 +154,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: lacks {len(missing)} wanted tensor(s), e.g. {missing[0]!r}; "
                                   "was it saved from a different model?")
         arrays, moves = {}, []
-        for name in pieces:
-            if name in self.index.tensors:
-                arrays[name], planned = self._plan(name, pieces[name], (out or {}).get(name))
-                moves += planned
-        moves.sort(key=lambda m: (m.shard.fd, m.shard.start + m.src))
+        with collector_paused():
+            for name in pieces:
+                if name in self.index.tensors:
+                    arrays[name], planned = self._plan(name, pieces[name], (out or {}).get(name))
+                    moves += planned
+            moves.sort(key=lambda m: (m.shard.fd, m.shard.start + m.src))
         with Mover(self._checked, self.workers) as mover:
             mover.submit(moves)
         self.bytes_loaded += sum(a.nbytes for a in arrays.values())
