@@ -1,7 +1,11 @@
 """The shared checkpoint format in one process: boxes, safetensors files, save/load, commit."""
 import json
 import math
+import re
 import threading
+import time
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,6 +179,31 @@ def test_fragments_of_another_session_are_not_committed(tmp_path):
     w0.close()
     assert Checkpoint.open(tmp_path).read_full("x").tolist() == [1, 2, 3, 4]
 
+
+def test_the_commit_parses_each_fragment_once_while_it_waits(tmp_path, monkeypatch):
+    """Rank 0's commit polls until the slowest rank's fragment appears; the ones already there
+    are parsed once, not at every poll (at 64 ranks each poll parsed up to 63)."""
+    reads = Counter()
+    read_text = Path.read_text
+
+    def counted(self, *args, **kwargs):
+        if re.fullmatch(r"rank_\d{5}\.json", self.name):
+            reads[self.name] += 1
+        return read_text(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", counted)
+    pieces = [Piece("x", (6,), Region((2 * r,), (2,))) for r in range(3)]
+    writers = {}
+    for rank in (2, 0, 1):
+        if rank == 1:                                   # the slow rank: rank 0 has been polling
+            deadline = time.monotonic() + 10
+            while reads["rank_00001.json"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        writers[rank] = CheckpointWriter(tmp_path, rank, 3, session="s")
+        writers[rank].save(1, [SaveItem(pieces[rank], np.full(2, rank, np.float32))])
+    for w in writers.values():
+        w.close()
+    assert Checkpoint.open(tmp_path).read_full("x").tolist() == [0, 0, 1, 1, 2, 2]
+    assert reads["rank_00000.json"] == reads["rank_00002.json"] == 1 and reads["rank_00001.json"] >= 4, reads
 
 def test_bad_items_are_named(tmp_path):
     w = CheckpointWriter(tmp_path, 0, 1)

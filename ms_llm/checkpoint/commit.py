@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from ms_llm.checkpoint.boxes import Region
+from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.format import INDEX, Index, ShardEntry, TensorEntry, check_coverage
 from ms_llm.checkpoint.untrusted import confined
 from ms_llm.errors import CheckpointError
@@ -69,18 +70,20 @@ def write_fragment(folder: Path, rank: int, fragment: dict) -> None:
     write_durable(folder / fragment_name(rank), json.dumps(fragment).encode())
 
 
-def _read_fragments(folder: Path, world_size: int, session: str) -> Optional[list[dict]]:
-    frags = []
+def _read_fragments(folder: Path, world_size: int, session: str, have: dict[int, dict]) -> bool:
+    """Add to `have` the fragments of `session` that arrived since the last call: each is
+    parsed once, however many times the wait for the slowest rank polls. True once all are."""
     for rank in range(world_size):
-        path = folder / fragment_name(rank)
+        if rank in have:
+            continue
         try:
-            frag = json.loads(path.read_text())
+            with collector_paused():
+                frag = json.loads((folder / fragment_name(rank)).read_text())
         except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        if frag.get("session") != session:
-            return None                       # left over from an earlier, crashed attempt
-        frags.append(frag)
-    return frags
+            continue
+        if frag.get("session") == session:    # else left over from an earlier, crashed attempt
+            have[rank] = frag
+    return len(have) == world_size
 
 
 def merge_fragments(frags: list[dict], step: int, world_size: int) -> Index:
@@ -109,15 +112,17 @@ def commit(root: Path, step: int, world_size: int, session: str, timeout_s: floa
     folder = tmp_dir(root, step)
     deadline = time.monotonic() + timeout_s
     delay = 0.001
-    while (frags := _read_fragments(folder, world_size, session)) is None:
+    frags: dict[int, dict] = {}
+    while not _read_fragments(folder, world_size, session, frags):
         if time.monotonic() > deadline:
             have = sorted(p.name for p in folder.glob("rank_*.json")) if folder.exists() else []
             raise CheckpointError(f"{folder}: gave up after {timeout_s:.0f} s waiting for {world_size} rank "
                                   f"fragments of this save (have {have}); a rank died or could not write")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
-    index = merge_fragments(frags, step, world_size)
-    write_durable(folder / INDEX, index.dumps())
+    with collector_paused():
+        text = merge_fragments([frags[r] for r in range(world_size)], step, world_size).dumps()
+    write_durable(folder / INDEX, text)
     for rank in range(world_size):
         (folder / fragment_name(rank)).unlink()
     fsync_dir(folder)
