@@ -20,10 +20,15 @@
 (d) full-state load, one rank, into existing tensors: ms_llm vs torch DCP dcp.load vs
     safetensors load_file + copy_ (what load_state_dict does); into a MindSpore net's
     Parameters: ms_llm's load_into vs mindspore.load_checkpoint (its own .ckpt of the same state)
+(e) an index at scale: a SCALE_RANKS-rank ZeRO-3 save of a deep, narrow model (weights and both
+    Adam moments, every rank a slice of every tensor), written rank by rank in this process.
+    Rank 0's save to committed (it merges every rank's fragment into index.json), then one
+    rank's open of the checkpoint against a plain json.loads of the same index.json (collector
+    on): every rank parses the whole index, which grows with ranks x tensors
 
     python bench/checkpoint.py            (make bench runs it too)
 
-Each number is the median of REPEATS interleaved runs. Goals: stall ratio <= 0.05, load
+Each number is the median of REPEATS interleaved runs ((e): SCALE_REPEATS saves). Goals: stall ratio <= 0.05, load
 throughput ratio >= 0.7, memory tier >= 5x faster than a cold disk. torch's OpenMP threads
 sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE, unless set): spinning after a peer's
 row, they would take the machine's cores from whichever row runs next.
@@ -31,6 +36,8 @@ row, they would take the machine's cores from whichever row runs next.
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import shutil
 import statistics
@@ -46,12 +53,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # read when torch loads its OpenMP runtime
 
-from ms_llm.checkpoint import Checkpoint, CheckpointWriter, MemoryTier, SaveItem, param_pieces  # noqa: E402
+from ms_llm.checkpoint import (Checkpoint, CheckpointWriter, MemoryTier, SaveItem, optim_pieces,  # noqa: E402
+                               param_pieces)
 from ms_llm.checkpoint.reshard import layout_plan  # noqa: E402
 from ms_llm.checkpoint.safetensors_io import read_header  # noqa: E402
 from ms_llm.config.model import ModelConfig  # noqa: E402
 from ms_llm.init import init_param  # noqa: E402
-from ms_llm.strategy.ir import ParallelStrategy  # noqa: E402
+from ms_llm.strategy.ir import ParallelStrategy, ZeroSpec  # noqa: E402
 
 # ~40M parameters = 160 MB in fp32.
 MODEL = ModelConfig(name="bench", vocab_size=16384, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
@@ -59,6 +67,11 @@ MODEL = ModelConfig(name="bench", vocab_size=16384, hidden_size=512, num_layers=
 # (b) again on wider layers (~470 MB): tensors of a few MB instead of MODEL's 0.5 MB average.
 WIDE = ModelConfig(name="bench_wide", vocab_size=32768, hidden_size=1024, num_layers=4, num_heads=8, num_kv_heads=4,
                    ffn_hidden_size=2816, max_seq_len=256, dtype="float32")
+# (e): 80 layers x 9 tensors x (weights + 2 Adam moments), each split over SCALE_RANKS ranks.
+SCALE = ModelConfig(name="bench_scale", vocab_size=1024, hidden_size=64, num_layers=80, num_heads=4, num_kv_heads=4,
+                    ffn_hidden_size=128, max_seq_len=64, dtype="float32")
+SCALE_RANKS = 32
+SCALE_REPEATS = 3
 REPEATS = 9
 
 
@@ -217,6 +230,41 @@ def load_vs_raw(folder: Path, pieces: dict) -> dict[str, float]:
             drop_cache(folder)
             t.setdefault(f"cold_{k}", []).append(timed(fn, t.setdefault(f"cpu_cold_{k}", [])))
     return {"bytes": nbytes, **{k: med(v) for k, v in t.items()}}
+
+
+def index_at_scale(work: Path) -> dict[str, float]:
+    """(e): median seconds of rank 0's save to committed, and of one rank's open, its load of
+    its own pieces and a plain json.loads of the same index.json (the parsed trees are kept
+    until after the timing: freeing them is not part of either)."""
+    plan = layout_plan(SCALE, ParallelStrategy(dp=SCALE_RANKS, zero=ZeroSpec(stage=3)), SCALE_RANKS)
+
+    def pieces(rank: int) -> dict:
+        return param_pieces(plan, rank) | optim_pieces(plan, rank, ("exp_avg", "exp_avg_sq"))
+    mine = pieces(SCALE_RANKS // 2)
+    t: dict[str, list[float]] = {k: [] for k in ("commit", "parse", "open", "load")}
+    for i in range(SCALE_REPEATS):
+        root = work / f"scale{i}"
+        for rank in reversed(range(SCALE_RANKS)):          # rank 0 last: its commit finds every fragment
+            w = CheckpointWriter(root, rank, SCALE_RANKS, session=root.name)
+            items = [SaveItem(p, np.zeros(p.local_shape, np.float32)) for p in pieces(rank).values() if p.primary]
+            start = time.perf_counter()
+            w.save(1, items)
+            w.close()
+            if rank == 0:
+                t["commit"].append(time.perf_counter() - start)
+        index = next(root.glob("step_*/index.json"))
+        kept: list = []
+        gc.collect()
+        t["parse"].append(timed(lambda: kept.append(json.loads(index.read_bytes()))))
+        kept.clear()
+        gc.collect()
+        t["open"].append(timed(lambda: kept.append(Checkpoint.open(root))))
+        t["load"].append(timed(lambda: kept[0].read_pieces(mine)))
+        kept[0].close()
+        kept.clear()
+        nbytes = index.stat().st_size
+        shutil.rmtree(root)
+    return {"index_bytes": nbytes, "pieces": len(mine), **{k: med(v) for k, v in t.items()}}
 
 
 def load_state(dest: dict, loaded: dict) -> None:
@@ -379,6 +427,7 @@ def run(work: Path, shm: Path) -> int:
     if shm.exists() and keeper:
         os.kill(keeper, 9)
         shutil.rmtree(shm, ignore_errors=True)
+    scale = index_at_scale(work)
 
     mb = nbytes / 1e6
     goal = "(goal <= 0.05)"
@@ -448,6 +497,15 @@ def run(work: Path, shm: Path) -> int:
              f"{d['cold_ms'] * 1e3:8.1f} ms cold; ms_llm {d['ms'] / d['ms_ours']:.1f}x / "
              f"{d['cold_ms'] / d['cold_ms_ours']:.1f}x"),
         ]
+    rows += [
+        (f"(e) {SCALE_RANKS}-rank ZeRO-3 index ({SCALE.num_layers} layers, weights + Adam moments)",
+         f"{scale['index_bytes'] / 1e6:8.1f} MB", f"{scale['pieces']} pieces a rank"),
+        ("    rank 0's save to committed (merges every fragment)", f"{scale['commit'] * 1e3:8.0f} ms", ""),
+        ("    open on one rank", f"{scale['open'] * 1e3:8.0f} ms",
+         f"{scale['open'] / scale['parse']:.2f}x the time of a plain parse"),
+        ("      json.loads of the same index.json, collector on", f"{scale['parse'] * 1e3:8.0f} ms", ""),
+        ("    that rank's load of its own pieces", f"{scale['load'] * 1e3:8.0f} ms", ""),
+    ]
     width = max(len(r[0]) for r in rows)
     for name, value, ratio in rows:
         print(f"{name:<{width}}  {value}  {ratio}")
