@@ -15,6 +15,7 @@ import torch
 from ckpt_helpers import STATES, TINY, cut, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Piece, Region, SaveItem, flat_pieces, run_config
 from ms_llm.checkpoint.boxes import byte_run
+from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.commit import committed, latest
 from ms_llm.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header
 from ms_llm.errors import CheckpointError
@@ -204,6 +205,27 @@ def test_the_commit_parses_each_fragment_once_while_it_waits(tmp_path, monkeypat
         w.close()
     assert Checkpoint.open(tmp_path).read_full("x").tolist() == [0, 0, 1, 1, 2, 2]
     assert reads["rank_00000.json"] == reads["rank_00002.json"] == 1 and reads["rank_00001.json"] >= 4, reads
+
+def test_from_child_ranks_on_the_commit_runs_in_a_child_process(tmp_path, monkeypatch):
+    """Rank 0's merge holds the interpreter lock the training thread needs between its ops:
+    from CHILD_RANKS ranks on it runs in a child process (an in-process commit fails here),
+    and the child's CheckpointError comes back to the writer."""
+    world = commit_mod.CHILD_RANKS
+
+    def in_process(*args, **kwargs):
+        raise AssertionError("committed in the training process")
+    monkeypatch.setattr(commit_mod, "commit", in_process)
+    pieces = [Piece("x", (2 * world,), Region((2 * r,), (2,))) for r in range(world)]
+    for rank in reversed(range(world)):
+        w = CheckpointWriter(tmp_path / "ok", rank, world, session="s")
+        w.save(3, [SaveItem(pieces[rank], np.full(2, rank, np.float32))])
+        w.close()
+    assert Checkpoint.open(tmp_path / "ok").read_full("x").tolist() == [r for r in range(world) for _ in (0, 1)]
+    w0 = CheckpointWriter(tmp_path / "late", 0, world, session="s", commit_timeout_s=0.3)
+    w0.save(3, [SaveItem(pieces[0], np.zeros(2, np.float32))])
+    with pytest.raises(CheckpointError, match=f"waiting for {world} rank fragments of this save"):
+        w0.wait()
+    assert latest(tmp_path / "late") is None
 
 def test_bad_items_are_named(tmp_path):
     w = CheckpointWriter(tmp_path, 0, 1)

@@ -274,7 +274,7 @@ class CheckpointWriter:
             fragment["shards"] = shards()
             commit_mod.write_fragment(commit_mod.tmp_dir(self.memory.root, step), self.rank, fragment)
             if self.rank == 0:
-                commit_mod.commit(self.memory.root, step, self.world_size, self.session, self.commit_timeout_s)
+                commit_mod.commit_beside(self.memory.root, step, self.world_size, self.session, self.commit_timeout_s)
                 commit_mod.retain(self.memory.root, self.memory.keep_last)
             stats.memory_s = time.perf_counter() - t0
         self._write_data(self.root, step, image, throttle=True)
@@ -282,7 +282,7 @@ class CheckpointWriter:
         fragment["stats"] = {"stall_s": stats.stall_s, "persist_s": time.perf_counter() - t0}
         commit_mod.write_fragment(commit_mod.tmp_dir(self.root, step), self.rank, fragment)
         if self.rank == 0:
-            commit_mod.commit(self.root, step, self.world_size, self.session, self.commit_timeout_s)
+            commit_mod.commit_beside(self.root, step, self.world_size, self.session, self.commit_timeout_s)
         stats.persist_s = time.perf_counter() - t0
         stats.total_s = time.perf_counter() - start            # durable; deleting old ones is not on that path
         if self.rank == 0:
