@@ -115,9 +115,10 @@ def merge_fragments(frags: list[dict], step: int, world_size: int) -> Index:
 def commit_beside(root: Path, step: int, world_size: int, session: str, timeout_s: float = 1800.0) -> Path:
     """`commit`, in a child process from CHILD_RANKS ranks on: parsing, merging and encoding
     every rank's fragment holds the interpreter lock throughout, and the training thread, which
-    takes it between its ops, would wait (a 32-rank ZeRO-3 commit on rank 0's writer thread
-    slowed the forward and backward beside it from 176 to 1215 ms). The child dies with this
-    process; its CheckpointError comes back as this one's."""
+    takes it between its ops, would wait: in bench/checkpoint.py (e) the forward and backward
+    beside a 32-rank ZeRO-3 commit took 5.42x their time alone with the merge on rank 0's
+    writer thread, 1.34x with it in the child. The child dies with this process; its
+    CheckpointError comes back as this one's."""
     if world_size < CHILD_RANKS:
         return commit(root, step, world_size, session, timeout_s)
     cmd = die_with_parent([sys.executable, "-c", _CHILD, "--timeout", str(timeout_s), "--", str(root), str(step),
