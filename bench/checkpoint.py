@@ -24,8 +24,8 @@
     Adam moments, every rank a slice of every tensor), written rank by rank in this process.
     Rank 0's save to committed (it merges every rank's fragment into index.json, in a child
     process) with the model's forward + backward run beside it, against the same steps just
-    before, and the same save merged on rank 0's writer thread (commit_mod.CHILD_RANKS raised
-    above the world size for it); then one rank's open of the checkpoint against a plain json.loads of the same
+    before, and the same save merged on rank 0's writer thread (commit_mod.CHILD_SHARDS raised
+    above the save's shards for it); then one rank's open of the checkpoint against a plain json.loads of the same
     index.json (collector on): every rank parses the whole index, which grows with ranks x tensors
 
     python bench/checkpoint.py            (make bench runs it too)
@@ -264,13 +264,13 @@ def index_at_scale(work: Path, forward_backward) -> dict[str, float]:
     mine = pieces(SCALE_RANKS // 2)
     t: dict[str, list[float]] = {k: [] for k in ("commit", "inline", "fb", "fb_commit", "fb_inline", "parse", "open",
                                                  "load")}
-    child_ranks = commit_mod.CHILD_RANKS
+    child_shards = commit_mod.CHILD_SHARDS
     for i in range(SCALE_REPEATS):
-        commit_mod.CHILD_RANKS = SCALE_RANKS + 1          # the baseline: rank 0 merges on its writer thread
+        commit_mod.CHILD_SHARDS = 1 << 62                 # the baseline: rank 0 merges on its writer thread
         try:
             save_all(work / f"inline{i}", "inline")
         finally:
-            commit_mod.CHILD_RANKS = child_ranks
+            commit_mod.CHILD_SHARDS = child_shards
         shutil.rmtree(work / f"inline{i}")
         root = work / f"scale{i}"
         save_all(root, "commit")

@@ -206,26 +206,33 @@ def test_the_commit_parses_each_fragment_once_while_it_waits(tmp_path, monkeypat
     assert Checkpoint.open(tmp_path).read_full("x").tolist() == [0, 0, 1, 1, 2, 2]
     assert reads["rank_00000.json"] == reads["rank_00002.json"] == 1 and reads["rank_00001.json"] >= 4, reads
 
-def test_from_child_ranks_on_the_commit_runs_in_a_child_process(tmp_path, monkeypatch):
+def test_a_large_merge_runs_in_a_child_process(tmp_path, monkeypatch):
     """Rank 0's merge holds the interpreter lock the training thread needs between its ops:
-    from CHILD_RANKS ranks on it runs in a child process (an in-process commit fails here),
+    from CHILD_SHARDS shards on it runs in a child process (an in-process commit fails here),
     and the child's CheckpointError comes back to the writer."""
-    world = commit_mod.CHILD_RANKS
+    world = 4
 
     def in_process(*args, **kwargs):
         raise AssertionError("committed in the training process")
+    monkeypatch.setattr(commit_mod, "CHILD_SHARDS", 2 * world)
     monkeypatch.setattr(commit_mod, "commit", in_process)
-    pieces = [Piece("x", (2 * world,), Region((2 * r,), (2,))) for r in range(world)]
+    pieces = [[Piece(n, (2 * world,), Region((2 * r,), (2,))) for n in "xy"] for r in range(world)]
     for rank in reversed(range(world)):
         w = CheckpointWriter(tmp_path / "ok", rank, world, session="s")
-        w.save(3, [SaveItem(pieces[rank], np.full(2, rank, np.float32))])
+        w.save(3, [SaveItem(p, np.full(2, rank, np.float32)) for p in pieces[rank]])
         w.close()
-    assert Checkpoint.open(tmp_path / "ok").read_full("x").tolist() == [r for r in range(world) for _ in (0, 1)]
+    assert Checkpoint.open(tmp_path / "ok").read_full("y").tolist() == [r for r in range(world) for _ in (0, 1)]
     w0 = CheckpointWriter(tmp_path / "late", 0, world, session="s", commit_timeout_s=0.3)
-    w0.save(3, [SaveItem(pieces[0], np.zeros(2, np.float32))])
+    w0.save(3, [SaveItem(p, np.zeros(2, np.float32)) for p in pieces[0]])
     with pytest.raises(CheckpointError, match=f"waiting for {world} rank fragments of this save"):
         w0.wait()
     assert latest(tmp_path / "late") is None
+    monkeypatch.setattr(commit_mod, "CHILD_SHARDS", 2 * world + 1)       # one shard fewer: merged in process
+    with pytest.raises(CheckpointError, match="committed in the training process"):
+        for rank in reversed(range(world)):
+            w = CheckpointWriter(tmp_path / "small", rank, world, session="s")
+            w.save(3, [SaveItem(p, np.zeros(2, np.float32)) for p in pieces[rank]])
+            w.close()
 
 def test_bad_items_are_named(tmp_path):
     w = CheckpointWriter(tmp_path, 0, 1)

@@ -269,12 +269,14 @@ class CheckpointWriter:
             return [{"name": item.piece.name, "key": key, **item.piece.region.to_json(), "block": self.block_bytes,
                      "checksum": CHECKSUM, "sums": crc.result()} for item, key, crc in zip(layout.items, layout.keys, crcs)]
         step = stats.step
+        merged = len(layout.items) * self.world_size      # about what rank 0 merges: this rank's shards x ranks
         if self.memory is not None:
             self._write_data(self.memory.root, step, image, throttle=False)
             fragment["shards"] = shards()
             commit_mod.write_fragment(commit_mod.tmp_dir(self.memory.root, step), self.rank, fragment)
             if self.rank == 0:
-                commit_mod.commit_beside(self.memory.root, step, self.world_size, self.session, self.commit_timeout_s)
+                commit_mod.commit_beside(self.memory.root, step, self.world_size, self.session, self.commit_timeout_s,
+                                         merged)
                 commit_mod.retain(self.memory.root, self.memory.keep_last)
             stats.memory_s = time.perf_counter() - t0
         self._write_data(self.root, step, image, throttle=True)
@@ -282,7 +284,7 @@ class CheckpointWriter:
         fragment["stats"] = {"stall_s": stats.stall_s, "persist_s": time.perf_counter() - t0}
         commit_mod.write_fragment(commit_mod.tmp_dir(self.root, step), self.rank, fragment)
         if self.rank == 0:
-            commit_mod.commit_beside(self.root, step, self.world_size, self.session, self.commit_timeout_s)
+            commit_mod.commit_beside(self.root, step, self.world_size, self.session, self.commit_timeout_s, merged)
         stats.persist_s = time.perf_counter() - t0
         stats.total_s = time.perf_counter() - start            # durable; deleting old ones is not on that path
         if self.rank == 0:
