@@ -22,11 +22,12 @@
     Parameters: ms_llm's load_into vs mindspore.load_checkpoint (its own .ckpt of the same state)
 (e) an index at scale: a SCALE_RANKS-rank ZeRO-3 save of a deep, narrow model (weights and both
     Adam moments, every rank a slice of every tensor), written rank by rank in this process.
-    Rank 0's save to committed (it merges every rank's fragment into index.json, in a child
+    Rank 0's save to committed (it merges every rank's fragment into the index, in a child
     process) with the model's forward + backward run beside it, against the same steps just
     before, and the same save merged on rank 0's writer thread (commit_mod.CHILD_SHARDS raised
-    above the save's shards for it); then one rank's open of the checkpoint against a plain json.loads of the same
-    index.json (collector on): every rank parses the whole index, which grows with ranks x tensors
+    above the save's shards for it); then one rank's open of the checkpoint and its load of its
+    own pieces (the head and its own index part), against a plain json.loads of the whole index
+    (head and every part, collector on), and an open that reads every part (what a reshard does)
 
     python bench/checkpoint.py            (make bench runs it too)
 
@@ -237,9 +238,10 @@ def load_vs_raw(folder: Path, pieces: dict) -> dict[str, float]:
 
 def index_at_scale(work: Path, forward_backward) -> dict[str, float]:
     """(e): median seconds of rank 0's save to committed and of the forward + backward steps
-    run beside it (against the same steps just before it), then of one rank's open, its load of
-    its own pieces and a plain json.loads of the same index.json (the parsed trees are kept
-    until after the timing: freeing them is not part of either)."""
+    run beside it (against the same steps just before it), then of one rank's open and its
+    load of its own pieces, a plain json.loads of the whole index (head and parts) and an open
+    that reads every part (the parsed trees are kept until after the timing: freeing them is
+    not part of any)."""
     plan = layout_plan(SCALE, ParallelStrategy(dp=SCALE_RANKS, zero=ZeroSpec(stage=3)), SCALE_RANKS)
 
     def pieces(rank: int) -> dict:
@@ -261,9 +263,10 @@ def index_at_scale(work: Path, forward_backward) -> dict[str, float]:
             t[f"fb_{key}"].append(timed(forward_backward))
         w.close()
         t[key].append(time.perf_counter() - start)
-    mine = pieces(SCALE_RANKS // 2)
+    me = SCALE_RANKS // 2
+    mine = pieces(me)
     t: dict[str, list[float]] = {k: [] for k in ("commit", "inline", "fb", "fb_commit", "fb_inline", "parse", "open",
-                                                 "load")}
+                                                 "load", "open_all")}
     child_shards = commit_mod.CHILD_SHARDS
     for i in range(SCALE_REPEATS):
         commit_mod.CHILD_SHARDS = 1 << 62                 # the baseline: rank 0 merges on its writer thread
@@ -274,19 +277,25 @@ def index_at_scale(work: Path, forward_backward) -> dict[str, float]:
         shutil.rmtree(work / f"inline{i}")
         root = work / f"scale{i}"
         save_all(root, "commit")
-        index = next(root.glob("step_*/index.json"))
+        folder = next(root.glob("step_*"))
+        files = [folder / "index.json", *sorted(folder.glob("index_*.json"))]
         kept: list = []
         gc.collect()
-        t["parse"].append(timed(lambda: kept.append(json.loads(index.read_bytes()))))
+        t["parse"].append(timed(lambda: kept.extend(json.loads(f.read_bytes()) for f in files)))
         kept.clear()
         gc.collect()
-        t["open"].append(timed(lambda: kept.append(Checkpoint.open(root))))
+        t["open"].append(timed(lambda: kept.append(Checkpoint.open(root, rank=me))))
         t["load"].append(timed(lambda: kept[0].read_pieces(mine)))
         kept[0].close()
         kept.clear()
-        nbytes = index.stat().st_size
+        gc.collect()
+        t["open_all"].append(timed(lambda: kept.append(len(Checkpoint.open(root).entry(next(iter(mine))).shards))))
+        kept.clear()
+        nbytes, head, own = (sum(f.stat().st_size for f in files), files[0].stat().st_size,
+                             (folder / f"index_{me:05d}.json").stat().st_size)
         shutil.rmtree(root)
-    return {"index_bytes": nbytes, "pieces": len(mine), **{k: med(v) for k, v in t.items()}}
+    return {"index_bytes": nbytes, "head_bytes": head, "own_bytes": own, "pieces": len(mine),
+            **{k: med(v) for k, v in t.items()}}
 
 
 def load_state(dest: dict, loaded: dict) -> None:
@@ -524,7 +533,8 @@ def run(work: Path, shm: Path) -> int:
         ]
     rows += [
         (f"(e) {SCALE_RANKS}-rank ZeRO-3 index ({SCALE.num_layers} layers, weights + Adam moments)",
-         f"{scale['index_bytes'] / 1e6:8.1f} MB", f"{scale['pieces']} pieces a rank"),
+         f"{scale['index_bytes'] / 1e6:8.1f} MB", f"{scale['pieces']} pieces a rank; head "
+         f"{scale['head_bytes'] / 1e6:.2f} MB, a rank's part {scale['own_bytes'] / 1e6:.2f} MB"),
         ("    rank 0's save to committed (merges every fragment)", f"{scale['commit'] * 1e3:8.0f} ms",
          "the merge in a child process"),
         ("    forward + backward beside it", f"{scale['fb_commit'] * 1e3:8.0f} ms",
@@ -532,10 +542,12 @@ def run(work: Path, shm: Path) -> int:
         ("    the same save, merged on rank 0's writer thread", f"{scale['inline'] * 1e3:8.0f} ms", ""),
         ("      forward + backward beside it", f"{scale['fb_inline'] * 1e3:8.0f} ms",
          f"{scale['fb_inline'] / scale['fb']:.2f}x; the merge holds the interpreter lock the steps need"),
-        ("    open on one rank", f"{scale['open'] * 1e3:8.0f} ms",
-         f"{scale['open'] / scale['parse']:.2f}x the time of a plain parse"),
-        ("      json.loads of the same index.json, collector on", f"{scale['parse'] * 1e3:8.0f} ms", ""),
-        ("    that rank's load of its own pieces", f"{scale['load'] * 1e3:8.0f} ms", ""),
+        ("    open on one rank (the head)", f"{scale['open'] * 1e3:8.1f} ms", ""),
+        ("    that rank's load of its own pieces (its part)", f"{scale['load'] * 1e3:8.1f} ms",
+         f"open + load {(scale['open'] + scale['load']) / scale['parse']:.2f}x the time of a plain parse"),
+        ("      json.loads of the whole index, collector on", f"{scale['parse'] * 1e3:8.1f} ms", ""),
+        ("    an open that reads every part (a reshard's)", f"{scale['open_all'] * 1e3:8.1f} ms",
+         f"{scale['open_all'] / scale['parse']:.2f}x the plain parse"),
     ]
     width = max(len(r[0]) for r in rows)
     for name, value, ratio in rows:

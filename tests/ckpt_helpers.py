@@ -1,6 +1,9 @@
 """Shared by the checkpoint tests: a tiny model, a reference state, slicing by the plan."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 from ms_llm.checkpoint import Piece, Region, optim_name, optim_pieces, param_pieces
@@ -40,3 +43,17 @@ def cut(full: np.ndarray, region: Region) -> np.ndarray:
 
 def rank_pieces(plan, rank: int) -> dict[str, Piece]:
     return param_pieces(plan, rank) | optim_pieces(plan, rank, STATES)
+
+
+def as_version_1(folder: Path) -> dict:
+    """Rewrite a committed folder as ms_llm wrote it before index parts (format version 1):
+    every tensor's shards inside index.json, no index_*.json. Returns the index, also written."""
+    index = json.loads((folder / "index.json").read_text())
+    for rank in range(len(index.pop("parts"))):
+        part = folder / f"index_{rank:05d}.json"
+        for name, shards in json.loads(part.read_text())["tensors"].items():
+            index["tensors"][name].setdefault("shards", []).extend(shards)
+        part.unlink()
+    index["version"] = 1
+    (folder / "index.json").write_text(json.dumps(index, indent=1))
+    return index

@@ -2,6 +2,7 @@
 import json
 import math
 import re
+import shutil
 import threading
 import time
 from collections import Counter
@@ -12,7 +13,7 @@ import pytest
 import safetensors.numpy
 import torch
 
-from ckpt_helpers import STATES, TINY, cut, plan_for, rank_pieces, reference
+from ckpt_helpers import STATES, TINY, as_version_1, cut, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Piece, Region, SaveItem, flat_pieces, run_config
 from ms_llm.checkpoint.boxes import byte_run
 from ms_llm.checkpoint import commit as commit_mod
@@ -306,6 +307,42 @@ def test_index_is_plain_json_with_layouts(tmp_path):
     ckpt = _save(tmp_path, plan_for({"tp": 2}, 2), reference())
     index = json.loads((ckpt.folder / "index.json").read_text())
     q = index["tensors"]["model.layers.0.self_attn.q_proj.weight"]
-    assert q["layout"] == "tp:S(0)" and len(q["shards"]) == 2 and q["shards"][1]["offsets"] == [32, 0]
+    parts = [json.loads((ckpt.folder / f"index_{r:05d}.json").read_text()) for r in range(2)]
+    assert q == {"shape": [64, 64], "dtype": "float32", "layout": "tp:S(0)"} and index["version"] == 2
+    assert [p["tensors"]["model.layers.0.self_attn.q_proj.weight"][0]["offsets"] for p in parts] == [[0, 0], [32, 0]]
+    assert [p["bytes"] for p in index["parts"]] == [(ckpt.folder / f"index_{r:05d}.json").stat().st_size
+                                                    for r in range(2)]
     assert index["config"]["strategy"]["tp"] == 2 and index["world_size"] == 2
     assert set(STATES) == {n.split(".")[1] for n in index["tensors"] if n.startswith("optim.")}
+
+
+def test_a_same_layout_load_reads_its_own_index_parts_only(tmp_path):
+    """Each rank of a dp2 x tp2 save resumes with only its own index part and those its record
+    names in `also` (where the replicas it did not save are) left in the folder; without the
+    rank, the load needs every part. A reshard and a version-1 index read the same values."""
+    ref, plan = reference(), plan_for({"dp": 2, "tp": 2}, 4)
+    saved = _save(tmp_path / "ckpt", plan, ref).folder
+    head = json.loads((saved / "index.json").read_text())
+    also = [set(record["also"]) for record in head["parts"]]
+    assert any(also) and all(rank not in a for rank, a in enumerate(also))
+    for rank in range(4):
+        folder = tmp_path / f"rank{rank}" / saved.name
+        shutil.copytree(saved, folder)
+        for other in set(range(4)) - {rank} - also[rank]:
+            (folder / f"index_{other:05d}.json").unlink()
+        pieces = rank_pieces(plan, rank)
+        with Checkpoint(folder, rank=rank) as c:
+            got = c.read_pieces(pieces)
+        assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items()), rank
+        if len(also[rank]) < 3:
+            with pytest.raises(CheckpointError, match=r"index_\d{5}.json: missing; .* names 4 index parts"):
+                Checkpoint(folder).read_pieces(pieces)
+    v1 = tmp_path / "v1" / saved.name
+    shutil.copytree(saved, v1)
+    as_version_1(v1)
+    for folder, rank in [(saved, 1), (v1, 1), (v1, None)]:
+        for target in (plan, plan_for({"tp": 4}, 4)):
+            pieces = rank_pieces(target, rank or 0)
+            with Checkpoint(folder, rank=rank) as c:
+                got = c.read_pieces(pieces)
+            assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items()), (folder, rank)

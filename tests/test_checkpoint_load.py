@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from ckpt_helpers import cut, plan_for, rank_pieces, reference
+from ckpt_helpers import as_version_1, cut, plan_for, rank_pieces, reference
 from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Region, SaveItem
 from ms_llm.checkpoint import reader, transfer
 from ms_llm.checkpoint.keeper import seal_new
@@ -94,9 +94,9 @@ def test_edge_blocks_outside_the_read_are_checked(tp4, monkeypatch, sub):
 
 
 def _as_crc32_era(folder) -> None:
-    """Rewrite the index as ms_llm wrote it before CRC32C: zlib CRC32s per block under "crc32"
-    (the data files are the same)."""
-    index = json.loads((folder / "index.json").read_text())
+    """Rewrite the index as ms_llm wrote it before CRC32C: format version 1 (as_version_1), zlib
+    CRC32s per block under "crc32" (the data files are the same)."""
+    index = as_version_1(folder)
     for entry in index["tensors"].values():
         for shard in entry["shards"]:
             span = read_header(str(folder / shard["file"]))[0][shard["key"]]

@@ -216,9 +216,9 @@ def test_killed_worker_restarts_and_repeats_only_the_steps_since_the_checkpoint(
 
 def _damage_optimizer_shard(folder: Path, file: str) -> str:
     """Flip one byte of an optimizer-state shard stored in `file` (one rank's file)."""
-    index = json.loads((folder / "index.json").read_text())
-    key = next(shard["key"] for name, entry in index["tensors"].items() if name.startswith("optim.")
-               for shard in entry["shards"] if shard["file"] == file)
+    parts = [json.loads(p.read_text())["tensors"] for p in sorted(folder.glob("index_*.json"))]
+    key = next(shard["key"] for part in parts for name, shards in part.items() if name.startswith("optim.")
+               for shard in shards if shard["file"] == file)
     data = bytearray((folder / file).read_bytes())
     header = int.from_bytes(data[:8], "little")
     begin = 8 + header + json.loads(data[8:8 + header])[key]["data_offsets"][0]

@@ -3,8 +3,8 @@
 1. Random mutations of the shipped job YAMLs through `ms-llm plan`, `train --dry-run` and
    `convert-strategy`, in process: exit 0, or exit 2 with one error (a line, plus the bullet
    list of a multi-problem StrategyError); never an exception out of `main`.
-2. Random mutations of a real checkpoint's index.json and safetensors headers through the
-   reader: a CheckpointError or a load that returns the saved values; never another exception,
+2. Random mutations of a real checkpoint's index.json, its index parts (re-recorded in the
+   head, as a crafted checkpoint would be) and safetensors headers through the reader: a CheckpointError or a load that returns the saved values; never another exception,
    never a file opened outside the checkpoint folder (audited by ckpt_guard).
 
 Each test is derandomized (the same examples on every run) with a fixed example count; the
@@ -23,6 +23,7 @@ import time
 import typing
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 import yaml
@@ -182,6 +183,15 @@ def _header(path: Path) -> tuple[dict, bytes]:
     return json.loads(raw[8:8 + n]), raw[8 + n:]
 
 
+def _write_part(folder: Path, name: str, tree) -> None:
+    """An index part, with its record in the head made to match."""
+    data = json.dumps(tree).encode()
+    (folder / name).write_bytes(data)
+    head = json.loads((folder / "index.json").read_text())
+    head["parts"][int(name[6:11])].update(bytes=len(data), crc32c=crc32c.crc32c(data))
+    (folder / "index.json").write_text(json.dumps(head))
+
+
 def _write_header(path: Path, header, data: bytes) -> None:
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
@@ -195,8 +205,9 @@ LATEST = st.sampled_from(["step_00000001", "step_00000001/", "./step_00000001", 
 
 def test_fuzz_checkpoint_index_and_headers_through_the_reader(pristine, record_property):
     index = json.loads((pristine / "index.json").read_text())
+    parts = {f.name: json.loads(f.read_text()) for f in sorted(pristine.glob("index_*.json"))}
     headers = {f.name: _header(f) for f in sorted(pristine.glob("rank_*.safetensors"))}
-    targets = {"index.json": index, "latest": None} | {name: h for name, (h, _) in headers.items()}
+    targets = {"index.json": index, "latest": None} | parts | {name: h for name, (h, _) in headers.items()}
     ref = reference()
     pieces = rank_pieces(plan_for({"dp": 2}, 2), 1) | rank_pieces(plan_for({"tp": 2}, 2), 0)
     counts = {"examples": 0, "CheckpointError": 0, "loaded": 0}
@@ -215,6 +226,8 @@ def test_fuzz_checkpoint_index_and_headers_through_the_reader(pristine, record_p
                 (folder.parent / "latest").write_text(data.draw(st.one_of(st.text(max_size=40), LATEST)))
             elif target == "index.json":
                 (folder / "index.json").write_text(json.dumps(tree))
+            elif target in parts:
+                _write_part(folder, target, tree)
             else:
                 _write_header(folder / target, tree, headers[target][1])
             with confine_opens(folder.parent) as escapes:
@@ -231,7 +244,7 @@ def test_fuzz_checkpoint_index_and_headers_through_the_reader(pristine, record_p
 def _load(folder: Path, pieces: dict, ref: dict) -> str:
     """'loaded' when every piece reads back as saved, 'CheckpointError' when refused."""
     try:
-        with Checkpoint.open(folder) as ckpt:
+        with Checkpoint.open(folder, rank=0) as ckpt:       # rank 0's parts first, then all (Index.exact_shard)
             arrays = ckpt.read_pieces(pieces)
             ckpt.state, ckpt.rank_state(0), ckpt.model_config()
     except CheckpointError:

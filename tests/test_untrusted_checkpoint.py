@@ -9,6 +9,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 
@@ -49,10 +50,18 @@ def root(pristine, tmp_path) -> Path:
 
 
 def edit_index(folder: Path, edit) -> None:
-    path = folder / "index.json"
-    data = json.loads(path.read_text())
-    edit(data)
-    path.write_text(json.dumps(data))
+    """`edit(head, parts)` on index.json and the index parts (by rank), written back with the
+    head's part records made to match, as a crafted checkpoint would: the edit reaches the
+    checks behind the records."""
+    head = json.loads((folder / "index.json").read_text())
+    parts = {r: json.loads((folder / f"index_{r:05d}.json").read_text()) for r in range(len(head["parts"]))}
+    edit(head, parts)
+    for rank, part in parts.items():
+        data = json.dumps(part).encode()
+        (folder / f"index_{rank:05d}.json").write_bytes(data)
+        if isinstance(head.get("parts"), list) and rank < len(head["parts"]):
+            head["parts"][rank].update(bytes=len(data), crc32c=crc32c.crc32c(data))
+    (folder / "index.json").write_text(json.dumps(head))
 
 
 def edit_header(path: Path, edit) -> None:
@@ -65,16 +74,18 @@ def edit_header(path: Path, edit) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
 
 
-def shards_of(data: dict, file: str = "rank_00001.safetensors"):
-    return [s for t in data["tensors"].values() for s in t["shards"] if s["file"] == file]
+def shards_of(parts: dict, rank: int = 1):
+    """The shards rank `rank` saved (all in its file)."""
+    return [s for shards in parts[rank]["tensors"].values() for s in shards]
 
 
 def falls_back(root: Path, match: str) -> None:
     """Step 2 is refused with `match`, nothing outside `root` is opened, step 1 loads intact."""
     pieces = rank_pieces(plan_for({"dp": 2}, 2), 1)
     with confine_opens(root) as escapes:
-        with pytest.raises(CheckpointError, match=match):
-            Checkpoint(root / STEP2).read_pieces(pieces)
+        for rank in (None, 1):              # all parts; rank 1's first (Index.exact_shard)
+            with pytest.raises(CheckpointError, match=match):
+                Checkpoint(root / STEP2, rank=rank).read_pieces(pieces)
         used, arrays = load_with_fallback(candidates(root), lambda c: c.read_pieces(pieces))
     assert escapes == []
     assert used.step == 1
@@ -95,7 +106,7 @@ def outside_copy(root: Path) -> Path:
 def test_shard_file_outside_the_folder_is_refused_unopened(root, kind):
     evil = outside_copy(root)
     name = {"relative": os.path.relpath(evil, root / STEP2), "absolute": str(evil), "etc_passwd": "/etc/passwd"}[kind]
-    edit_index(root / STEP2, lambda d: [s.update(file=name) for s in shards_of(d)])
+    edit_index(root / STEP2, lambda h, p: [s.update(file=name) for s in shards_of(p)])
     falls_back(root, r"shard 'file' of tensor '.*' is '.*', which points outside the folder")
 
 
@@ -108,7 +119,7 @@ def test_symlinked_shard_leading_outside_is_refused(root):
 
 def test_convert_to_hf_refuses_an_escaping_shard_in_one_line(root, tmp_path, capsys):
     evil = outside_copy(root)
-    edit_index(root / STEP2, lambda d: [s.update(file=os.path.relpath(evil, root / STEP2)) for s in shards_of(d)])
+    edit_index(root / STEP2, lambda h, p: [s.update(file=os.path.relpath(evil, root / STEP2)) for s in shards_of(p)])
     with confine_opens(root, tmp_path / "hf") as escapes:
         rc = main(["convert-checkpoint", str(root), str(tmp_path / "hf"), "--to", "hf"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -155,42 +166,50 @@ def test_writes_do_not_follow_symlinks_out_of_the_folder(root, tmp_path):
     assert target.read_text() == "keep me"
 
 
-# ---- numbers in index.json ---------------------------------------------------------------------
-def first_shard(d: dict) -> dict:
-    return shards_of(d)[0]
+# ---- numbers in index.json and its parts ---------------------------------------------------
+def first_shard(p: dict) -> dict:
+    return shards_of(p)[0]
 
 
-def norm(d: dict) -> dict:
-    return d["tensors"]["model.norm.weight"]
+def norm(h: dict) -> dict:
+    return h["tensors"]["model.norm.weight"]
 
 
+NORM = "model.norm.weight"                   # replicated under tp: rank 0 saved it, in part 0
 INDEX_CASES = {
-    "block 0": (lambda d: first_shard(d).update(block=0), r"index.json: tensor '.*' shard \d: 'block' is 0"),
-    "block text": (lambda d: first_shard(d).update(block="4096"), r"'block' is '4096'; expected an integer"),
-    "crc text": (lambda d: first_shard(d).update(crc32c=["x"]), r"'crc32c\[0\]' is 'x'"),
-    "crc count": (lambda d: first_shard(d).update(crc32c=[0, 0, 0]), "3 checksums for"),
-    "crc both": (lambda d: first_shard(d).update(crc32=[0]), "checksums under both .crc32c. and .crc32."),
-    "crc none": (lambda d: first_shard(d).pop("crc32c"), r"'crc32c' is None; expected a list"),
-    "shape text": (lambda d: norm(d).update(shape="abc"), r"tensor 'model.norm.weight': 'shape' is 'abc'"),
-    "shape float": (lambda d: norm(d).update(shape=[64.0]), r"'shape\[0\]' is 64.0"),
-    "shape huge": (lambda d: norm(d).update(shape=[10 ** 12]), r"'model.norm.weight' is \(1000000000000,\) in the "
-                                                             r"checkpoint but \(64,\) in the model loading it"),
-    "shard missing": (lambda d: d["tensors"]["lm_head.weight"]["shards"].pop(),
+    "block 0": (lambda h, p: first_shard(p).update(block=0), r"index_00001.json: tensor '.*' shard \d: 'block' is 0"),
+    "block text": (lambda h, p: first_shard(p).update(block="4096"), r"'block' is '4096'; expected an integer"),
+    "crc text": (lambda h, p: first_shard(p).update(crc32c=["x"]), r"'crc32c\[0\]' is 'x'"),
+    "crc count": (lambda h, p: first_shard(p).update(crc32c=[0, 0, 0]), "3 checksums for"),
+    "crc both": (lambda h, p: first_shard(p).update(crc32=[0]), "checksums under both .crc32c. and .crc32."),
+    "crc none": (lambda h, p: first_shard(p).pop("crc32c"), r"'crc32c' is None; expected a list"),
+    "shape text": (lambda h, p: norm(h).update(shape="abc"), r"tensor 'model.norm.weight': 'shape' is 'abc'"),
+    "shape float": (lambda h, p: norm(h).update(shape=[64.0]), r"'shape\[0\]' is 64.0"),
+    "shape huge": (lambda h, p: norm(h).update(shape=[10 ** 12]), r"'model.norm.weight' is \(1000000000000,\) in "
+                                                                 r"the checkpoint but \(64,\) in the model loading it"),
+    "shard missing": (lambda h, p: p[1]["tensors"]["lm_head.weight"].pop(),
                       "'lm_head.weight': the saved shards hold 4096 of the 8192 wanted elements"),
-    "shape and shard huge": (lambda d: (norm(d).update(shape=[10 ** 12]), norm(d)["shards"][0].update(
+    "shape and shard huge": (lambda h, p: (norm(h).update(shape=[10 ** 12]), p[0]["tensors"][NORM][0].update(
         sizes=[10 ** 12], block=4 * 10 ** 12, crc32c=[0])), r"'model.norm.weight' is \(1000000000000,\) in the "
                                                            r"checkpoint but \(64,\) in the model loading it"),
-    "offset negative": (lambda d: first_shard(d).update(offsets=[-1, 0]), r"'offsets\[0\]' is -1"),
-    "offset past end": (lambda d: first_shard(d).update(offsets=[10 ** 6, 0]), "outside the tensor's"),
-    "flat reversed": (lambda d: first_shard(d).update(flat=[5, 2]), "'flat' is"),
-    "dtype": (lambda d: norm(d).update(dtype="float128"), "'dtype' is 'float128'"),
-    "step": (lambda d: d.update(step="x"), "'step' is 'x'"),
-    "world size": (lambda d: d.update(world_size=0), "'world_size' is 0"),
-    "rank key": (lambda d: d["rank_states"].update(abc={}), "'rank_states' key 'abc'"),
-    "bytes": (lambda d: d["state"].update(rng={"__bytes__": 5}), "'state': a stored byte string does not decode"),
-    "tensors list": (lambda d: d.update(tensors=[]), "'tensors': expected a JSON object"),
-    "shards dict": (lambda d: norm(d).update(shards={}), "'shards' a list"),
-    "file number": (lambda d: first_shard(d).update(file=7), "'file' and 'key' must be strings"),
+    "offset negative": (lambda h, p: first_shard(p).update(offsets=[-1, 0]), r"'offsets\[0\]' is -1"),
+    "offset past end": (lambda h, p: first_shard(p).update(offsets=[10 ** 6, 0]), "outside the tensor's"),
+    "flat reversed": (lambda h, p: first_shard(p).update(flat=[5, 2]), "'flat' is"),
+    "dtype": (lambda h, p: norm(h).update(dtype="float128"), "'dtype' is 'float128'"),
+    "step": (lambda h, p: h.update(step="x"), "'step' is 'x'"),
+    "world size": (lambda h, p: h.update(world_size=0), "'world_size' is 0"),
+    "rank key": (lambda h, p: h["rank_states"].update(abc={}), "'rank_states' key 'abc'"),
+    "bytes": (lambda h, p: h["state"].update(rng={"__bytes__": 5}), "'state': a stored byte string does not decode"),
+    "tensors list": (lambda h, p: h.update(tensors=[]), "'tensors': expected a JSON object"),
+    "shards dict": (lambda h, p: p[0]["tensors"].update({NORM: {}}), "tensor 'model.norm.weight': expected a list"),
+    "file number": (lambda h, p: first_shard(p).update(file=7), "'file' and 'key' must be strings"),
+    "version": (lambda h, p: h.update(version=3), "format version 3 but this ms_llm reads versions 1, 2"),
+    "parts missing": (lambda h, p: h["parts"].pop(), r"'parts' must list one record per rank \(2\)"),
+    "also outside": (lambda h, p: h["parts"][1].update(also=[2]), r"'parts'\[1\]: 'also\[0\]' is 2; expected an "
+                                                                  r"integer in \[0, 1\]"),
+    "part of a stranger": (lambda h, p: p[1]["tensors"].update(evil=[]), "has shards of tensor 'evil', which"),
+    "part of another rank": (lambda h, p: p[1].update(rank=0), "index_00001.json: not the index part of rank 1"),
+    "part of another step": (lambda h, p: p[1].update(step=1), "not the index part of rank 1 at step 2"),
 }
 
 
@@ -207,6 +226,22 @@ def test_huge_shape_is_refused_before_allocating_the_full_tensor(root):
     edit_index(root / STEP2, INDEX_CASES["shape and shard huge"][0])
     with pytest.raises(CheckpointError, match="in the file but"):
         Checkpoint(root / STEP2).read_full("model.norm.weight")
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "from step 1", "missing"])
+def test_a_damaged_or_foreign_index_part_is_refused_and_falls_back(root, damage):
+    part = root / STEP2 / "index_00001.json"
+    data = part.read_bytes()
+    if damage == "flipped":
+        part.write_bytes(data.replace(b'"block":', b'"block" :', 1)[:len(data)])
+    elif damage == "truncated":
+        part.write_bytes(data[:-1])
+    elif damage == "from step 1":
+        shutil.copy(root / "step_00000001" / part.name, part)
+    else:
+        part.unlink()
+    falls_back(root, r"index_00001.json: (missing; .* names 2 index parts|\d+ bytes that do not match the size "
+                     r"\(\d+\) and crc32c .* records; the part is damaged or from another save)")
 
 
 # ---- numbers in safetensors headers ------------------------------------------------------------

@@ -5,7 +5,7 @@ module only pairs torch tensors with the plan's Pieces:
 
     items = save_items(param_pieces(plan, rank), named_local_tensors)
     writer.save(step, items, ...)
-    load_into(Checkpoint.open(root), param_pieces(plan, rank), named_local_tensors)
+    load_into(Checkpoint.open(root, rank), param_pieces(plan, rank), named_local_tensors)
 
 A DTensor contributes its local shard (`to_local()`); the plan says where that shard sits.
 Device tensors are copied straight into the writer's host buffer by a copy function.

@@ -30,7 +30,7 @@ Save by hand (every rank; returns after a host-memory snapshot, persists in the 
 Load, under any strategy and world size (each rank reads only the bytes its pieces need):
 
     folders = restore_folders(run_dir / "checkpoints", memory)   # memory tier first if newer
-    ckpt, arrays = load_with_fallback(folders, lambda c: c.read_pieces(pieces))
+    ckpt, arrays = load_with_fallback(folders, lambda c: c.read_pieces(pieces), rank)
     ckpt.step, ckpt.state, ckpt.rank_state(rank)
 
 Pieces of ZeRO flat buffers map back to named tensors with `flat_pieces`. The interval

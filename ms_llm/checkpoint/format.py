@@ -1,18 +1,21 @@
-"""The checkpoint index: one JSON file that says where every byte of every tensor lives.
+"""The checkpoint index: where every byte of every tensor lives.
 
     step_00000100/
-      index.json                  this file
+      index.json                  the head
+      index_00000.json            the shards rank 0 saved (index_parts.py; one per rank)
       rank_00000.safetensors      what rank 0 held (only the copies it is primary for)
       rank_00001.safetensors      (one per rank)
 
-index.json holds the format version, the step, the run config it was saved under (model,
-strategy, world size, backend), the training state (step, LR scheduler, data sampler,
-loss scaler: plain JSON, identical on every rank), each rank's own state (RNG states),
-and for every tensor its global shape, dtype, the layout it was saved under and its
-shards: file, key in that file, region in the global tensor (boxes.Region) and checksums of
-consecutive blocks of its bytes, under the name of their algorithm (checksum.py: "crc32c";
-checkpoints written before it hold "crc32"). Tensor names are Hugging Face LLaMA names for weights;
-optimizer states are `optim.<state>.<param name>` (see `optim_name`).
+index.json (the head) holds the format version, the step, the run config it was saved under
+(model, strategy, world size, backend), the training state (step, LR scheduler, data sampler,
+loss scaler: plain JSON, identical on every rank), each rank's own state (RNG states), every
+tensor's global shape, dtype and the layout it was saved under, and a record of each rank's
+index part. A part lists, for every tensor, the shards its rank saved: file, key in that file,
+region in the global tensor (boxes.Region) and checksums of consecutive blocks of its bytes,
+under the name of their algorithm (checksum.py: "crc32c"; checkpoints written before it hold
+"crc32"). Version 1 (still read) kept the shards in index.json itself. Tensor names are
+Hugging Face LLaMA names for weights; optimizer states are `optim.<state>.<param name>` (see
+`optim_name`).
 """
 from __future__ import annotations
 
@@ -22,10 +25,13 @@ import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
+from ms_llm.checkpoint.index_parts import IndexParts, Origin, PartRecord
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
 from ms_llm.checkpoint.untrusted import MAX_COUNT, CheckedOnUse, integer, integers
 from ms_llm.config.schema import to_dict
@@ -33,7 +39,8 @@ from ms_llm.errors import CheckpointError
 from ms_llm.strategy.ir import MAX_WORLD_SIZE
 
 FORMAT = "ms_llm.checkpoint"
-VERSION = 1
+VERSION = 2                         # the head and per-rank parts; READS lists what this reader opens
+READS = (1, 2)
 INDEX = "index.json"
 OPTIM_PREFIX = "optim."
 
@@ -113,17 +120,16 @@ class TensorEntry:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def to_json(self) -> dict:
-        out = {"shape": list(self.shape), "dtype": self.dtype, "shards": [s.to_json() for s in self.shards]}
-        if self.layout:
-            out["layout"] = self.layout
-        return out
+    @property
+    def itemsize(self) -> int:
+        return storage_dtype(self.dtype).itemsize
 
     @classmethod
-    def from_json(cls, name: str, data: object, where: str) -> "TensorEntry":
+    def from_json(cls, name: str, data: object, where: str,
+                  parts: Optional[IndexParts] = None) -> "TensorEntry":
         """Parse and check a tensor entry: a supported dtype, a shape of bounded size, shards
-        inside it that together hold every element."""
-        where = f"{where}: tensor {name!r}"
+        inside it that together hold every element (in `parts` for a version-2 head)."""
+        path, where = where, f"{where}: tensor {name!r}"
         data = _mapping(data, where)
         shape = integers(data.get("shape"), where, "shape")
         if math.prod(shape) > MAX_COUNT:
@@ -131,10 +137,16 @@ class TensorEntry:
         dtype = data.get("dtype")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{where}: 'dtype' is {dtype!r}; expected one of {', '.join(DTYPES)}")
-        layout, shards = data.get("layout", ""), data.get("shards")
-        if not isinstance(layout, str) or not isinstance(shards, list):
-            raise CheckpointError(f"{where}: 'layout' must be a string and 'shards' a list")
-        return cls(name, shape, dtype, layout, ParsedShards(shards, where, name, shape, storage_dtype(dtype).itemsize))
+        layout = data.get("layout", "")
+        if not isinstance(layout, str):
+            raise CheckpointError(f"{where}: 'layout' must be a string, got {type(layout).__name__}")
+        if parts is not None:
+            return cls(name, shape, dtype, layout, ParsedShards(lambda: parts.shards(name), path, name, shape, dtype))
+        shards = data.get("shards")
+        if not isinstance(shards, list):
+            raise CheckpointError(f"{where}: 'shards' must be a list, got {type(shards).__name__}")
+        return cls(name, shape, dtype, layout,
+                   ParsedShards(lambda: (shards, [(path, i) for i in range(len(shards))]), path, name, shape, dtype))
 
     def exact_shard(self, region: Region) -> Optional[int]:
         """The index of the shard saved with exactly `region` (what a same-strategy load wants), or None."""
@@ -155,31 +167,39 @@ class TensorEntry:
 class ParsedShards(Sequence):
     """A saved tensor's shards, each parsed and checked (ShardEntry.from_json) when first used:
     a load parses the shards it reads from (`find`, `maybe_near`), where a tensor of a
-    thousand-rank job has a thousand. Going through all of them also checks that together they
-    hold every element of the tensor (check_coverage)."""
+    thousand-rank job has a thousand. The raw entries come from `source` when first needed
+    (a version-2 index reads its parts then), with where each came from for error messages.
+    Going through all of them also checks that together they hold every element of the tensor
+    (check_coverage)."""
 
-    def __init__(self, raw: list, where: str, name: str, shape: tuple[int, ...], itemsize: int):
-        self._raw, self._where, self._name, self._shape, self._itemsize = raw, where, name, shape, itemsize
-        self._parsed: list[Optional[ShardEntry]] = [None] * len(raw)
+    def __init__(self, source: Callable[[], tuple[list, list[Origin]]], where: str, name: str,
+                 shape: tuple[int, ...], dtype: str):
+        self._source, self._where, self._name = source, where, name
+        self._shape, self._itemsize = shape, storage_dtype(dtype).itemsize
+        self._parsed: dict[int, ShardEntry] = {}
         self._covered = False
 
+    @cached_property
+    def _raw(self) -> tuple[list, list[Origin]]:
+        return self._source()
+
     def __len__(self) -> int:
-        return len(self._raw)
+        return len(self._raw[0])
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(len(self))[i]]
         i = range(len(self))[i]
-        shard = self._parsed[i]
+        shard = self._parsed.get(i)
         if shard is None:
-            shard = self._parsed[i] = ShardEntry.from_json(self._raw[i], f"{self._where} shard {i}", self._shape,
-                                                           self._itemsize)
+            raws, origins = self._raw
+            shard = self._parsed[i] = parse_shard(raws[i], origins[i], self._name, self._shape, self._itemsize)
         return shard
 
     def __iter__(self) -> Iterator[ShardEntry]:
         shards = [self[i] for i in range(len(self))]
         if not self._covered:
-            check_coverage(self._name, self._shape, shards, self._where)
+            check_coverage(self._name, self._shape, sum(s.region.numel for s in shards), self._where)
             self._covered = True
         return iter(shards)
 
@@ -189,7 +209,7 @@ class ParsedShards(Sequence):
         parsed; the read itself checks that the shards it touches cover what it wants)."""
         lo, hi, n = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes)), len(region.offsets)
         out = []
-        for i, raw in enumerate(self._raw):
+        for i, raw in enumerate(self._raw[0]):
             offsets, sizes = (raw.get("offsets"), raw.get("sizes")) if isinstance(raw, dict) else (None, None)
             if (isinstance(offsets, list) and isinstance(sizes, list) and len(offsets) == len(sizes) == n
                     and all(type(v) is int and v >= 0 for v in offsets + sizes)
@@ -200,14 +220,31 @@ class ParsedShards(Sequence):
         return out
 
     def find(self, region: Region) -> Optional[int]:
-        """`TensorEntry.exact_shard`, comparing the raw JSON first (a bool there compares equal to
-        an int, so the match is parsed and checked before it is used)."""
-        offsets, sizes, flat = list(region.offsets), list(region.sizes), list(region.flat) if region.flat else None
-        for i, raw in enumerate(self._raw):
-            if (isinstance(raw, dict) and raw.get("offsets") == offsets and raw.get("sizes") == sizes
-                    and raw.get("flat") == flat and self[i].region == region):
-                return i
-        return None
+        """`TensorEntry.exact_shard`, comparing the raw JSON first (find_raw)."""
+        raws, origins = self._raw
+        i = find_raw(raws, origins, region, self._name, self._shape, self._itemsize)
+        return None if i is None else i[0]
+
+
+def parse_shard(raw: object, origin: Origin, name: str, shape: tuple[int, ...], itemsize: int) -> ShardEntry:
+    """One raw shard entry of tensor `name`, checked; errors name its file and position."""
+    file, position = origin
+    return ShardEntry.from_json(raw, f"{file}: tensor {name!r} shard {position}", shape, itemsize)
+
+
+def find_raw(raws: list, origins: list[Origin], region: Region, name: str, shape: tuple[int, ...],
+             itemsize: int) -> Optional[tuple[int, ShardEntry]]:
+    """The position and parsed entry of the raw shard saved with exactly `region`, or None. The
+    raw JSON is compared first and the match parsed and checked before it is used (a bool there
+    compares equal to an int)."""
+    offsets, sizes, flat = list(region.offsets), list(region.sizes), list(region.flat) if region.flat else None
+    for i, raw in enumerate(raws):
+        if (isinstance(raw, dict) and raw.get("offsets") == offsets and raw.get("sizes") == sizes
+                and raw.get("flat") == flat):
+            shard = parse_shard(raw, origins[i], name, shape, itemsize)
+            if shard.region == region:
+                return i, shard
+    return None
 
 
 @dataclass
@@ -219,25 +256,30 @@ class Index:
     rank_states: dict[int, dict[str, Any]]
     tensors: Mapping[str, TensorEntry]
     save_stats: dict[str, float] = field(default_factory=dict)
+    parts: Optional[IndexParts] = None      # version 2: each rank's shards, read when first needed
 
-    def to_json(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "step": self.step, "world_size": self.world_size,
-                "config": self.config, "state": self.state, "save_stats": self.save_stats,
-                "rank_states": {str(r): s for r, s in sorted(self.rank_states.items())},
-                "tensors": {n: t.to_json() for n, t in sorted(self.tensors.items())}}
-
-    def dumps(self) -> bytes:
-        """Compact JSON: json's C encoder runs only without `indent` (a 32-rank ZeRO-3 index of
-        80 layers: 110 ms and 11.4 MB, against 796 ms and 18.6 MB indented)."""
-        return json.dumps(self.to_json(), separators=(",", ":")).encode()
+    def exact_shard(self, name: str, region: Region, rank: Optional[int] = None) -> Optional[ShardEntry]:
+        """The shard of `name` saved with exactly `region`, or None. Given the loading `rank`, a
+        version-2 index looks first in the parts that rank reads (index_parts.IndexParts.rank_shards),
+        so a rank resuming under the layout it saved parses no other rank's part."""
+        entry = self.tensors[name]
+        if self.parts is not None and rank is not None:
+            raws, origins = self.parts.rank_shards(rank, name)
+            found = find_raw(raws, origins, region, name, entry.shape, entry.itemsize)
+            if found is not None:
+                return found[1]
+        k = entry.exact_shard(region)
+        return None if k is None else entry.shards[k]
 
     @classmethod
-    def from_json(cls, data: dict, where: str) -> "Index":
+    def from_json(cls, data: dict, where: str, folder: Optional[Path] = None) -> "Index":
+        """A parsed index.json of `folder` (version 1, or a version-2 head whose parts are there)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CheckpointError(f"{where}: not an ms_llm checkpoint index (format field missing)")
-        if data.get("version") != VERSION:
-            raise CheckpointError(f"{where}: format version {data.get('version')} but this ms_llm reads "
-                                  f"version {VERSION}; convert it with the ms_llm that wrote it")
+        version = data.get("version")
+        if version not in READS:
+            raise CheckpointError(f"{where}: format version {version!r} but this ms_llm reads versions "
+                                  f"{', '.join(map(str, READS))}; convert it with the ms_llm that wrote it")
         step = integer(data.get("step"), where, "step")
         world_size = integer(data.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
         config = _mapping(data.get("config"), f"{where}: 'config'")
@@ -251,9 +293,30 @@ class Index:
             rank_states[int(r)] = _mapping(s, f"{where}: 'rank_states' of rank {r}")
         for value, what in [(state, "state")] + [(s, f"rank_states[{r}]") for r, s in rank_states.items()]:
             _check_decodes(value, f"{where}: '{what}'")
-        entries = CheckedOnUse(tensors, lambda name, value: TensorEntry.from_json(name, value, where))
+        parts = None
+        if version == 2:
+            records = data.get("parts")
+            if not isinstance(records, list) or len(records) != world_size:
+                raise CheckpointError(f"{where}: 'parts' must list one record per rank ({world_size}), got "
+                                      f"{type(records).__name__}")
+            parts = IndexParts(Path(where).parent if folder is None else folder,
+                               [PartRecord.from_json(r, k, world_size, where) for k, r in enumerate(records)],
+                               step, tensors, where)
+        entries = CheckedOnUse(tensors, lambda name, value: TensorEntry.from_json(name, value, where, parts))
         return cls(step, world_size, config, state, rank_states, entries,
-                   _mapping(data.get("save_stats", {}), f"{where}: 'save_stats'"))
+                   _mapping(data.get("save_stats", {}), f"{where}: 'save_stats'"), parts)
+
+
+def encode_head(step: int, world_size: int, config: dict, state: dict, rank_states: dict[int, dict],
+                tensors: dict[str, dict], records: Sequence[PartRecord], save_stats: dict) -> bytes:
+    """index.json of a version-2 checkpoint: `tensors` maps each name to its shape, dtype and
+    layout, `records` describe the parts, rank by rank. Compact JSON: json's C
+    encoder runs only without `indent`."""
+    return json.dumps({"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
+                       "config": config, "state": state, "save_stats": save_stats,
+                       "rank_states": {str(r): s for r, s in sorted(rank_states.items())},
+                       "tensors": dict(sorted(tensors.items())), "parts": [r.to_json() for r in records]},
+                      separators=(",", ":")).encode()
 
 
 def _mapping(value: object, where: str) -> dict:
@@ -271,10 +334,10 @@ def _check_decodes(state: dict, where: str) -> None:
         raise CheckpointError(f"{where}: a stored byte string does not decode ({exc})") from None
 
 
-def check_coverage(name: str, shape: tuple[int, ...], shards: Sequence[ShardEntry], where: str) -> None:
-    """Every element of the tensor is in some shard exactly once (counts, not positions:
-    overlapping shards would be a writer bug the reader also tolerates)."""
-    total = sum(s.region.numel for s in shards)
+def check_coverage(name: str, shape: tuple[int, ...], total: int, where: str) -> None:
+    """The tensor's shards hold `total` elements, as many as it has: every element is in some
+    shard exactly once (counts, not positions: overlapping shards would be a writer bug the
+    reader also tolerates)."""
     if total != math.prod(shape):
         raise CheckpointError(f"{where}: tensor {name!r} has {total} elements in its shards but shape "
                               f"{shape} needs {math.prod(shape)}; a rank's shards are missing")

@@ -1,9 +1,10 @@
 """Load any checkpoint under any layout, reading only the bytes the caller's pieces need.
 
-    ckpt = Checkpoint.open(root)                      # a root (follows `latest`) or a step folder
+    ckpt = Checkpoint.open(root, rank)                # a root (follows `latest`) or a step folder
     arrays = ckpt.read_pieces(param_pieces(plan, rank))
 
-A wanted region saved exactly as such (a same-strategy load) is one run of its shard. Any
+A wanted region saved exactly as such (a same-strategy load) is one run of its shard, found in
+the index parts of the loading rank only (index_parts.py). Any
 other is intersected, sub-box by sub-box (boxes.py), with the saved shards whose box meets it,
 and the overlaps are read straight into the destination (transfer.py), so only the touched
 byte ranges are read, and only the index entries of the shards read from are parsed. Every
@@ -43,10 +44,12 @@ T = TypeVar("T")
 
 
 class Checkpoint:
-    def __init__(self, folder: str | Path, index: Optional[Index] = None):
+    def __init__(self, folder: str | Path, index: Optional[Index] = None, rank: Optional[int] = None):
         """Open a committed folder; importers pass an `index` they built over foreign
-        safetensors files (shards without checksums)."""
-        self.folder = Path(folder)
+        safetensors files (shards without checksums). `rank`, the loading rank, lets a load under
+        the layout it saved parse only that rank's index parts (Index.exact_shard); any load
+        reads the same bytes with or without it."""
+        self.folder, self.rank = Path(folder), rank
         if index is None:
             path = confined(self.folder, INDEX, "the index")
             try:
@@ -58,7 +61,7 @@ class Checkpoint:
                 raise CheckpointError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
             except OSError as exc:
                 raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
-            index = Index.from_json(data, str(path))
+            index = Index.from_json(data, str(path), self.folder)
         self.index: Index = index
         self._files: dict[str, tuple[Path, int, Mapping[str, TensorSpan], bool]] = {}
         self._fds: dict[str, int] = {}
@@ -72,16 +75,16 @@ class Checkpoint:
         self.workers = min(4, (os.cpu_count() or 1) + 1)
 
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
+    def open(cls, path: str | Path, rank: Optional[int] = None) -> "Checkpoint":
         """A step folder, or a checkpoint root whose `latest` pointer names one."""
         path = Path(path)
         if (path / INDEX).is_file():
-            return cls(path)
+            return cls(path, rank=rank)
         folder = commit_mod.latest(path)
         if folder is None:
             raise CheckpointError(f"{path}: neither a checkpoint folder ({INDEX}) nor a root with a "
                                   f"'{commit_mod.LATEST}' pointer")
-        return cls(folder)
+        return cls(folder, rank=rank)
 
     # ---- what it holds -----------------------------------------------------------------
     @property
@@ -198,9 +201,9 @@ class Checkpoint:
                                   f"{tuple(want.shape)} in the model loading it; was it saved from a different "
                                   "model config?")
         dtype = storage_dtype(entry.dtype)
-        same = entry.exact_shard(region) if isinstance(want, Piece) else None
+        same = self.index.exact_shard(name, region, self.rank) if isinstance(want, Piece) else None
         if same is not None:                        # saved as wanted (a same-layout load): one run
-            shard = self._shard(entry, entry.shards[same])
+            shard = self._shard(entry, same)
             out = self._destination(name, region, dtype, out)
             return out, [RunMove(shard, 0, out.reshape(-1).view(np.uint8), 0, shard.nbytes)]
         size = dtype.itemsize
@@ -283,15 +286,17 @@ def candidates(*roots: str | Path) -> list[Path]:
     return [f for _, _, f in sorted(found)]
 
 
-def load_with_fallback(folders: Iterable[Path], load: Callable[[Checkpoint], T]) -> tuple[Checkpoint, T]:
-    """Run `load` on the first folder that reads cleanly; on CheckpointError try the next.
+def load_with_fallback(folders: Iterable[Path], load: Callable[[Checkpoint], T],
+                       rank: Optional[int] = None) -> tuple[Checkpoint, T]:
+    """Run `load` on the first folder that reads cleanly (opened for `rank`, see Checkpoint);
+    on CheckpointError try the next.
 
     In a multi-rank job every rank must end on the same step: the trainer agrees on it
     (e.g. an all-reduce of the steps that loaded) before training on."""
     failures = []
     for folder in folders:
         try:
-            ckpt = Checkpoint(folder)
+            ckpt = Checkpoint(folder, rank=rank)
             return ckpt, load(ckpt)
         except CheckpointError as exc:
             log.warning("checkpoint %s unusable, trying the previous one: %s", folder, exc)

@@ -178,7 +178,7 @@ class TrainerCheckpoints:
         for folder in folders:
             started = time.perf_counter()
             try:
-                ckpt = Checkpoint(folder)
+                ckpt = Checkpoint(folder, rank=self.rank)
                 load(ckpt)
             except CheckpointError as exc:
                 log.warning("checkpoint %s unusable, trying the previous one: %s", folder, exc)

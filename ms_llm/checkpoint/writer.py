@@ -34,7 +34,7 @@ import numpy as np
 from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM, block_checksums
 from ms_llm.checkpoint.direct_io import aligned_buffer, write_file
-from ms_llm.checkpoint.format import encode_state, rank_file
+from ms_llm.checkpoint.format import ShardEntry, encode_state, rank_file
 from ms_llm.checkpoint.safetensors_io import TensorSpan, dtype_name, header_bytes, storage_dtype
 from ms_llm.checkpoint.shards import Piece
 from ms_llm.checkpoint.untrusted import confined
@@ -142,7 +142,8 @@ class CheckpointWriter:
                 for dtype, span in zip(layout.dtypes, layout.spans)]
         copies = [c for item, dst in zip(layout.items, dsts) for c in self._copies(item, dst)]
         meta = {"state": encode_state(state or {}), "rank_state": encode_state(rank_state or {}),
-                "config": config or {}}
+                "config": config or {},         # and the pieces held here that another replica saves
+                "held": [{"name": i.piece.name, **i.piece.region.to_json()} for i in items if not i.piece.primary]}
         stats.bytes = layout.nbytes
         self.last = stats
         self._thread = threading.Thread(target=self._persist_guarded,
@@ -265,9 +266,14 @@ class CheckpointWriter:
                     "tensors": {i.piece.name: {"shape": list(i.piece.shape), "dtype": d, "layout": i.piece.layout}
                                 for i, d in zip(layout.items, layout.dtypes)}}
 
-        def shards() -> list[dict]:
-            return [{"name": item.piece.name, "key": key, **item.piece.region.to_json(), "block": self.block_bytes,
-                     "checksum": CHECKSUM, "sums": crc.result()} for item, key, crc in zip(layout.items, layout.keys, crcs)]
+        def shards() -> dict[str, list[dict]]:
+            """This rank's index part: its shards as the index lists them, by tensor name."""
+            out: dict[str, list[dict]] = {}
+            for item, key, crc in zip(layout.items, layout.keys, crcs):
+                shard = ShardEntry(fragment["file"], key, item.piece.region, self.block_bytes, tuple(crc.result()),
+                                    CHECKSUM)
+                out.setdefault(item.piece.name, []).append(shard.to_json())
+            return out
         step = stats.step
         merged = len(layout.items) * self.world_size      # about what rank 0 merges: this rank's shards x ranks
         if self.memory is not None:

@@ -4,7 +4,7 @@ Live training (the format, writer and reader are ms_llm.checkpoint, shared with 
 
     items = save_items(param_pieces(plan, rank), {p.name: p for p in net.get_parameters()})
     writer.save(step, items, ...)
-    load_into(Checkpoint.open(root), param_pieces(plan, rank), params)
+    load_into(Checkpoint.open(root, rank), param_pieces(plan, rank), params)
 
 Interchange with MindSpore's tools: `export_mindspore` writes rank_<r>/<prefix><r>.ckpt plus
 strategy/rank_<r>.ckpt (protobuf strategy files, strategy_file.py) that transform_checkpoints,
