@@ -223,7 +223,7 @@ def load_vs_raw(folder: Path, pieces: dict) -> dict[str, float]:
         reads["one_file"] = [(same[0][0], 0, nbytes)]
 
     def load():
-        with Checkpoint.open(folder) as c:
+        with Checkpoint.open(folder, rank=0) as c:      # the pieces are rank 0's; a trainer names its rank
             c.read_pieces(pieces, out=dest)
     runs = {"load": load, **{k: (lambda r=r: raw_read(r, out)) for k, r in reads.items()}}
     t: dict[str, list[float]] = {}
@@ -416,7 +416,7 @@ def run(work: Path, shm: Path) -> int:
     dcp_dir, st_file = work / f"dcp{REPEATS}", work / f"st{REPEATS}.safetensors"
 
     def restore(folder):
-        with Checkpoint.open(folder) as c:
+        with Checkpoint.open(folder, rank=0) as c:
             c.read_pieces(pieces, out=params)
     loads = {
         "ours": lambda: restore(work / "tiered"),
@@ -433,7 +433,7 @@ def run(work: Path, shm: Path) -> int:
         ms_file = work / f"ms{REPEATS}.ckpt"
 
         def ms_restore() -> None:
-            with Checkpoint.open(work / "tiered") as c:
+            with Checkpoint.open(work / "tiered", rank=0) as c:
                 ms_load_into(c, pieces, ms_params)
         loads |= {"ms_ours": ms_restore, "ms": lambda: ms.load_checkpoint(str(ms_file), ms_net)}
         where |= {"ms_ours": work / "tiered", "ms": ms_file}

@@ -346,3 +346,19 @@ def test_a_same_layout_load_reads_its_own_index_parts_only(tmp_path):
             with Checkpoint(folder, rank=rank) as c:
                 got = c.read_pieces(pieces)
             assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items()), (folder, rank)
+
+
+def test_the_commit_refuses_shards_that_leave_part_of_a_tensor_out(tmp_path):
+    """Rank 1 saves all but its half of lm_head.weight: rank 0's commit adds up the elements the
+    fragments say were saved, refuses the save, and publishes nothing."""
+    plan, ref = plan_for({"tp": 2}, 2), reference()
+    for rank in (1, 0):
+        w = CheckpointWriter(tmp_path, rank, 2, session="s")
+        w.save(1, [SaveItem(p, cut(ref[n], p.region)) for n, p in rank_pieces(plan, rank).items()
+                   if (rank, n) != (1, "lm_head.weight")])
+        if rank == 1:
+            w.close()
+    with pytest.raises(CheckpointError, match=r"step 1: tensor 'lm_head.weight' has 4096 elements in its shards but "
+                                              r"shape \(128, 64\) needs 8192"):
+        w.close()
+    assert latest(tmp_path) is None and committed(tmp_path) == []

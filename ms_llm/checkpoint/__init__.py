@@ -1,7 +1,7 @@
 """One sharded checkpoint format for both backends (numpy + stdlib + safetensors only).
 
-A checkpoint is a folder of safetensors shard files (one per rank) plus index.json
-(format.py). Backends never touch files: they pair local tensors with Pieces read off the
+A checkpoint is a folder of safetensors shard files (one per rank), one index part per rank
+and index.json, the head (format.py, index_parts.py). Backends never touch files: they pair local tensors with Pieces read off the
 ModelPlan and hand numpy over (torch: `t.detach().cpu().numpy()`, MindSpore: `.asnumpy()`;
 see torch_backend/checkpoint.py and ms_llm/mindspore/checkpoint.py).
 
@@ -30,7 +30,7 @@ Save by hand (every rank; returns after a host-memory snapshot, persists in the 
 Load, under any strategy and world size (each rank reads only the bytes its pieces need):
 
     folders = restore_folders(run_dir / "checkpoints", memory)   # memory tier first if newer
-    ckpt, arrays = load_with_fallback(folders, lambda c: c.read_pieces(pieces), rank)
+    ckpt, arrays = load_with_fallback(folders, lambda c: c.read_pieces(pieces), rank)   # rank: its parts first
     ckpt.step, ckpt.state, ckpt.rank_state(rank)
 
 Pieces of ZeRO flat buffers map back to named tensors with `flat_pieces`. The interval

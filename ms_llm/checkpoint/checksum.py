@@ -15,7 +15,7 @@ import crc32c
 
 Buffer = Union[bytes, bytearray, memoryview]
 
-# Shard key in index.json -> function(data, running value) -> checksum.
+# Shard key in the index -> function(data, running value) -> checksum.
 ALGORITHMS: dict[str, Callable[[Buffer, int], int]] = {
     "crc32c": crc32c.crc32c,
     "crc32": zlib.crc32,

@@ -5,10 +5,10 @@
     <root>/step_00000100/         committed: has index.json
 
 Each rank writes its shard file into the temporary folder, fsyncs it, then publishes a
-small fragment (rank_XXXXX.json) by write-fsync-rename. The committing rank waits for
-every rank's fragment of this save session, writes each rank's index part (index_XXXXX.json,
-index_parts.py) and then index.json, the head that names them, fsyncs, renames the folder to
-its final name, fsyncs the root, then replaces `latest` the same way.
+small fragment (rank_XXXXX.json) by write-fsync-rename, after its index part (index_XXXXX.json,
+index_parts.py: the shards it saved). The committing rank waits for every rank's fragment of
+this save session, writes index.json, the head that names the parts, fsyncs, renames the
+folder to its final name, fsyncs the root, then replaces `latest` the same way.
 A crash at any point leaves `latest` naming the previous complete checkpoint; nothing
 partial is ever named by it. Ranks coordinate only through the file system, so the same
 code serves both backends and a shared file system across nodes.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -30,7 +29,8 @@ from typing import Optional
 
 from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.format import INDEX, check_coverage, encode_head
-from ms_llm.checkpoint.index_parts import PartRecord, encode_part, part_name
+from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM
+from ms_llm.checkpoint.index_parts import PartRecord, part_name
 from ms_llm.checkpoint.untrusted import confined
 from ms_llm.errors import CheckpointError
 from ms_llm.nodes import die_with_parent
@@ -70,29 +70,16 @@ def write_durable(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def write_all_durable(folder: Path, files: dict[str, bytes]) -> None:
-    """Write new files into a folder nothing reads yet, then fsync them: each fsync after the
-    first finds little left to flush (fsync after each write took about 85 ms a file here)."""
-    fds = []
-    try:
-        for name, data in files.items():
-            fds.append(os.open(confined(folder, name, "an index part"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fds[-1], view):]
-        for fd in fds:
-            os.fsync(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
 def fragment_name(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def write_fragment(folder: Path, rank: int, fragment: dict) -> None:
-    write_durable(folder / fragment_name(rank), json.dumps(fragment).encode())
+def write_fragment(folder: Path, rank: int, fragment: dict, part: bytes) -> None:
+    """Publish this rank's index part, then its fragment, which records the part's size and
+    checksum for the head: the commit never reads the shards themselves."""
+    write_durable(confined(folder, part_name(rank), "an index part"), part)
+    record = PartRecord.of(part, ()).to_json()
+    write_durable(folder / fragment_name(rank), json.dumps({**fragment, "part": record}).encode())
 
 
 def _read_fragments(folder: Path, world_size: int, session: str, have: dict[int, dict]) -> bool:
@@ -111,42 +98,42 @@ def _read_fragments(folder: Path, world_size: int, session: str, have: dict[int,
     return len(have) == world_size
 
 
-def index_files(frags: list[dict], step: int, world_size: int) -> dict[str, bytes]:
-    """The committed index from every rank's fragment: each rank's part (the shards it saved,
-    as its fragment lists them) and index.json, the head; rank 0's training state is the
-    shared one. Each tensor's shards must hold all its elements."""
+def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> bytes:
+    """index.json from every rank's fragment (rank 0's training state is the shared one); the
+    ranks wrote their parts beside. Each tensor's saved elements must add up to its size."""
     tensors: dict[str, dict] = {}
     elements: dict[str, int] = {}
-    parts = []
     for frag in frags:
         for name, info in frag["tensors"].items():
             entry = tensors.setdefault(name, info)
             if entry["shape"] != info["shape"] or entry["dtype"] != info["dtype"]:
                 raise CheckpointError(f"tensor {name!r}: rank {frag['rank']} saved shape {info['shape']} "
                                       f"{info['dtype']}, another rank {entry['shape']} {entry['dtype']}")
-        for name, shards in frag["shards"].items():
-            elements[name] = elements.get(name, 0) + sum(
-                s["flat"][1] - s["flat"][0] if "flat" in s else math.prod(s["sizes"]) for s in shards)
-        parts.append(encode_part(frag["rank"], step, frag["shards"]))
+        for name, count in frag["elements"].items():
+            elements[name] = elements.get(name, 0) + count
     for name, info in tensors.items():
         check_coverage(name, tuple(info["shape"]), elements.get(name, 0), f"step {step}")
+    records = [PartRecord(f["part"]["bytes"], f["part"][CHECKSUM], tuple(sorted(also)))
+               for f, also in zip(frags, _also(frags, folder))]
     first = frags[0]
-    records = [PartRecord.of(data, also) for data, also in zip(parts, _also(frags))]
-    head = encode_head(step, world_size, first["config"], first["state"],
+    return encode_head(step, world_size, first["config"], first["state"],
                        {f["rank"]: f["rank_state"] for f in frags if f.get("rank_state")}, tensors, records,
                        first.get("stats", {}))
-    return {part_name(rank): data for rank, data in enumerate(parts)} | {INDEX: head}
 
 
-def _also(frags: list[dict]) -> list[set[int]]:
+def _also(frags: list[dict], folder: Path) -> list[set[int]]:
     """For each rank, the other ranks that saved the replicated pieces it holds (its fragment's
-    `held`): the parts its same-layout load reads besides its own."""
+    `held`): the parts its same-layout load reads besides its own. Only then are the parts read
+    (replicas are of tensors a few ranks save, not of ZeRO-3 shards every rank saves)."""
     if not any(f.get("held") for f in frags):
         return [set() for _ in frags]
 
     def key(name: str, box: dict) -> tuple:
         return name, tuple(box["offsets"]), tuple(box["sizes"]), tuple(box.get("flat", ()))
-    saved_by = {key(name, s): f["rank"] for f in frags for name, shards in f["shards"].items() for s in shards}
+    saved_by = {}
+    for f in frags:
+        for name, shards in json.loads((folder / part_name(f["rank"])).read_bytes())["tensors"].items():
+            saved_by.update((key(name, s), f["rank"]) for s in shards)
     return [{saved_by[k] for h in f.get("held", []) if (k := key(h["name"], h)) in saved_by} - {f["rank"]}
             for f in frags]
 
@@ -191,9 +178,7 @@ def commit(root: Path, step: int, world_size: int, session: str, timeout_s: floa
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
     with collector_paused():
-        files = index_files([frags[r] for r in range(world_size)], step, world_size)
-    head = files.pop(INDEX)
-    write_all_durable(folder, files)          # the parts, before the head that names them
+        head = index_head([frags[r] for r in range(world_size)], step, world_size, folder)
     write_durable(folder / INDEX, head)
     for rank in range(world_size):
         (folder / fragment_name(rank)).unlink()

@@ -73,6 +73,7 @@ class IndexParts:
         self.folder, self.records, self.step, self._tensors, self._where = folder, records, step, tensors, where
         self._parts: dict[int, dict[str, list]] = {}
         self._all: dict[str, tuple[list, list[Origin]]] | None = None
+        self._of_rank: dict[int, dict[str, tuple[list, list[Origin]]]] = {}
 
     def shards(self, name: str) -> tuple[list, list[Origin]]:
         """Every saved shard of tensor `name` (raw entries, rank order) and where each came from."""
@@ -87,18 +88,21 @@ class IndexParts:
     def rank_shards(self, rank: int, name: str) -> tuple[list, list[Origin]]:
         """The shards of `name` in the parts a same-layout load of rank `rank` reads: its own and
         those its record names in `also`."""
-        found: dict[str, tuple[list, list[Origin]]] = {}
-        if 0 <= rank < len(self.records):
-            for r in (rank, *self.records[rank].also):
-                self._collect(r, found, name)
+        found = self._of_rank.get(rank)
+        if found is None:
+            found = self._of_rank[rank] = {}
+            if 0 <= rank < len(self.records):
+                with collector_paused():
+                    for r in (rank, *self.records[rank].also):
+                        self._collect(r, found)
         return found.get(name, ([], []))
 
-    def _collect(self, rank: int, into: dict[str, tuple[list, list[Origin]]], only: str | None = None) -> None:
+    def _collect(self, rank: int, into: dict[str, tuple[list, list[Origin]]]) -> None:
         part, file = self._part(rank), str(self.folder / part_name(rank))
-        for name in part if only is None else [only] if only in part else []:
+        for name, shards in part.items():
             raws, origins = into.setdefault(name, ([], []))
-            raws += part[name]
-            origins += [(file, j) for j in range(len(part[name]))]
+            raws += shards
+            origins += [(file, j) for j in range(len(shards))]
 
     def _part(self, rank: int) -> dict[str, list]:
         part = self._parts.get(rank)

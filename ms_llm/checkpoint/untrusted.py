@@ -1,6 +1,6 @@
 """Checks for values that come from checkpoint files, which may be damaged or crafted.
 
-Shard file names in index.json, the `latest` pointer and the names inside imported Hugging
+Shard file names in the index, the `latest` pointer and the names inside imported Hugging
 Face, MindSpore and DCP folders are data, not trusted paths: `confined` is the one check
 every read and write of such a name goes through, so a checkpoint cannot make ms_llm read
 or write a file outside its folder. Every number (shapes, offsets, block sizes, checksums)

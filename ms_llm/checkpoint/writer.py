@@ -35,6 +35,7 @@ from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM, block_checksums
 from ms_llm.checkpoint.direct_io import aligned_buffer, write_file
 from ms_llm.checkpoint.format import ShardEntry, encode_state, rank_file
+from ms_llm.checkpoint.index_parts import encode_part
 from ms_llm.checkpoint.safetensors_io import TensorSpan, dtype_name, header_bytes, storage_dtype
 from ms_llm.checkpoint.shards import Piece
 from ms_llm.checkpoint.untrusted import confined
@@ -264,31 +265,31 @@ class CheckpointWriter:
         crcs = [self._pool.submit(self._checksums, image, span) for span in layout.spans]
         fragment = {"rank": self.rank, "session": self.session, "file": rank_file(self.rank), **meta,
                     "tensors": {i.piece.name: {"shape": list(i.piece.shape), "dtype": d, "layout": i.piece.layout}
-                                for i, d in zip(layout.items, layout.dtypes)}}
+                                for i, d in zip(layout.items, layout.dtypes)}, "elements": {}}
+        for item in layout.items:                           # what the commit checks the tensors' coverage with
+            fragment["elements"][item.piece.name] = fragment["elements"].get(item.piece.name, 0) + item.piece.region.numel
 
-        def shards() -> dict[str, list[dict]]:
+        def part() -> bytes:
             """This rank's index part: its shards as the index lists them, by tensor name."""
-            out: dict[str, list[dict]] = {}
+            shards: dict[str, list[dict]] = {}
             for item, key, crc in zip(layout.items, layout.keys, crcs):
                 shard = ShardEntry(fragment["file"], key, item.piece.region, self.block_bytes, tuple(crc.result()),
-                                    CHECKSUM)
-                out.setdefault(item.piece.name, []).append(shard.to_json())
-            return out
+                                   CHECKSUM)
+                shards.setdefault(item.piece.name, []).append(shard.to_json())
+            return encode_part(self.rank, step, shards)
         step = stats.step
         merged = len(layout.items) * self.world_size      # about what rank 0 merges: this rank's shards x ranks
         if self.memory is not None:
             self._write_data(self.memory.root, step, image, throttle=False)
-            fragment["shards"] = shards()
-            commit_mod.write_fragment(commit_mod.tmp_dir(self.memory.root, step), self.rank, fragment)
+            commit_mod.write_fragment(commit_mod.tmp_dir(self.memory.root, step), self.rank, fragment, part())
             if self.rank == 0:
                 commit_mod.commit_beside(self.memory.root, step, self.world_size, self.session, self.commit_timeout_s,
                                          merged)
                 commit_mod.retain(self.memory.root, self.memory.keep_last)
             stats.memory_s = time.perf_counter() - t0
         self._write_data(self.root, step, image, throttle=True)
-        fragment["shards"] = shards()
         fragment["stats"] = {"stall_s": stats.stall_s, "persist_s": time.perf_counter() - t0}
-        commit_mod.write_fragment(commit_mod.tmp_dir(self.root, step), self.rank, fragment)
+        commit_mod.write_fragment(commit_mod.tmp_dir(self.root, step), self.rank, fragment, part())
         if self.rank == 0:
             commit_mod.commit_beside(self.root, step, self.world_size, self.session, self.commit_timeout_s, merged)
         stats.persist_s = time.perf_counter() - t0
