@@ -4,8 +4,9 @@
    `convert-strategy`, in process: exit 0, or exit 2 with one error (a line, plus the bullet
    list of a multi-problem StrategyError); never an exception out of `main`.
 2. Random mutations of a real checkpoint's index.json, its index parts (re-recorded in the
-   head, as a crafted checkpoint would be) and safetensors headers through the reader: a CheckpointError or a load that returns the saved values; never another exception,
-   never a file opened outside the checkpoint folder (audited by ckpt_guard).
+   head, as a crafted checkpoint would be) and safetensors headers through the reader: a
+   CheckpointError or a load that returns the saved values; never another exception, never a
+   file opened outside the checkpoint folder (audited by ckpt_guard).
 
 Each test is derandomized (the same examples on every run) with a fixed example count; the
 counts are printed and recorded as test properties for the closing note.

@@ -1,9 +1,10 @@
 """One sharded checkpoint format for both backends (numpy + stdlib + safetensors only).
 
 A checkpoint is a folder of safetensors shard files (one per rank), one index part per rank
-and index.json, the head (format.py, index_parts.py). Backends never touch files: they pair local tensors with Pieces read off the
-ModelPlan and hand numpy over (torch: `t.detach().cpu().numpy()`, MindSpore: `.asnumpy()`;
-see torch_backend/checkpoint.py and ms_llm/mindspore/checkpoint.py).
+and index.json, the head (format.py, index_parts.py). Backends never touch files: they pair
+local tensors with Pieces read off the ModelPlan and hand numpy over (torch:
+`t.detach().cpu().numpy()`, MindSpore: `.asnumpy()`; see torch_backend/checkpoint.py and
+ms_llm/mindspore/checkpoint.py).
 
 In a trainer (both backends do this; the backend only supplies a TrainerState, see
 torch_backend/state.py and ms_llm/mindspore/state.py):

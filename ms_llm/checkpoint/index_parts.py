@@ -16,11 +16,11 @@ left over from another save, truncated or swapped is a CheckpointError naming it
 from __future__ import annotations
 
 import json
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Container, Sequence
 
-from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM, ALGORITHMS
+from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT as CHECKSUM
 from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.untrusted import MAX_COUNT, confined, integer, integers
 from ms_llm.errors import CheckpointError
@@ -93,7 +93,7 @@ class IndexParts:
             found = self._of_rank[rank] = {}
             if 0 <= rank < len(self.records):
                 with collector_paused():
-                    for r in (rank, *self.records[rank].also):
+                    for r in dict.fromkeys((rank, *self.records[rank].also)):    # a crafted list repeats
                         self._collect(r, found)
         return found.get(name, ([], []))
 

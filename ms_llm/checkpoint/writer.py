@@ -263,11 +263,12 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         # Checksums on the pool while this thread writes the file; the fragment needs both.
         crcs = [self._pool.submit(self._checksums, image, span) for span in layout.spans]
+        elements: dict[str, int] = {}                       # what the commit checks each tensor's coverage with
+        for item in layout.items:
+            elements[item.piece.name] = elements.get(item.piece.name, 0) + item.piece.region.numel
         fragment = {"rank": self.rank, "session": self.session, "file": rank_file(self.rank), **meta,
                     "tensors": {i.piece.name: {"shape": list(i.piece.shape), "dtype": d, "layout": i.piece.layout}
-                                for i, d in zip(layout.items, layout.dtypes)}, "elements": {}}
-        for item in layout.items:                           # what the commit checks the tensors' coverage with
-            fragment["elements"][item.piece.name] = fragment["elements"].get(item.piece.name, 0) + item.piece.region.numel
+                                for i, d in zip(layout.items, layout.dtypes)}, "elements": elements}
 
         def part() -> bytes:
             """This rank's index part: its shards as the index lists them, by tensor name."""
