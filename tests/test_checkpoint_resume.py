@@ -236,6 +236,8 @@ def test_damage_seen_by_one_rank_sends_every_rank_back_together(reference):
     run = tmp / "damaged"
     config = _job(tmp, "damaged", tokens, {"dp": 2, "zero": {"stage": 1}}, 2)
     _train(config, run, 4)                                             # checkpoints at steps 2 and 4
+    head = json.loads((run / "checkpoints" / "step_00000004" / "index.json").read_text())
+    assert [record["also"] for record in head["parts"]] == [[], [0]]  # rank 1's weights are replicas of rank 0's
     _damage_optimizer_shard(run / "checkpoints" / "step_00000004", "rank_00001.safetensors")
     losses = _train(config, run, 6)
     records = read_metrics(run / "metrics.jsonl")

@@ -123,12 +123,15 @@ class CheckpointWriter:
 
     # ---- stage 1: on the training thread -------------------------------------------------
     def save(self, step: int, items: Sequence[SaveItem], *, state: Optional[dict] = None,
-             rank_state: Optional[dict] = None, config: Optional[dict] = None, overlap: bool = False) -> SaveStats:
+             rank_state: Optional[dict] = None, config: Optional[dict] = None, overlap: bool = False,
+             replicas: Sequence[Piece] = ()) -> SaveStats:
         """Snapshot `items` (only primary pieces are written) and return; persisting goes on in
         the background. With `overlap` the snapshot's copies go on too, and fence() must come
         before anything writes to the items' tensors. `state` is the shared training state
         (same on every rank; rank 0's is kept), `rank_state` this rank's own (RNG states;
-        bytes allowed)."""
+        bytes allowed). `replicas` are the pieces this rank holds but another replica saves
+        (not primary), as are non-primary items: the index then names the parts that hold
+        them, and this rank's resume reads those parts only."""
         start = time.perf_counter()
         self._join()
         stats = SaveStats(step=step, wait_s=time.perf_counter() - start)
@@ -144,7 +147,8 @@ class CheckpointWriter:
         copies = [c for item, dst in zip(layout.items, dsts) for c in self._copies(item, dst)]
         meta = {"state": encode_state(state or {}), "rank_state": encode_state(rank_state or {}),
                 "config": config or {},         # and the pieces held here that another replica saves
-                "held": [{"name": i.piece.name, **i.piece.region.to_json()} for i in items if not i.piece.primary]}
+                "held": [{"name": p.name, **p.region.to_json()}
+                         for p in [i.piece for i in items if not i.piece.primary] + list(replicas)]}
         stats.bytes = layout.nbytes
         self.last = stats
         self._thread = threading.Thread(target=self._persist_guarded,
