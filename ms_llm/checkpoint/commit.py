@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM
 from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.format import INDEX, check_coverage, encode_head
-from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM
 from ms_llm.checkpoint.index_parts import PartRecord, part_name
 from ms_llm.checkpoint.untrusted import confined
 from ms_llm.errors import CheckpointError

@@ -4,14 +4,14 @@
     arrays = ckpt.read_pieces(param_pieces(plan, rank))
 
 A wanted region saved exactly as such (a same-strategy load) is one run of its shard, found in
-the index parts of the loading rank only (index_parts.py). Any
-other is intersected, sub-box by sub-box (boxes.py), with the saved shards whose box meets it,
-and the overlaps are read straight into the destination (transfer.py), so only the touched
-byte ranges are read, and only the index entries of the shards read from are parsed. Every
-checksum block a read touches is verified (once per Checkpoint), so a flipped bit or a
-truncated file raises CheckpointError naming the file and the tensor; `load_with_fallback`
-then tries the previous checkpoint. Files the memory tier's keeper verified and sealed
-(seal.py) are read without a second checksum pass.
+the loading rank's own index parts (index_parts.py). Any other is intersected, sub-box by
+sub-box (boxes.py), with the saved shards whose box meets it, and the overlaps are read
+straight into the destination (transfer.py), so only the touched byte ranges are read, and
+only the index entries of the shards read from are parsed. Every checksum block a read
+touches is verified (once per Checkpoint), so a flipped bit or a truncated file raises
+CheckpointError naming the file and the tensor; `load_with_fallback` then tries the previous
+checkpoint. Files the memory tier's keeper verified and sealed (seal.py) are read without a
+second checksum pass.
 """
 from __future__ import annotations
 
