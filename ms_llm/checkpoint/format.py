@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
-from ms_llm.checkpoint.index_parts import IndexParts, Origin, PartRecord
+from ms_llm.checkpoint.index_parts import IndexParts, PartRecord, RawShards
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
 from ms_llm.checkpoint.untrusted import MAX_COUNT, CheckedOnUse, integer, integers
 from ms_llm.config.schema import to_dict
@@ -146,7 +146,7 @@ class TensorEntry:
         if not isinstance(shards, list):
             raise CheckpointError(f"{where}: 'shards' must be a list, got {type(shards).__name__}")
         return cls(name, shape, dtype, layout,
-                   ParsedShards(lambda: (shards, [(path, i) for i in range(len(shards))]), path, name, shape, dtype))
+                   ParsedShards(lambda: RawShards(shards, [(path, len(shards))]), path, name, shape, dtype))
 
     def exact_shard(self, region: Region) -> Optional[int]:
         """The index of the shard saved with exactly `region` (what a same-strategy load wants), or None."""
@@ -172,7 +172,7 @@ class ParsedShards(Sequence):
     Going through all of them also checks that together they hold every element of the tensor
     (check_coverage)."""
 
-    def __init__(self, source: Callable[[], tuple[list, list[Origin]]], where: str, name: str,
+    def __init__(self, source: Callable[[], RawShards], where: str, name: str,
                  shape: tuple[int, ...], dtype: str):
         self._source, self._where, self._name = source, where, name
         self._shape, self._itemsize = shape, storage_dtype(dtype).itemsize
@@ -180,11 +180,11 @@ class ParsedShards(Sequence):
         self._covered = False
 
     @cached_property
-    def _raw(self) -> tuple[list, list[Origin]]:
+    def _raw(self) -> RawShards:
         return self._source()
 
     def __len__(self) -> int:
-        return len(self._raw[0])
+        return len(self._raw.entries)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -192,8 +192,9 @@ class ParsedShards(Sequence):
         i = range(len(self))[i]
         shard = self._parsed.get(i)
         if shard is None:
-            raws, origins = self._raw
-            shard = self._parsed[i] = parse_shard(raws[i], origins[i], self._name, self._shape, self._itemsize)
+            raw = self._raw
+            shard = self._parsed[i] = parse_shard(raw.entries[i], raw.origin(i), self._name, self._shape,
+                                                  self._itemsize)
         return shard
 
     def __iter__(self) -> Iterator[ShardEntry]:
@@ -209,7 +210,7 @@ class ParsedShards(Sequence):
         parsed; the read itself checks that the shards it touches cover what it wants)."""
         lo, hi, n = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes)), len(region.offsets)
         out = []
-        for i, raw in enumerate(self._raw[0]):
+        for i, raw in enumerate(self._raw.entries):
             offsets, sizes = (raw.get("offsets"), raw.get("sizes")) if isinstance(raw, dict) else (None, None)
             if (isinstance(offsets, list) and isinstance(sizes, list) and len(offsets) == len(sizes) == n
                     and all(type(v) is int and v >= 0 for v in offsets + sizes)
@@ -221,27 +222,26 @@ class ParsedShards(Sequence):
 
     def find(self, region: Region) -> Optional[int]:
         """`TensorEntry.exact_shard`, comparing the raw JSON first (find_raw)."""
-        raws, origins = self._raw
-        i = find_raw(raws, origins, region, self._name, self._shape, self._itemsize)
-        return None if i is None else i[0]
+        found = find_raw(self._raw, region, self._name, self._shape, self._itemsize)
+        return None if found is None else found[0]
 
 
-def parse_shard(raw: object, origin: Origin, name: str, shape: tuple[int, ...], itemsize: int) -> ShardEntry:
+def parse_shard(raw: object, origin: tuple[str, int], name: str, shape: tuple[int, ...], itemsize: int) -> ShardEntry:
     """One raw shard entry of tensor `name`, checked; errors name its file and position."""
     file, position = origin
     return ShardEntry.from_json(raw, f"{file}: tensor {name!r} shard {position}", shape, itemsize)
 
 
-def find_raw(raws: list, origins: list[Origin], region: Region, name: str, shape: tuple[int, ...],
+def find_raw(shards: RawShards, region: Region, name: str, shape: tuple[int, ...],
              itemsize: int) -> Optional[tuple[int, ShardEntry]]:
     """The position and parsed entry of the raw shard saved with exactly `region`, or None. The
     raw JSON is compared first and the match parsed and checked before it is used (a bool there
     compares equal to an int)."""
     offsets, sizes, flat = list(region.offsets), list(region.sizes), list(region.flat) if region.flat else None
-    for i, raw in enumerate(raws):
+    for i, raw in enumerate(shards.entries):
         if (isinstance(raw, dict) and raw.get("offsets") == offsets and raw.get("sizes") == sizes
                 and raw.get("flat") == flat):
-            shard = parse_shard(raw, origins[i], name, shape, itemsize)
+            shard = parse_shard(raw, shards.origin(i), name, shape, itemsize)
             if shard.region == region:
                 return i, shard
     return None
@@ -264,8 +264,7 @@ class Index:
         so a rank resuming under the layout it saved parses no other rank's part."""
         entry = self.tensors[name]
         if self.parts is not None and rank is not None:
-            raws, origins = self.parts.rank_shards(rank, name)
-            found = find_raw(raws, origins, region, name, entry.shape, entry.itemsize)
+            found = find_raw(self.parts.rank_shards(rank, name), region, name, entry.shape, entry.itemsize)
             if found is not None:
                 return found[1]
         k = entry.exact_shard(region)

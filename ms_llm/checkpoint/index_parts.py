@@ -19,6 +19,7 @@ import json
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT as CHECKSUM
 from ms_llm.checkpoint.collector import collector_paused
@@ -26,8 +27,21 @@ from ms_llm.checkpoint.untrusted import MAX_COUNT, confined, integer, integers
 from ms_llm.errors import CheckpointError
 
 PART_FORMAT = "ms_llm.checkpoint.part"
-# Where one shard's raw entry came from, for error messages: (part file, position in its list).
-Origin = tuple[str, int]
+
+
+class RawShards(NamedTuple):
+    """A tensor's raw shard entries as read (parsed and checked only where used: format.py), and
+    the files they came from, as runs of consecutive entries, for error messages."""
+    entries: list
+    files: list[tuple[str, int]]        # (file, how many consecutive entries it gave)
+
+    def origin(self, i: int) -> tuple[str, int]:
+        """The file entry `i` came from and its position there."""
+        for file, count in self.files:
+            if i < count:
+                return file, i
+            i -= count
+        raise IndexError(i)
 
 
 def part_name(rank: int) -> str:
@@ -41,6 +55,10 @@ class PartRecord:
     nbytes: int
     crc: int
     also: tuple[int, ...]
+
+    def reads(self, rank: int) -> tuple[int, ...]:
+        """The parts a same-layout load of `rank` (this record's) reads, each once."""
+        return tuple(dict.fromkeys((rank, *self.also)))
 
     def to_json(self) -> dict:
         return {"bytes": self.nbytes, CHECKSUM: self.crc, "also": list(self.also)}
@@ -72,37 +90,32 @@ class IndexParts:
     def __init__(self, folder: Path, records: list[PartRecord], step: int, tensors: Container[str], where: str):
         self.folder, self.records, self.step, self._tensors, self._where = folder, records, step, tensors, where
         self._parts: dict[int, dict[str, list]] = {}
-        self._all: dict[str, tuple[list, list[Origin]]] | None = None
-        self._of_rank: dict[int, dict[str, tuple[list, list[Origin]]]] = {}
+        self._files: dict[int, str] = {}
 
-    def shards(self, name: str) -> tuple[list, list[Origin]]:
-        """Every saved shard of tensor `name` (raw entries, rank order) and where each came from."""
-        if self._all is None:
-            merged: dict[str, tuple[list, list[Origin]]] = {}
+    def shards(self, name: str) -> RawShards:
+        """Every saved shard of tensor `name`, in rank order (every part is read first)."""
+        if len(self._parts) < len(self.records):
             with collector_paused():        # else collections between parts traverse all parsed so far
                 for rank in range(len(self.records)):
-                    self._collect(rank, merged)
-            self._all = merged
-        return self._all.get(name, ([], []))
+                    self._part(rank)
+        return self._gather(range(len(self.records)), name)
 
-    def rank_shards(self, rank: int, name: str) -> tuple[list, list[Origin]]:
+    def rank_shards(self, rank: int, name: str) -> RawShards:
         """The shards of `name` in the parts a same-layout load of rank `rank` reads: its own and
-        those its record names in `also`."""
-        found = self._of_rank.get(rank)
-        if found is None:
-            found = self._of_rank[rank] = {}
-            if 0 <= rank < len(self.records):
-                with collector_paused():
-                    for r in dict.fromkeys((rank, *self.records[rank].also)):    # a crafted list repeats
-                        self._collect(r, found)
-        return found.get(name, ([], []))
+        those its record names in `also` (each once, however often a crafted list repeats it)."""
+        if not 0 <= rank < len(self.records):
+            return RawShards([], [])
+        return self._gather(self.records[rank].reads(rank), name)
 
-    def _collect(self, rank: int, into: dict[str, tuple[list, list[Origin]]]) -> None:
-        part, file = self._part(rank), str(self.folder / part_name(rank))
-        for name, shards in part.items():
-            raws, origins = into.setdefault(name, ([], []))
-            raws += shards
-            origins += [(file, j) for j in range(len(shards))]
+    def _gather(self, ranks, name: str) -> RawShards:
+        entries, files = [], []
+        for rank in ranks:
+            found = self._part(rank).get(name)
+            if found:
+                entries += found
+                file = self._files.get(rank) or self._files.setdefault(rank, str(self.folder / part_name(rank)))
+                files.append((file, len(found)))
+        return RawShards(entries, files)
 
     def _part(self, rank: int) -> dict[str, list]:
         part = self._parts.get(rank)
