@@ -22,9 +22,9 @@
     Parameters: ms_llm's load_into vs mindspore.load_checkpoint (its own .ckpt of the same state)
 (e) an index at scale: a SCALE_RANKS-rank ZeRO-3 save of a deep, narrow model (weights and both
     Adam moments, every rank a slice of every tensor), written rank by rank in this process.
-    Rank 0's save to committed (it merges every rank's fragment into the index, in a child
-    process) with the model's forward + backward run beside it, against the same steps just
-    before, and the same save merged on rank 0's writer thread (commit_mod.CHILD_SHARDS raised
+    Rank 0's save to committed (it reads every rank's fragment and writes the index's head, in a
+    child process) with the model's forward + backward run beside it, against the same steps just
+    before, and the same save committed on rank 0's writer thread (commit_mod.CHILD_SHARDS raised
     above the save's shards for it); then one rank's open of the checkpoint and its load of its
     own pieces (the head and its own index part), against a plain json.loads of the whole index
     (head and every part, collector on), and an open that reads every part (what a reshard does)
@@ -535,13 +535,13 @@ def run(work: Path, shm: Path) -> int:
         (f"(e) {SCALE_RANKS}-rank ZeRO-3 index ({SCALE.num_layers} layers, weights + Adam moments)",
          f"{scale['index_bytes'] / 1e6:8.1f} MB", f"{scale['pieces']} pieces a rank; head "
          f"{scale['head_bytes'] / 1e6:.2f} MB, a rank's part {scale['own_bytes'] / 1e6:.2f} MB"),
-        ("    rank 0's save to committed (merges every fragment)", f"{scale['commit'] * 1e3:8.0f} ms",
-         "the merge in a child process"),
+        ("    rank 0's save to committed (reads every fragment)", f"{scale['commit'] * 1e3:8.0f} ms",
+         "the commit in a child process"),
         ("    forward + backward beside it", f"{scale['fb_commit'] * 1e3:8.0f} ms",
          f"{scale['fb_commit'] / scale['fb']:.2f}x its time just before ({scale['fb'] * 1e3:.0f} ms)"),
-        ("    the same save, merged on rank 0's writer thread", f"{scale['inline'] * 1e3:8.0f} ms", ""),
+        ("    the same save, committed on rank 0's writer thread", f"{scale['inline'] * 1e3:8.0f} ms", ""),
         ("      forward + backward beside it", f"{scale['fb_inline'] * 1e3:8.0f} ms",
-         f"{scale['fb_inline'] / scale['fb']:.2f}x; the merge holds the interpreter lock the steps need"),
+         f"{scale['fb_inline'] / scale['fb']:.2f}x; the commit holds the interpreter lock the steps need"),
         ("    open on one rank (the head)", f"{scale['open'] * 1e3:8.1f} ms", ""),
         ("    that rank's load of its own pieces (its part)", f"{scale['load'] * 1e3:8.1f} ms",
          f"open + load {(scale['open'] + scale['load']) / scale['parse']:.2f}x the time of a plain parse"),

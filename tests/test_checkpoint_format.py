@@ -207,8 +207,9 @@ def test_the_commit_parses_each_fragment_once_while_it_waits(tmp_path, monkeypat
     assert Checkpoint.open(tmp_path).read_full("x").tolist() == [0, 0, 1, 1, 2, 2]
     assert reads["rank_00000.json"] == reads["rank_00002.json"] == 1 and reads["rank_00001.json"] >= 4, reads
 
-def test_a_large_merge_runs_in_a_child_process(tmp_path, monkeypatch):
-    """Rank 0's merge holds the interpreter lock the training thread needs between its ops:
+
+def test_a_large_commit_runs_in_a_child_process(tmp_path, monkeypatch):
+    """Rank 0's commit holds the interpreter lock the training thread needs between its ops:
     from CHILD_SHARDS shards on it runs in a child process (an in-process commit fails here),
     and the child's CheckpointError comes back to the writer."""
     world = 4
@@ -228,7 +229,7 @@ def test_a_large_merge_runs_in_a_child_process(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=f"waiting for {world} rank fragments of this save"):
         w0.wait()
     assert latest(tmp_path / "late") is None
-    monkeypatch.setattr(commit_mod, "CHILD_SHARDS", 2 * world + 1)       # one shard fewer: merged in process
+    monkeypatch.setattr(commit_mod, "CHILD_SHARDS", 2 * world + 1)       # one shard fewer: committed in process
     with pytest.raises(CheckpointError, match="committed in the training process"):
         for rank in reversed(range(world)):
             w = CheckpointWriter(tmp_path / "small", rank, world, session="s")

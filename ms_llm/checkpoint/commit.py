@@ -37,7 +37,7 @@ from ms_llm.nodes import die_with_parent
 
 log = logging.getLogger("ms_llm.checkpoint")
 LATEST = "latest"
-CHILD_SHARDS = 4096                 # commit_beside merges in a child process from this many shards on
+CHILD_SHARDS = 16384                # commit_beside commits in a child process from this many shards on
 _CHILD = "import sys; from ms_llm.checkpoint.commit import main; sys.exit(main(sys.argv[1:]))"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -140,13 +140,13 @@ def _also(frags: list[dict], folder: Path) -> list[set[int]]:
 
 def commit_beside(root: Path, step: int, world_size: int, session: str, timeout_s: float = 1800.0,
                   shards: int = 0) -> Path:
-    """`commit`, in a child process when about `shards` shards are to be merged (CHILD_SHARDS or
-    more, about 50 ms of merging): parsing, merging and encoding every rank's fragment hold the
-    interpreter lock throughout, and the training thread, which takes it between its ops, would
-    wait. In bench/checkpoint.py (e) the forward and backward beside a 32-rank ZeRO-3 commit
-    (69,408 shards) took 5.42x their time alone with the merge on rank 0's writer thread, 1.34x
-    with it in the child. The child dies with this process; its CheckpointError comes back as
-    this one's."""
+    """`commit`, in a child process when the ranks saved about `shards` shards (CHILD_SHARDS or
+    more: about 50 ms of reading their fragments, at the 3 us a shard a 32-rank ZeRO-3 commit
+    took): parsing every rank's fragment and encoding the head hold the interpreter lock
+    throughout, and the training thread, which takes it between its ops, would wait. In
+    bench/checkpoint.py (e) the forward and backward beside a 32-rank ZeRO-3 commit (69,408
+    shards) took 1.74x their time alone with the commit on rank 0's writer thread, 1.46x with it in
+    the child. The child dies with this process; its CheckpointError comes back as this one's."""
     if shards < CHILD_SHARDS:
         return commit(root, step, world_size, session, timeout_s)
     cmd = die_with_parent([sys.executable, "-c", _CHILD, "--timeout", str(timeout_s), "--", str(root), str(step),

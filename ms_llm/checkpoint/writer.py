@@ -283,7 +283,7 @@ class CheckpointWriter:
                 shards.setdefault(item.piece.name, []).append(shard.to_json())
             return encode_part(self.rank, step, shards)
         step = stats.step
-        merged = len(layout.items) * self.world_size      # about what rank 0 merges: this rank's shards x ranks
+        merged = len(layout.items) * self.world_size      # about what the ranks saved: this rank's shards x ranks
         if self.memory is not None:
             self._write_data(self.memory.root, step, image, throttle=False)
             commit_mod.write_fragment(commit_mod.tmp_dir(self.memory.root, step), self.rank, fragment, part())
