@@ -317,11 +317,13 @@ def test_index_is_plain_json_with_layouts(tmp_path):
     assert set(STATES) == {n.split(".")[1] for n in index["tensors"] if n.startswith("optim.")}
 
 
-def test_a_same_layout_load_reads_its_own_index_parts_only(tmp_path):
-    """Each rank of a dp2 x tp2 save resumes with only its own index part and those its record
+@pytest.mark.parametrize("strategy", [{"dp": 2, "tp": 2}, {"tp": 2, "pp": 2},
+                                      {"dp": 4, "zero": {"stage": 1, "shard_size": 2}}])
+def test_a_same_layout_load_reads_its_own_index_parts_only(tmp_path, strategy):
+    """Each rank of a 4-rank save resumes with only its own index part and those its record
     names in `also` (where the replicas it did not save are) left in the folder; without the
     rank, the load needs every part. A reshard and a version-1 index read the same values."""
-    ref, plan = reference(), plan_for({"dp": 2, "tp": 2}, 4)
+    ref, plan = reference(), plan_for(strategy, 4)
     saved = _save(tmp_path / "ckpt", plan, ref).folder
     head = json.loads((saved / "index.json").read_text())
     also = [set(record["also"]) for record in head["parts"]]
