@@ -20,6 +20,7 @@ raised by the next save() or wait(), so a failed save is never silent.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -274,8 +275,10 @@ class CheckpointWriter:
                     "tensors": {i.piece.name: {"shape": list(i.piece.shape), "dtype": d, "layout": i.piece.layout}
                                 for i, d in zip(layout.items, layout.dtypes)}, "elements": elements}
 
+        @functools.cache
         def part() -> bytes:
-            """This rank's index part: its shards as the index lists them, by tensor name."""
+            """This rank's index part: its shards as the index lists them, by tensor name (the
+            same bytes for the memory tier and the disk)."""
             shards: dict[str, list[dict]] = {}
             for item, key, crc in zip(layout.items, layout.keys, crcs):
                 shard = ShardEntry(fragment["file"], key, item.piece.region, self.block_bytes, tuple(crc.result()),
