@@ -221,9 +221,12 @@ class ParsedShards(Sequence):
         return out
 
     def find(self, region: Region) -> Optional[int]:
-        """`TensorEntry.exact_shard`, comparing the raw JSON first (find_raw)."""
+        """`TensorEntry.exact_shard`, comparing the raw JSON first (find_raw); the match stays parsed."""
         found = find_raw(self._raw, region, self._name, self._shape, self._itemsize)
-        return None if found is None else found[0]
+        if found is None:
+            return None
+        self._parsed[found[0]] = found[1]
+        return found[0]
 
 
 def parse_shard(raw: object, origin: tuple[str, int], name: str, shape: tuple[int, ...], itemsize: int) -> ShardEntry:
@@ -271,7 +274,7 @@ class Index:
         return None if k is None else entry.shards[k]
 
     @classmethod
-    def from_json(cls, data: dict, where: str, folder: Optional[Path] = None) -> "Index":
+    def from_json(cls, data: dict, where: str, folder: Path) -> "Index":
         """A parsed index.json of `folder` (version 1, or a version-2 head whose parts are there)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CheckpointError(f"{where}: not an ms_llm checkpoint index (format field missing)")
@@ -298,8 +301,7 @@ class Index:
             if not isinstance(records, list) or len(records) != world_size:
                 raise CheckpointError(f"{where}: 'parts' must list one record per rank ({world_size}), got "
                                       f"{type(records).__name__}")
-            parts = IndexParts(Path(where).parent if folder is None else folder,
-                               [PartRecord.from_json(r, k, world_size, where) for k, r in enumerate(records)],
+            parts = IndexParts(folder, [PartRecord.from_json(r, k, world_size, where) for k, r in enumerate(records)],
                                step, tensors, where)
         entries = CheckedOnUse(tensors, lambda name, value: TensorEntry.from_json(name, value, where, parts))
         return cls(step, world_size, config, state, rank_states, entries,
