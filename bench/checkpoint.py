@@ -132,7 +132,7 @@ def saved_ranges(folder: Path, pieces: dict) -> list[tuple[Path, int, int]]:
     with Checkpoint.open(folder) as c:
         for name, piece in pieces.items():
             entry = c.entry(name)
-            for shard in (entry.shards[k] for k in entry.shards_near(piece.region)):
+            for _, shard in entry.shards_near(piece.region):
                 if shard.file not in headers:
                     headers[shard.file] = read_header(str(c.folder / shard.file))[0]
                 span = headers[shard.file][shard.key]

@@ -120,12 +120,15 @@ def _flat_to_boxes(shape: tuple[int, ...], a: int, b: int) -> list[SubBox]:
 
 
 def intersect(a_off, a_size, b_off, b_size) -> Optional[Box]:
-    """The overlap of two boxes, or None."""
-    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
-    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size))
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+    """The overlap of two boxes, or None. (Plain loops: a load plans a few of these per piece.)"""
+    lo, sizes = [], []
+    for x, s, y, t in zip(a_off, a_size, b_off, b_size):
+        start, stop = x if x > y else y, min(x + s, y + t)
+        if stop <= start:
+            return None
+        lo.append(start)
+        sizes.append(stop - start)
+    return tuple(lo), tuple(sizes)
 
 
 def local_slices(box: Box, within: SubBox) -> tuple[slice, ...]:
@@ -137,12 +140,14 @@ def byte_run(box: Box, within: SubBox, itemsize: int) -> Optional[tuple[int, int
     """Bytes [start, end) of `box` relative to the first byte of sub-box `within`, when the box
     is one contiguous run of it (every dimension after the first partial one is whole and
     every one before it has size 1); None otherwise."""
-    (offsets, sizes), n = box, len(within.sizes)
-    partial = [d for d in range(n) if sizes[d] != within.sizes[d]]
-    if partial and any(sizes[d] != 1 for d in range(partial[-1])):
-        return None
-    start, stride = 0, 1
-    for d in reversed(range(n)):
+    offsets, sizes = box
+    start, stride, count, whole = 0, 1, 1, True
+    for d in reversed(range(len(sizes))):       # innermost first: whole dims, one partial, then 1s
+        n = sizes[d]
+        if not whole and n != 1:
+            return None
+        whole = whole and n == within.sizes[d]
         start += (offsets[d] - within.offsets[d]) * stride
         stride *= within.sizes[d]
-    return start * itemsize, (start + math.prod(sizes)) * itemsize
+        count *= n
+    return start * itemsize, (start + count) * itemsize

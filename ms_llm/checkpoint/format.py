@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
@@ -62,8 +62,8 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
-@dataclass(frozen=True)
-class ShardEntry:
+class ShardEntry(NamedTuple):
+    """One saved shard of a tensor (a NamedTuple: a load builds one per piece it plans)."""
     file: str
     key: str
     region: Region
@@ -81,18 +81,20 @@ class ShardEntry:
         it has one checksum per block of its bytes (none for foreign files), under one algorithm."""
         data = _mapping(data, where)
         file, key = data.get("file"), data.get("key")
-        if not isinstance(file, str) or not isinstance(key, str):
+        if type(file) is not str or type(key) is not str:
             raise CheckpointError(f"{where}: 'file' and 'key' must be strings, got {file!r} and {key!r}")
         offsets = integers(data.get("offsets"), where, "offsets", length=len(shape))
         sizes = integers(data.get("sizes"), where, "sizes", length=len(shape))
+        numel = 1
         for d, (o, n, total) in enumerate(zip(offsets, sizes, shape)):
             if o + n > total:
                 raise CheckpointError(f"{where}: dimension {d} spans [{o}, {o + n}), outside the tensor's {total}")
+            numel *= n
         flat = data.get("flat")
         if flat is not None:
             a, b = integers(flat, where, "flat", length=2)
-            if not a <= b <= math.prod(sizes):
-                raise CheckpointError(f"{where}: 'flat' is {flat}; expected 0 <= start <= stop <= {math.prod(sizes)}")
+            if not a <= b <= numel:
+                raise CheckpointError(f"{where}: 'flat' is {flat}; expected 0 <= start <= stop <= {numel}")
             region = Region(offsets, sizes, (a, b))
         else:                           # the common case, its integers checked above
             region = Region.of_ints(offsets, sizes)
@@ -154,14 +156,18 @@ class TensorEntry:
             return self.shards.find(region)
         return next((k for k, s in enumerate(self.shards) if s.region == region), None)
 
-    def shards_near(self, region: Region) -> list[int]:
-        """Indices of the shards whose box meets `region`'s box."""
+    def shards_near(self, region: Region) -> list[tuple[int, ShardEntry]]:
+        """The shards whose box meets `region`'s box, with their positions."""
         if isinstance(self.shards, ParsedShards):
             candidates = self.shards.maybe_near(region)
         else:
             candidates = range(len(self.shards))
-        return [k for k in candidates if intersect(region.offsets, region.sizes, self.shards[k].region.offsets,
-                                                   self.shards[k].region.sizes)]
+        near = []
+        for k in candidates:
+            shard = self.shards[k]
+            if intersect(region.offsets, region.sizes, shard.region.offsets, shard.region.sizes):
+                near.append((k, shard))
+        return near
 
 
 class ParsedShards(Sequence):
@@ -208,17 +214,8 @@ class ParsedShards(Sequence):
         """Indices of the shards that may meet `region`'s box: all but those whose raw box is well
         formed, inside the tensor and away from it (a shard this read does not touch is not
         parsed; the read itself checks that the shards it touches cover what it wants)."""
-        lo, hi, n = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes)), len(region.offsets)
-        out = []
-        for i, raw in enumerate(self._raw.entries):
-            offsets, sizes = (raw.get("offsets"), raw.get("sizes")) if isinstance(raw, dict) else (None, None)
-            if (isinstance(offsets, list) and isinstance(sizes, list) and len(offsets) == len(sizes) == n
-                    and all(type(v) is int and v >= 0 for v in offsets + sizes)
-                    and all(o + s <= d for o, s, d in zip(offsets, sizes, self._shape))
-                    and any(o >= h or o + s <= l for o, s, l, h in zip(offsets, sizes, lo, hi))):
-                continue
-            out.append(i)
-        return out
+        lo, hi = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes))
+        return [i for i, raw in enumerate(self._raw.entries) if not _surely_apart(raw, lo, hi, self._shape)]
 
     def find(self, region: Region) -> Optional[int]:
         """`TensorEntry.exact_shard`, comparing the raw JSON first (find_raw); the match stays parsed."""
@@ -227,6 +224,21 @@ class ParsedShards(Sequence):
             return None
         self._parsed[found[0]] = found[1]
         return found[0]
+
+
+def _surely_apart(raw: object, lo: tuple[int, ...], hi: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether a raw shard entry's box is well formed, inside the tensor, and misses [lo, hi)."""
+    if type(raw) is not dict:
+        return False
+    offsets, sizes = raw.get("offsets"), raw.get("sizes")
+    if type(offsets) is not list or type(sizes) is not list or not len(offsets) == len(sizes) == len(lo):
+        return False
+    apart = False
+    for o, s, l, h, d in zip(offsets, sizes, lo, hi, shape):
+        if type(o) is not int or type(s) is not int or o < 0 or s < 0 or o + s > d:
+            return False
+        apart = apart or o >= h or o + s <= l
+    return apart
 
 
 def parse_shard(raw: object, origin: tuple[str, int], name: str, shape: tuple[int, ...], itemsize: int) -> ShardEntry:
@@ -263,13 +275,13 @@ class Index:
 
     def exact_shard(self, name: str, region: Region, rank: Optional[int] = None) -> Optional[ShardEntry]:
         """The shard of `name` saved with exactly `region`, or None. Given the loading `rank`, a
-        version-2 index looks first in the parts that rank reads (index_parts.IndexParts.rank_shards),
-        so a rank resuming under the layout it saved parses no other rank's part."""
+        version-2 index looks only in the parts that rank reads (index_parts.IndexParts.rank_shards),
+        so a rank resuming under the layout it saved parses no other rank's part; a region saved
+        by another rank is then read through the intersection of boxes, the same bytes."""
         entry = self.tensors[name]
         if self.parts is not None and rank is not None:
             found = find_raw(self.parts.rank_shards(rank, name), region, name, entry.shape, entry.itemsize)
-            if found is not None:
-                return found[1]
+            return None if found is None else found[1]
         k = entry.exact_shard(region)
         return None if k is None else entry.shards[k]
 

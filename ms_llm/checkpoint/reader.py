@@ -208,11 +208,12 @@ class Checkpoint:
             return out, [RunMove(shard, 0, out.reshape(-1).view(np.uint8), 0, shard.nbytes)]
         size = dtype.itemsize
         # Saved shards whose bounding box misses the wanted one are skipped before their sub-boxes.
-        near = [(k, entry.shards[k]) for k in entry.shards_near(region)]
+        near = entry.shards_near(region)
         overlaps = [(wp, k, sp, box) for wp in region.pieces() for k, saved in near for sp in saved.region.pieces()
                     if (box := intersect(wp.offsets, wp.sizes, sp.offsets, sp.sizes)) is not None]
         # The files to read hold what the index says, before anything is allocated.
-        shards = {k: self._shard(entry, entry.shards[k]) for k in sorted({o[1] for o in overlaps})}
+        used = {o[1] for o in overlaps}
+        shards = {k: self._shard(entry, saved) for k, saved in near if k in used}
         out = self._destination(name, region, dtype, out)
         flat = out.reshape(-1)
         dst_bytes = flat.view(np.uint8)

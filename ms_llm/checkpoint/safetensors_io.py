@@ -17,8 +17,7 @@ import math
 import os
 import stat
 import struct
-from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -72,9 +71,9 @@ def f32_to_bf16(values: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
-@dataclass(frozen=True)
-class TensorSpan:
-    """One tensor of a safetensors file: where its bytes are in the file."""
+class TensorSpan(NamedTuple):
+    """One tensor of a safetensors file: where its bytes are in the file (a NamedTuple: a load
+    builds one per piece it plans)."""
     key: str
     dtype: str                      # our name
     shape: tuple[int, ...]
@@ -152,12 +151,12 @@ def _header_text(path: str) -> tuple[bytes, int]:
 def _span(path: str, key: str, info: object, base: int, size: int) -> TensorSpan:
     """One header entry, every number checked against the format and the file size."""
     where = f"{path}: tensor {key!r}"
-    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or info["dtype"] not in FROM_CODE:
+    dtype = FROM_CODE.get(info.get("dtype")) if type(info) is dict and type(info.get("dtype")) is str else None
+    if dtype is None:
         raise CheckpointError(f"{where}: header entry is malformed: {info!r:.80}")
-    dtype = FROM_CODE[info["dtype"]]
     shape = integers(info.get("shape"), where, "shape")
     begin, end = integers(info.get("data_offsets"), where, "data_offsets", length=2)
-    expected = math.prod(shape) * storage_dtype(dtype).itemsize
+    expected = math.prod(shape) * DTYPES[dtype][1].itemsize
     if end - begin != expected:
         raise CheckpointError(f"{where}: 'data_offsets' [{begin}, {end}) hold {end - begin} bytes but shape "
                               f"{list(shape)} {dtype} needs {expected}")

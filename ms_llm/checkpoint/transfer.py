@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -36,9 +36,9 @@ SUB = 256 << 10                     # bytes read then checksummed at a time: fit
 IOV = 512                           # destinations per batched preadv (the kernel takes up to IOV_MAX = 1024)
 
 
-@dataclass(frozen=True)
-class Shard:
-    """One saved shard's bytes in an open file, and the checksums to hold them to."""
+class Shard(NamedTuple):
+    """One saved shard's bytes in an open file, and the checksums to hold them to (a NamedTuple:
+    a load builds one per shard it reads)."""
     path: Path                      # for messages
     fd: int
     start: int                      # absolute file offset of the shard's first byte

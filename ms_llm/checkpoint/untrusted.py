@@ -9,6 +9,8 @@ value is a CheckpointError naming where it was, never an OverflowError or a 3 Ti
 """
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Optional, TypeVar
@@ -24,11 +26,19 @@ def confined(folder: str | Path, name: object, field: str) -> Path:
     folder = Path(folder)
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
         raise CheckpointError(f"{folder}: {field} is {name!r}; expected a file name inside the folder")
+    path = folder / name
+    if "/" not in name and name not in (".", ".."):
+        try:
+            if not stat.S_ISLNK(os.lstat(path).st_mode):
+                return path         # a plain entry of the folder (a load checks several: one lstat each)
+        except FileNotFoundError:
+            return path             # the caller's read says it is missing
+        except OSError:
+            pass                    # the full check below says why
     parts = PurePosixPath(name).parts
     if PurePosixPath(name).is_absolute() or ".." in parts:
         raise CheckpointError(f"{folder}: {field} is {name!r}, which points outside the folder; a checkpoint "
                               "names only its own files (relative, no '..')")
-    path = folder / name
     root = folder.resolve()
     if not path.resolve().is_relative_to(root):
         raise CheckpointError(f"{folder}: {field} is {name!r}, a symbolic link to {path.resolve()} outside the "
