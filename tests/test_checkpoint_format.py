@@ -351,6 +351,33 @@ def test_a_same_layout_load_reads_its_own_index_parts_only(tmp_path, strategy):
             assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items()), (folder, rank)
 
 
+def test_the_backend_adapter_hands_the_writer_the_replicas_a_rank_holds(tmp_path):
+    """torch_backend's save_items gives the writer every piece a rank holds, the replicas
+    another rank saves without data: a save made without the trainer names them in `also` as
+    a save of every piece with its data does. The writer refuses a piece the rank saves that
+    comes without data."""
+    from torch_backend.checkpoint import save_items
+    ref, plan = reference(), plan_for({"dp": 2, "tp": 2}, 4)
+    for rank in reversed(range(4)):
+        pieces = rank_pieces(plan, rank)
+        items = save_items(pieces, {n: torch.from_numpy(cut(ref[n], p.region)) for n, p in pieces.items()})
+        assert [i.data is None for i in items] == [not p.primary for p in pieces.values()]
+        w = CheckpointWriter(tmp_path / "adapter", rank, 4, session="a")
+        w.save(1, items)
+        w.close()
+    _save(tmp_path / "every", plan, ref)
+
+    def also(root):
+        return [record["also"] for record in json.loads((latest(root) / "index.json").read_text())["parts"]]
+    assert also(tmp_path / "adapter") == also(tmp_path / "every") == [[], [0], [0], [0, 1]]
+    primary = next(p for p in rank_pieces(plan, 0).values() if p.primary)
+    w = CheckpointWriter(tmp_path / "bad", 0, 1, session="b")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(primary.name)}: this rank saves the piece at offsets "
+                                              r"\(0, 0\) \(it is primary\) but its SaveItem has no data$"):
+        w.save(1, [SaveItem(primary, None)])
+    w.close()
+
+
 def test_the_commit_refuses_shards_that_leave_part_of_a_tensor_out(tmp_path):
     """Rank 1 saves all but its half of lm_head.weight: rank 0's commit adds up the elements the
     fragments say were saved, refuses the save, and publishes nothing."""

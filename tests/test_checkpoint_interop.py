@@ -231,6 +231,8 @@ def test_torch_to_mindspore_and_back(tmp_path):
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     back = Checkpoint.open(tmp_path / "ms")
     assert back.config["backend"] == "mindspore" and back.step == 9
+    head = json.loads((back.folder / "index.json").read_text())
+    assert [record["also"] for record in head["parts"]] == [[], [0]]     # rank 1's weights are rank 0's replicas
     model = Transformer(TINY)
     load_into(back, param_pieces(plan_for({"dp": 1}, 1), 0), dict(model.named_parameters()))
     for name, p in model.named_parameters():

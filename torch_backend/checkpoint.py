@@ -65,17 +65,19 @@ def from_numpy(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def save_items(pieces: dict[str, Piece], tensors: dict[str, torch.Tensor]) -> list[SaveItem]:
-    """SaveItems for the primary pieces; `tensors` maps the same names to local tensors."""
+    """SaveItems for every piece; `tensors` maps the same names to local tensors. A piece
+    another replica saves (not primary) goes without data: the writer only records it."""
     items = []
     for name, piece in pieces.items():
-        if not piece.primary:
-            continue
         if name not in tensors:
             raise CheckpointError(f"{name}: the plan puts a piece of it on this rank but no local tensor was given")
         t = local(tensors[name])
         if tuple(t.shape) != piece.local_shape:
             raise CheckpointError(f"{name}: local tensor {tuple(t.shape)} does not match its planned piece "
                                   f"{piece.local_shape}; the model was not laid out by this plan")
+        if not piece.primary:
+            items.append(SaveItem(piece, None))
+            continue
         if t.dtype not in DTYPE_NAMES:
             raise CheckpointError(f"{name}: dtype {t.dtype} cannot be checkpointed")
         items.append(SaveItem(piece, _copier(t), DTYPE_NAMES[t.dtype]))

@@ -244,8 +244,7 @@ class TrainerCheckpoints:
         self.last_step = step
         self._unfenced = self.writer.save(step, items, state=record, rank_state=self.state.rank_state(),
                                           config=run_config(self.plan, self.state.backend),
-                                          overlap=self.cfg.async_save,         # waits for `previous` first
-                                          replicas=[p for p, _ in held.values() if not p.primary])
+                                          overlap=self.cfg.async_save)         # waits for `previous` first
         self._report_durable(previous)
         if not self.cfg.async_save:
             self.fence()

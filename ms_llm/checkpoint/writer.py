@@ -50,8 +50,11 @@ COPY_CHUNK = 8 << 20               # bytes per snapshot copy job
 
 @dataclass(frozen=True)
 class SaveItem:
+    """A piece this rank holds and its data. A piece another replica saves (not primary) needs
+    no data: the writer records that this rank holds it, so the index names where it was saved
+    and this rank's resume reads only those parts."""
     piece: Piece
-    data: Data
+    data: Optional[Data]
     dtype: str = ""                 # our dtype name; required for callables and for bfloat16
 
 
@@ -124,20 +127,22 @@ class CheckpointWriter:
 
     # ---- stage 1: on the training thread -------------------------------------------------
     def save(self, step: int, items: Sequence[SaveItem], *, state: Optional[dict] = None,
-             rank_state: Optional[dict] = None, config: Optional[dict] = None, overlap: bool = False,
-             replicas: Sequence[Piece] = ()) -> SaveStats:
-        """Snapshot `items` (only primary pieces are written) and return; persisting goes on in
-        the background. With `overlap` the snapshot's copies go on too, and fence() must come
-        before anything writes to the items' tensors. `state` is the shared training state
-        (same on every rank; rank 0's is kept), `rank_state` this rank's own (RNG states;
-        bytes allowed). `replicas` are the pieces this rank holds but another replica saves
-        (not primary), as are non-primary items: the index then names the parts that hold
-        them, and this rank's resume reads those parts only."""
+             rank_state: Optional[dict] = None, config: Optional[dict] = None,
+             overlap: bool = False) -> SaveStats:
+        """Snapshot `items` (every piece this rank holds; only the primary ones are written) and
+        return; persisting goes on in the background. With `overlap` the snapshot's copies go
+        on too, and fence() must come before anything writes to the items' tensors. `state` is
+        the shared training state (same on every rank; rank 0's is kept), `rank_state` this
+        rank's own (RNG states; bytes allowed)."""
         start = time.perf_counter()
         self._join()
         stats = SaveStats(step=step, wait_s=time.perf_counter() - start)
         if self.memory is not None and self.rank == 0:
             self.memory.heartbeat()
+        missing = next((i.piece for i in items if i.piece.primary and i.data is None), None)
+        if missing is not None:
+            raise CheckpointError(f"{missing.name}: this rank saves the piece at offsets {missing.region.offsets} "
+                                  "(it is primary) but its SaveItem has no data")
         layout = self._layout([i for i in items if i.piece.primary])
         if self._buffer.nbytes < layout.nbytes:
             self._buffer = aligned_buffer(layout.nbytes)
@@ -148,8 +153,7 @@ class CheckpointWriter:
         copies = [c for item, dst in zip(layout.items, dsts) for c in self._copies(item, dst)]
         meta = {"state": encode_state(state or {}), "rank_state": encode_state(rank_state or {}),
                 "config": config or {},         # and the pieces held here that another replica saves
-                "held": [{"name": p.name, **p.region.to_json()}
-                         for p in [i.piece for i in items if not i.piece.primary] + list(replicas)]}
+                "held": [{"name": i.piece.name, **i.piece.region.to_json()} for i in items if not i.piece.primary]}
         stats.bytes = layout.nbytes
         self.last = stats
         self._thread = threading.Thread(target=self._persist_guarded,

@@ -58,13 +58,16 @@ def from_numpy(array: np.ndarray, dtype: str) -> ms.Tensor:
 
 
 def save_items(pieces: dict[str, Piece], params: dict) -> list[SaveItem]:
-    """SaveItems for the primary pieces; `params` maps the same names to local Parameters."""
+    """SaveItems for every piece; `params` maps the same names to local Parameters. A piece
+    another replica saves (not primary) goes without data (nothing is converted for it): the
+    writer only records it."""
     items = []
     for name, piece in pieces.items():
-        if not piece.primary:
-            continue
         if name not in params:
             raise CheckpointError(f"{name}: the plan puts a piece of it on this rank but no Parameter was given")
+        if not piece.primary:
+            items.append(SaveItem(piece, None))
+            continue
         array, dtype = to_numpy(params[name])
         items.append(SaveItem(piece, array, dtype))
     return items
@@ -170,7 +173,8 @@ def import_mindspore(folder: str | Path, strategy: str | Path, dst_root: str | P
         params = ms.load_checkpoint(str(rank_checkpoint(folder, rank)))
         items = []
         for theirs, piece in pieces[rank].items():
-            if not piece.primary:
+            if not piece.primary:                         # held here, saved by another rank
+                items.append(SaveItem(piece, None))
                 continue
             if theirs not in params:
                 raise CheckpointError(f"{rank_checkpoint(folder, rank)}: lacks {theirs!r}, which the strategy lists")
