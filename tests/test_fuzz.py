@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 
 from ckpt_guard import confine_opens
 from ckpt_helpers import cut, plan_for, rank_pieces, reference
-from ms_llm.checkpoint import Checkpoint, CheckpointWriter, SaveItem, run_config
+from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Region, SaveItem, run_config
+from ms_llm.checkpoint.format import ShardEntry
 from ms_llm.cli import main
 from ms_llm.config.job import SECTIONS, job_to_dict, load_job
 from ms_llm.errors import CheckpointError
@@ -240,6 +241,43 @@ def test_fuzz_checkpoint_index_and_headers_through_the_reader(pristine, record_p
     start = time.perf_counter()
     run()
     _report(record_property, "checkpoint", counts, start)
+
+
+SHARD_EXAMPLES = 600
+
+
+def test_fuzz_the_one_pass_shard_parse_agrees_with_from_json(record_property):
+    """ShardEntry.from_written_json, the one-pass parse a load runs for every piece it plans,
+    returns what from_json returns, or None (from_json then decides): over mutated entries of
+    both kinds the writer makes (a box, and a ZeRO flat run of one) it never accepts an entry
+    from_json refuses, nor reads one differently."""
+    shape, itemsize = (4, 6), 4
+    written = [ShardEntry("rank_00000.safetensors", "a", Region((0, 0), (2, 6)), 16, (1, 2, 3)).to_json(),
+               ShardEntry("rank_00001.safetensors", "a#1", Region((0, 0), (4, 6), (3, 17)), 16, (4, 5, 6, 7)).to_json()]
+    counts = {"examples": 0, "one pass": 0, "from_json only": 0, "refused": 0}
+
+    @settings(FUZZ, max_examples=SHARD_EXAMPLES)
+    @given(st.data())
+    def run(data):
+        tree = json.loads(json.dumps(data.draw(st.sampled_from(written))))
+        for _ in range(data.draw(st.integers(0, 2))):
+            if _json_paths(tree) and data.draw(st.booleans()):
+                _apply(tree, *data.draw(json_mutation(tree)))
+            else:
+                tree[data.draw(st.sampled_from(["flat", "crc32", "crc32c", "block", "extra"]))] = data.draw(NASTY)
+        fast = ShardEntry.from_written_json(tree, shape, itemsize)
+        try:
+            slow = ShardEntry.from_json(tree, "entry", shape, itemsize)
+        except CheckpointError:
+            slow = None
+        assert fast is None or fast == slow, (tree, fast, slow)
+        counts["examples"] += 1
+        counts["one pass" if fast else "from_json only" if slow else "refused"] += 1
+
+    start = time.perf_counter()
+    run()
+    assert counts["one pass"] and counts["refused"]
+    _report(record_property, "shard_entry", counts, start)
 
 
 def _load(folder: Path, pieces: dict, ref: dict) -> str:

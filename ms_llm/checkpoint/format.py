@@ -109,6 +109,38 @@ class ShardEntry(NamedTuple):
                                   f"of {block}")
         return cls(file, key, region, block, sums, algorithm)
 
+    @classmethod
+    def from_written_json(cls, data: object, shape: tuple[int, ...], itemsize: int) -> Optional["ShardEntry"]:
+        """What from_json returns for an entry as ms_llm writes it (file, key, offsets, sizes,
+        an optional flat range, block and its crc32c sums, every value well formed), in one
+        pass; None for anything else, which from_json then parses or says what is wrong with.
+        A load parses one entry per piece it plans: this pass is most of that."""
+        if type(data) is not dict:
+            return None
+        file, key, offsets, sizes = data.get("file"), data.get("key"), data.get("offsets"), data.get("sizes")
+        flat, block, sums = data.get("flat"), data.get("block"), data.get(DEFAULT)
+        if (len(data) != (6 if flat is None else 7) or type(file) is not str or type(key) is not str
+                or type(offsets) is not list or type(sizes) is not list or len(offsets) != len(shape)
+                or len(sizes) != len(shape) or type(block) is not int or not 1 <= block <= MAX_COUNT
+                or type(sums) is not list or not sums):
+            return None
+        numel = 1
+        for o, s, d in zip(offsets, sizes, shape):
+            if type(o) is not int or type(s) is not int or o < 0 or s < 0 or o + s > d:
+                return None
+            numel *= s
+        if flat is None:
+            region = Region.of_ints(tuple(offsets), tuple(sizes))
+        elif (type(flat) is list and len(flat) == 2 and type(flat[0]) is int and type(flat[1]) is int
+              and 0 <= flat[0] <= flat[1] <= numel):
+            region = Region(tuple(offsets), tuple(sizes), (flat[0], flat[1]))
+        else:
+            return None
+        if (len(sums) != -(-region.numel * itemsize // block) or not set(map(type, sums)) <= {int}
+                or min(sums) < 0 or max(sums) > 0xFFFFFFFF):
+            return None
+        return cls(file, key, region, block, tuple(sums), DEFAULT)
+
 
 @dataclass
 class TensorEntry:
@@ -243,8 +275,11 @@ def _surely_apart(raw: object, lo: tuple[int, ...], hi: tuple[int, ...], shape: 
 
 def parse_shard(raw: object, origin: tuple[str, int], name: str, shape: tuple[int, ...], itemsize: int) -> ShardEntry:
     """One raw shard entry of tensor `name`, checked; errors name its file and position."""
-    file, position = origin
-    return ShardEntry.from_json(raw, f"{file}: tensor {name!r} shard {position}", shape, itemsize)
+    shard = ShardEntry.from_written_json(raw, shape, itemsize)
+    if shard is None:
+        file, position = origin
+        shard = ShardEntry.from_json(raw, f"{file}: tensor {name!r} shard {position}", shape, itemsize)
+    return shard
 
 
 def find_raw(shards: RawShards, region: Region, name: str, shape: tuple[int, ...],
