@@ -91,6 +91,7 @@ class IndexParts:
         self.folder, self.records, self.step, self._tensors, self._where = folder, records, step, tensors, where
         self._parts: dict[int, dict[str, list]] = {}
         self._files: dict[int, str] = {}
+        self._reads: dict[int, tuple[int, ...]] = {}
 
     def shards(self, name: str) -> RawShards:
         """Every saved shard of tensor `name`, in rank order (every part is read first)."""
@@ -103,9 +104,12 @@ class IndexParts:
     def rank_shards(self, rank: int, name: str) -> RawShards:
         """The shards of `name` in the parts a same-layout load of rank `rank` reads: its own and
         those its record names in `also` (each once, however often a crafted list repeats it)."""
-        if not 0 <= rank < len(self.records):
-            return RawShards([], [])
-        return self._gather(self.records[rank].reads(rank), name)
+        ranks = self._reads.get(rank)
+        if ranks is None:
+            if not 0 <= rank < len(self.records):
+                return RawShards([], [])
+            ranks = self._reads[rank] = self.records[rank].reads(rank)
+        return self._gather(ranks, name)
 
     def _gather(self, ranks, name: str) -> RawShards:
         entries, files = [], []
