@@ -309,7 +309,8 @@ def test_index_is_plain_json_with_layouts(tmp_path):
     index = json.loads((ckpt.folder / "index.json").read_text())
     q = index["tensors"]["model.layers.0.self_attn.q_proj.weight"]
     parts = [json.loads((ckpt.folder / f"index_{r:05d}.json").read_text()) for r in range(2)]
-    assert q == {"shape": [64, 64], "dtype": "float32", "layout": "tp:S(0)"} and index["version"] == 2
+    assert q == {"shape": [64, 64], "dtype": "float32", "layout": "tp:S(0)", "parts": [[0, 2]]}
+    assert index["version"] == 2
     assert [p["tensors"]["model.layers.0.self_attn.q_proj.weight"][0]["offsets"] for p in parts] == [[0, 0], [32, 0]]
     assert [p["bytes"] for p in index["parts"]] == [(ckpt.folder / f"index_{r:05d}.json").stat().st_size
                                                     for r in range(2)]
@@ -322,12 +323,14 @@ def test_index_is_plain_json_with_layouts(tmp_path):
 def test_a_same_layout_load_reads_its_own_index_parts_only(tmp_path, strategy):
     """Each rank of a 4-rank save resumes with only its own index part and those its record
     names in `also` (where the replicas it did not save are) left in the folder; without the
-    rank, the load needs every part. A reshard and a version-1 index read the same values."""
+    rank, the load reads the parts of every rank that saved a tensor it wants. A reshard and a
+    version-1 index read the same values."""
     ref, plan = reference(), plan_for(strategy, 4)
     saved = _save(tmp_path / "ckpt", plan, ref).folder
     head = json.loads((saved / "index.json").read_text())
     also = [set(record["also"]) for record in head["parts"]]
     assert any(also) and all(rank not in a for rank, a in enumerate(also))
+    hint_matters = []
     for rank in range(4):
         folder = tmp_path / f"rank{rank}" / saved.name
         shutil.copytree(saved, folder)
@@ -337,9 +340,12 @@ def test_a_same_layout_load_reads_its_own_index_parts_only(tmp_path, strategy):
         with Checkpoint(folder, rank=rank) as c:
             got = c.read_pieces(pieces)
         assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items()), rank
-        if len(also[rank]) < 3:
+        holders = {r for n in pieces for a, b in head["tensors"][n]["parts"] for r in range(a, b)}
+        hint_matters.append(bool(holders - {rank} - also[rank]))
+        if hint_matters[-1]:
             with pytest.raises(CheckpointError, match=r"index_\d{5}.json: missing; .* names 4 index parts"):
                 Checkpoint(folder).read_pieces(pieces)
+    assert any(hint_matters)
     v1 = tmp_path / "v1" / saved.name
     shutil.copytree(saved, v1)
     as_version_1(v1)
@@ -349,6 +355,26 @@ def test_a_same_layout_load_reads_its_own_index_parts_only(tmp_path, strategy):
             with Checkpoint(folder, rank=rank) as c:
                 got = c.read_pieces(pieces)
             assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items()), (folder, rank)
+
+
+def test_a_reshard_reads_only_the_parts_of_the_ranks_that_saved_its_tensors(tmp_path):
+    """The head names, per tensor, the ranks whose parts hold its shards: a rank of another
+    layout that wants one pipeline stage's tensors reads that stage's parts only (here every
+    other part is gone from the folder), and a verify still reads them all."""
+    ref, saved_plan = reference(), plan_for({"pp": 2, "dp": 2, "zero": {"stage": 1}}, 4)
+    folder = _save(tmp_path / "ckpt", saved_plan, ref).folder
+    head = json.loads((folder / "index.json").read_text())
+    target = plan_for({"tp": 2, "pp": 2}, 4)
+    pieces = rank_pieces(target, 0)
+    holders = {r for n in pieces for a, b in head["tensors"][n]["parts"] for r in range(a, b)}
+    assert holders and len(holders) < 4 and head["tensors"]["lm_head.weight"]["parts"] != [[0, 4]]
+    for other in set(range(4)) - holders:
+        (folder / f"index_{other:05d}.json").unlink()
+    with Checkpoint(folder) as c:
+        got = c.read_pieces(pieces)
+        assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items())
+        with pytest.raises(CheckpointError, match=r"index_\d{5}.json: missing"):
+            c.verify()
 
 
 def test_the_backend_adapter_hands_the_writer_the_replicas_a_rank_holds(tmp_path):

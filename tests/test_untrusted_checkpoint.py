@@ -210,6 +210,13 @@ INDEX_CASES = {
     "part of a stranger": (lambda h, p: p[1]["tensors"].update(evil=[]), "has shards of tensor 'evil', which"),
     "part of another rank": (lambda h, p: p[1].update(rank=0), "index_00001.json: not the index part of rank 1"),
     "part of another step": (lambda h, p: p[1].update(step=1), "not the index part of rank 1 at step 2"),
+    "holders not a list": (lambda h, p: norm(h).update(parts="all"), r"tensor 'model.norm.weight': 'parts' must be "
+                                                                     r"a non-empty list of \[start, stop\) rank runs"),
+    "holders outside": (lambda h, p: norm(h).update(parts=[[0, 3]]), r"'parts\[1\]' is 3; expected an integer in "
+                                                                     r"\[0, 2\]"),
+    "holders run empty": (lambda h, p: norm(h).update(parts=[[1, 1]]), r"'parts' run \[1, 1\] is empty or not after"),
+    "holders leave a rank out": (lambda h, p: h["tensors"]["lm_head.weight"].update(parts=[[0, 1]]),
+                                 "'lm_head.weight': the saved shards hold 4096 of the 8192 wanted elements"),
 }
 
 

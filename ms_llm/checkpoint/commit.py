@@ -30,7 +30,7 @@ from typing import Optional
 from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM
 from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.format import INDEX, check_coverage, encode_head
-from ms_llm.checkpoint.index_parts import PartRecord, part_name
+from ms_llm.checkpoint.index_parts import PartRecord, part_name, rank_ranges
 from ms_llm.checkpoint.untrusted import confined
 from ms_llm.errors import CheckpointError
 from ms_llm.nodes import die_with_parent
@@ -100,19 +100,23 @@ def _read_fragments(folder: Path, world_size: int, session: str, have: dict[int,
 
 def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> bytes:
     """index.json from every rank's fragment (rank 0's training state is the shared one); the
-    ranks wrote their parts beside. Each tensor's saved elements must add up to its size."""
+    ranks wrote their parts beside. Each tensor's saved elements must add up to its size, and
+    the head names the ranks whose parts hold its shards."""
     tensors: dict[str, dict] = {}
     elements: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
     for frag in frags:
         for name, info in frag["tensors"].items():
             entry = tensors.setdefault(name, info)
             if entry["shape"] != info["shape"] or entry["dtype"] != info["dtype"]:
                 raise CheckpointError(f"tensor {name!r}: rank {frag['rank']} saved shape {info['shape']} "
                                       f"{info['dtype']}, another rank {entry['shape']} {entry['dtype']}")
+            holders.setdefault(name, []).append(frag["rank"])
         for name, count in frag["elements"].items():
             elements[name] = elements.get(name, 0) + count
     for name, info in tensors.items():
         check_coverage(name, tuple(info["shape"]), elements.get(name, 0), f"step {step}")
+        info["parts"] = rank_ranges(holders[name])
     records = [PartRecord(f["part"]["bytes"], f["part"][CHECKSUM], tuple(sorted(also)))
                for f, also in zip(frags, _also(frags, folder))]
     first = frags[0]

@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
-from ms_llm.checkpoint.index_parts import IndexParts, PartRecord, RawShards
+from ms_llm.checkpoint.index_parts import IndexParts, PartRecord, RawShards, parse_rank_ranges
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
 from ms_llm.checkpoint.untrusted import MAX_COUNT, CheckedOnUse, integer, integers
 from ms_llm.config.schema import to_dict
@@ -175,7 +175,11 @@ class TensorEntry:
         if not isinstance(layout, str):
             raise CheckpointError(f"{where}: 'layout' must be a string, got {type(layout).__name__}")
         if parts is not None:
-            return cls(name, shape, dtype, layout, ParsedShards(lambda: parts.shards(name), path, name, shape, dtype))
+            holders = data.get("parts")
+            if holders is not None:
+                holders = parse_rank_ranges(holders, len(parts.records), where)
+            return cls(name, shape, dtype, layout,
+                       ParsedShards(lambda: parts.shards(name, holders), path, name, shape, dtype))
         shards = data.get("shards")
         if not isinstance(shards, list):
             raise CheckpointError(f"{where}: 'shards' must be a list, got {type(shards).__name__}")

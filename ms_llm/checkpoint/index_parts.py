@@ -1,8 +1,9 @@
 """The per-rank parts of a checkpoint index (format version 2), written and read.
 
     step_00000100/
-      index.json            the head: config, training state, every tensor's shape and dtype,
-                            and one record per part (its size, CRC32C and `also`)
+      index.json            the head: config, training state, every tensor's shape, dtype and
+                            the ranks whose parts hold its shards (`parts`, as rank ranges), and
+                            one record per part (its size, CRC32C and `also`)
       index_00000.json      the shards rank 0 saved: {tensor name: [shard entries]}
       index_00001.json      (one per rank)
 
@@ -10,7 +11,8 @@ A single index grows with ranks x tensors and every rank used to parse all of it
 about 100 ms at 32 ranks of an 80-layer ZeRO-3 model, seconds at a thousand. With parts, a
 rank resuming under the layout it saved reads the head, its own part and the parts its record
 names in `also` (the ranks that saved the replicated pieces it holds); a reshard, an export or
-a verify reads them all. A part is checked against its record before it is parsed, so a part
+a verify reads, for each tensor it wants, the parts of the ranks that saved it (under pipeline
+parallelism a stage's tensors are in that stage's ranks' parts only). A part is checked against its record before it is parsed, so a part
 left over from another save, truncated or swapped is a CheckpointError naming its file.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT as CHECKSUM
 from ms_llm.checkpoint.collector import collector_paused
@@ -46,6 +48,31 @@ class RawShards(NamedTuple):
 
 def part_name(rank: int) -> str:
     return f"index_{rank:05d}.json"
+
+
+def rank_ranges(ranks: Sequence[int]) -> list[list[int]]:
+    """Sorted ranks as [start, stop) runs: a tensor every rank saved is [[0, world_size]]."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return runs
+
+
+def parse_rank_ranges(value: object, world_size: int, where: str) -> tuple[int, ...]:
+    """The ranks of a head's `parts` list of [start, stop) runs, each in range and after the last."""
+    if not isinstance(value, list) or not value:
+        raise CheckpointError(f"{where}: 'parts' must be a non-empty list of [start, stop) rank runs")
+    ranks, last = [], 0
+    for run in value:
+        start, stop = integers(run, where, "parts", 0, world_size, length=2)
+        if not last <= start < stop:
+            raise CheckpointError(f"{where}: 'parts' run {list(run)} is empty or not after the run before it")
+        ranks += range(start, stop)
+        last = stop
+    return tuple(ranks)
 
 
 @dataclass(frozen=True)
@@ -93,13 +120,15 @@ class IndexParts:
         self._files: dict[int, str] = {}
         self._reads: dict[int, tuple[int, ...]] = {}
 
-    def shards(self, name: str) -> RawShards:
-        """Every saved shard of tensor `name`, in rank order (every part is read first)."""
-        if len(self._parts) < len(self.records):
+    def shards(self, name: str, holders: Optional[Sequence[int]] = None) -> RawShards:
+        """Every saved shard of tensor `name`, in rank order, from the parts of `holders` (the
+        ranks the head says saved it; every rank for a head that does not say)."""
+        ranks = range(len(self.records)) if holders is None else holders
+        if any(rank not in self._parts for rank in ranks):
             with collector_paused():        # else collections between parts traverse all parsed so far
-                for rank in range(len(self.records)):
+                for rank in ranks:
                     self._part(rank)
-        return self._gather(range(len(self.records)), name)
+        return self._gather(ranks, name)
 
     def rank_shards(self, rank: int, name: str) -> RawShards:
         """The shards of `name` in the parts a same-layout load of rank `rank` reads: its own and
