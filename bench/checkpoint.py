@@ -27,7 +27,10 @@
     before, and the same save committed on rank 0's writer thread (commit_mod.CHILD_SHARDS raised
     above the save's shards for it); then one rank's open of the checkpoint and its load of its
     own pieces (the head and its own index part), against a plain json.loads of the whole index
-    (head and every part, collector on), and an open that reads every part (what a reshard does)
+    (head and every part, collector on), and an open that reads every part; then a pipeline-
+    parallel save (PP_SAVED) loaded by rank 0 of another layout (PP_TARGET), which reads the
+    parts of the ranks the head names for its tensors, against the same load from a head that
+    does not name them (every part read)
 
     python bench/checkpoint.py            (make bench runs it too)
 
@@ -75,6 +78,9 @@ WIDE = ModelConfig(name="bench_wide", vocab_size=32768, hidden_size=1024, num_la
 SCALE = ModelConfig(name="bench_scale", vocab_size=1024, hidden_size=64, num_layers=80, num_heads=4, num_kv_heads=4,
                     ffn_hidden_size=128, max_seq_len=64, dtype="float32")
 SCALE_RANKS = 32
+# (e) again under pipeline parallelism: a 4-stage save, loaded by a rank of an 8-stage layout.
+PP_SAVED = ParallelStrategy(pp=4, dp=8, zero=ZeroSpec(stage=1))
+PP_TARGET = ParallelStrategy(pp=8, dp=4, zero=ZeroSpec(stage=1))
 SCALE_REPEATS = 3
 REPEATS = 9
 
@@ -245,7 +251,7 @@ def index_at_scale(work: Path, forward_backward) -> dict[str, float]:
     plan = layout_plan(SCALE, ParallelStrategy(dp=SCALE_RANKS, zero=ZeroSpec(stage=3)), SCALE_RANKS)
 
     def pieces(rank: int) -> dict:
-        return param_pieces(plan, rank) | optim_pieces(plan, rank, ("exp_avg", "exp_avg_sq"))
+        return scale_pieces(plan, rank)
 
     def save(root: Path, rank: int) -> tuple[CheckpointWriter, SaveStats]:
         w = CheckpointWriter(root, rank, SCALE_RANKS, session=root.name)
@@ -295,7 +301,48 @@ def index_at_scale(work: Path, forward_backward) -> dict[str, float]:
                              (folder / f"index_{me:05d}.json").stat().st_size)
         shutil.rmtree(root)
     return {"index_bytes": nbytes, "head_bytes": head, "own_bytes": own, "pieces": len(mine),
-            **{k: med(v) for k, v in t.items()}}
+            **{k: med(v) for k, v in t.items()}, **stage_reshard(work)}
+
+
+def stage_reshard(work: Path) -> dict[str, float]:
+    """(e), pipeline parallel: rank 0 of PP_TARGET loads its pieces (one saved stage's tensors)
+    from a PP_SAVED save, reading the parts of the ranks the head names for those tensors;
+    against the same load from a copy whose head does not name them (one written before it
+    did), which reads every part. Median seconds, interleaved."""
+    saved, target = (layout_plan(SCALE, strategy, SCALE_RANKS) for strategy in (PP_SAVED, PP_TARGET))
+    root = work / "pp"
+    for rank in reversed(range(SCALE_RANKS)):
+        w = CheckpointWriter(root, rank, SCALE_RANKS, session="pp")
+        w.save(1, [SaveItem(p, np.zeros(p.local_shape, np.float32)) for p in scale_pieces(saved, rank).values()
+                   if p.primary])
+        w.close()
+    folder = next(root.glob("step_*"))
+    every = work / "pp_every" / folder.name
+    shutil.copytree(folder, every)
+    head = json.loads((every / "index.json").read_text())
+    for entry in head["tensors"].values():
+        del entry["parts"]
+    (every / "index.json").write_text(json.dumps(head))
+    wanted = scale_pieces(target, 0)
+    tensors = json.loads((folder / "index.json").read_text())["tensors"]
+    read = {r for n in wanted for a, b in tensors[n]["parts"] for r in range(a, b)}
+
+    def load(where: Path) -> None:
+        with Checkpoint(where, rank=0) as c:
+            c.read_pieces(wanted)
+    t: dict[str, list[float]] = {"named": [], "every": []}
+    for _ in range(SCALE_REPEATS):
+        for key, where in (("named", folder), ("every", every)):
+            gc.collect()
+            t[key].append(timed(lambda: load(where)))
+    shutil.rmtree(root)
+    shutil.rmtree(every.parent)
+    return {"pp_pieces": len(wanted), "pp_parts": len(read), **{f"pp_{k}": med(v) for k, v in t.items()}}
+
+
+def scale_pieces(plan, rank: int) -> dict:
+    """(e): a rank's weights and both Adam moments."""
+    return param_pieces(plan, rank) | optim_pieces(plan, rank, ("exp_avg", "exp_avg_sq"))
 
 
 def load_state(dest: dict, loaded: dict) -> None:
@@ -548,6 +595,11 @@ def run(work: Path, shm: Path) -> int:
         ("      json.loads of the whole index, collector on", f"{scale['parse'] * 1e3:8.1f} ms", ""),
         ("    an open that reads every part (a reshard's)", f"{scale['open_all'] * 1e3:8.1f} ms",
          f"{scale['open_all'] / scale['parse']:.2f}x the plain parse"),
+        (f"    pp4 x dp8 save, rank 0 of pp8 x dp4 loads its {scale['pp_pieces']} pieces",
+         f"{scale['pp_named'] * 1e3:8.1f} ms", f"reads the {scale['pp_parts']} of {SCALE_RANKS} parts the head "
+                                              f"names for its tensors"),
+        ("      the same load, head without per-tensor ranks", f"{scale['pp_every'] * 1e3:8.1f} ms",
+         f"every part; {scale['pp_every'] / scale['pp_named']:.1f}x the time"),
     ]
     width = max(len(r[0]) for r in rows)
     for name, value, ratio in rows:
