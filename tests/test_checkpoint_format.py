@@ -404,6 +404,22 @@ def test_the_backend_adapter_hands_the_writer_the_replicas_a_rank_holds(tmp_path
     w.close()
 
 
+def test_the_commit_reads_only_the_parts_of_the_ranks_that_saved_what_replicas_hold(tmp_path):
+    """Under plain data parallelism every rank holds the weights and rank 0 saves them: rank 0's
+    commit works out `also` from its own part alone (a part of another rank, here made
+    unreadable before the commit, is not opened)."""
+    plan, ref = plan_for({"dp": 4}, 4), reference()
+    for rank in (3, 2, 1, 0):
+        if rank == 0:
+            (tmp_path / "step_00000001.tmp" / "index_00003.json").write_text("not json")
+        w = CheckpointWriter(tmp_path, rank, 4, session="s")
+        w.save(1, [SaveItem(p, cut(ref[n], p.region)) for n, p in rank_pieces(plan, rank).items()])
+        w.close()
+    head = json.loads((latest(tmp_path) / "index.json").read_text())
+    assert [record["also"] for record in head["parts"]] == [[], [0], [0], [0]]
+    assert {tuple(map(tuple, t["parts"])) for t in head["tensors"].values()} == {((0, 1),)}
+
+
 def test_the_commit_refuses_shards_that_leave_part_of_a_tensor_out(tmp_path):
     """Rank 1 saves all but its half of lm_head.weight: rank 0's commit adds up the elements the
     fragments say were saved, refuses the save, and publishes nothing."""

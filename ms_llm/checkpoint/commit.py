@@ -118,26 +118,29 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
         check_coverage(name, tuple(info["shape"]), elements.get(name, 0), f"step {step}")
         info["parts"] = rank_ranges(holders[name])
     records = [PartRecord(f["part"]["bytes"], f["part"][CHECKSUM], tuple(sorted(also)))
-               for f, also in zip(frags, _also(frags, folder))]
+               for f, also in zip(frags, _also(frags, folder, holders))]
     first = frags[0]
     return encode_head(step, world_size, first["config"], first["state"],
                        {f["rank"]: f["rank_state"] for f in frags if f.get("rank_state")}, tensors, records,
                        first.get("stats", {}))
 
 
-def _also(frags: list[dict], folder: Path) -> list[set[int]]:
+def _also(frags: list[dict], folder: Path, holders: dict[str, list[int]]) -> list[set[int]]:
     """For each rank, the other ranks that saved the replicated pieces it holds (its fragment's
-    `held`): the parts its same-layout load reads besides its own. Only then are the parts read
-    (replicas are of tensors a few ranks save, not of ZeRO-3 shards every rank saves)."""
-    if not any(f.get("held") for f in frags):
+    `held`): the parts its same-layout load reads besides its own. Only the parts of the ranks
+    that saved the held tensors are read (under data parallelism the weights' savers are the
+    first replica's ranks, however many replicas hold them), and only when some rank holds one."""
+    held = {h["name"] for f in frags for h in f.get("held", [])}
+    if not held:
         return [set() for _ in frags]
 
     def key(name: str, box: dict) -> tuple:
         return name, tuple(box["offsets"]), tuple(box["sizes"]), tuple(box.get("flat", ()))
     saved_by = {}
-    for f in frags:
-        for name, shards in json.loads((folder / part_name(f["rank"])).read_bytes())["tensors"].items():
-            saved_by.update((key(name, s), f["rank"]) for s in shards)
+    for rank in sorted({r for name in held for r in holders.get(name, ())}):
+        for name, shards in json.loads((folder / part_name(rank)).read_bytes())["tensors"].items():
+            if name in held:
+                saved_by.update((key(name, s), rank) for s in shards)
     return [{saved_by[k] for h in f.get("held", []) if (k := key(h["name"], h)) in saved_by} - {f["rank"]}
             for f in frags]
 
