@@ -61,18 +61,18 @@ def rank_ranges(ranks: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def parse_rank_ranges(value: object, world_size: int, where: str) -> tuple[int, ...]:
-    """The ranks of a head's `parts` list of [start, stop) runs, each in range and after the last."""
+def parse_rank_ranges(value: object, world_size: int, where: str) -> tuple[range, ...]:
+    """A head's `parts` list of [start, stop) rank runs, each in range and after the last."""
     if not isinstance(value, list) or not value:
         raise CheckpointError(f"{where}: 'parts' must be a non-empty list of [start, stop) rank runs")
-    ranks, last = [], 0
+    runs, last = [], 0
     for run in value:
         start, stop = integers(run, where, "parts", 0, world_size, length=2)
         if not last <= start < stop:
             raise CheckpointError(f"{where}: 'parts' run {list(run)} is empty or not after the run before it")
-        ranks += range(start, stop)
+        runs.append(range(start, stop))
         last = stop
-    return tuple(ranks)
+    return tuple(runs)
 
 
 @dataclass(frozen=True)
@@ -120,11 +120,11 @@ class IndexParts:
         self._files: dict[int, str] = {}
         self._reads: dict[int, tuple[int, ...]] = {}
 
-    def shards(self, name: str, holders: Optional[Sequence[int]] = None) -> RawShards:
+    def shards(self, name: str, holders: Optional[Sequence[range]] = None) -> RawShards:
         """Every saved shard of tensor `name`, in rank order, from the parts of `holders` (the
-        ranks the head says saved it; every rank for a head that does not say)."""
-        ranks = range(len(self.records)) if holders is None else holders
-        if any(rank not in self._parts for rank in ranks):
+        runs of ranks the head says saved it; every rank for a head that does not say)."""
+        ranks = range(len(self.records)) if holders is None else [r for run in holders for r in run]
+        if len(self._parts) < len(self.records) and any(rank not in self._parts for rank in ranks):
             with collector_paused():        # else collections between parts traverse all parsed so far
                 for rank in ranks:
                     self._part(rank)
