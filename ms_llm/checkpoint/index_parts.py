@@ -10,10 +10,11 @@
 A single index grows with ranks x tensors and every rank used to parse all of it to resume:
 about 100 ms at 32 ranks of an 80-layer ZeRO-3 model, seconds at a thousand. With parts, a
 rank resuming under the layout it saved reads the head, its own part and the parts its record
-names in `also` (the ranks that saved the replicated pieces it holds); a reshard, an export or
-a verify reads, for each tensor it wants, the parts of the ranks that saved it (under pipeline
-parallelism a stage's tensors are in that stage's ranks' parts only). A part is checked against its record before it is parsed, so a part
-left over from another save, truncated or swapped is a CheckpointError naming its file.
+names in `also` (the ranks that saved the replicated pieces it holds); a reshard or an export
+reads, for each tensor it wants, the parts of the ranks that saved it (under pipeline
+parallelism a stage's tensors are in that stage's ranks' parts only), a verify all of them. A
+part is checked against its record before it is parsed, so a part left over from another save,
+truncated or swapped is a CheckpointError naming its file.
 """
 from __future__ import annotations
 
