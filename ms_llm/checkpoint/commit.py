@@ -30,7 +30,7 @@ from typing import Optional
 from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM
 from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.format import INDEX, check_coverage, encode_head
-from ms_llm.checkpoint.index_parts import PartRecord, part_name, rank_ranges
+from ms_llm.checkpoint.index_parts import PartRecord, part_name
 from ms_llm.checkpoint.untrusted import confined
 from ms_llm.errors import CheckpointError
 from ms_llm.nodes import die_with_parent
@@ -99,24 +99,29 @@ def _read_fragments(folder: Path, world_size: int, session: str, have: dict[int,
 
 
 def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> bytes:
-    """index.json from every rank's fragment (rank 0's training state is the shared one); the
-    ranks wrote their parts beside. Each tensor's saved elements must add up to its size, and
-    the head names the ranks whose parts hold its shards."""
+    """index.json from every rank's fragment, in rank order (rank 0's training state is the
+    shared one); the ranks wrote their parts beside. Each tensor's saved elements must add up to
+    its size, and the head names the ranks whose parts hold its shards, as [start, stop) runs."""
     tensors: dict[str, dict] = {}
     elements: dict[str, int] = {}
-    holders: dict[str, list[int]] = {}
+    holders: dict[str, list[list[int]]] = {}
     for frag in frags:
+        rank = frag["rank"]
         for name, info in frag["tensors"].items():
             entry = tensors.setdefault(name, info)
             if entry["shape"] != info["shape"] or entry["dtype"] != info["dtype"]:
-                raise CheckpointError(f"tensor {name!r}: rank {frag['rank']} saved shape {info['shape']} "
+                raise CheckpointError(f"tensor {name!r}: rank {rank} saved shape {info['shape']} "
                                       f"{info['dtype']}, another rank {entry['shape']} {entry['dtype']}")
-            holders.setdefault(name, []).append(frag["rank"])
+            runs = holders.setdefault(name, [])
+            if runs and runs[-1][1] == rank:
+                runs[-1][1] = rank + 1
+            else:
+                runs.append([rank, rank + 1])
         for name, count in frag["elements"].items():
             elements[name] = elements.get(name, 0) + count
     for name, info in tensors.items():
         check_coverage(name, tuple(info["shape"]), elements.get(name, 0), f"step {step}")
-        info["parts"] = rank_ranges(holders[name])
+        info["parts"] = holders[name]
     records = [PartRecord(f["part"]["bytes"], f["part"][CHECKSUM], tuple(sorted(also)))
                for f, also in zip(frags, _also(frags, folder, holders))]
     first = frags[0]
@@ -125,7 +130,7 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
                        first.get("stats", {}))
 
 
-def _also(frags: list[dict], folder: Path, holders: dict[str, list[int]]) -> list[set[int]]:
+def _also(frags: list[dict], folder: Path, holders: dict[str, list[list[int]]]) -> list[set[int]]:
     """For each rank, the other ranks that saved the replicated pieces it holds (its fragment's
     `held`): the parts its same-layout load reads besides its own. Only the parts of the ranks
     that saved the held tensors are read (under data parallelism the weights' savers are the
@@ -137,7 +142,7 @@ def _also(frags: list[dict], folder: Path, holders: dict[str, list[int]]) -> lis
     def key(name: str, box: dict) -> tuple:
         return name, tuple(box["offsets"]), tuple(box["sizes"]), tuple(box.get("flat", ()))
     saved_by = {}
-    for rank in sorted({r for name in held for r in holders.get(name, ())}):
+    for rank in sorted({r for name in held for start, stop in holders.get(name, ()) for r in range(start, stop)}):
         for name, shards in json.loads((folder / part_name(rank)).read_bytes())["tensors"].items():
             if name in held:
                 saved_by.update((key(name, s), rank) for s in shards)

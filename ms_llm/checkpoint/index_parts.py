@@ -51,17 +51,6 @@ def part_name(rank: int) -> str:
     return f"index_{rank:05d}.json"
 
 
-def rank_ranges(ranks: Sequence[int]) -> list[list[int]]:
-    """Sorted ranks as [start, stop) runs: a tensor every rank saved is [[0, world_size]]."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and runs[-1][1] == r:
-            runs[-1][1] = r + 1
-        else:
-            runs.append([r, r + 1])
-    return runs
-
-
 def parse_rank_ranges(value: object, world_size: int, where: str) -> tuple[range, ...]:
     """A head's `parts` list of [start, stop) rank runs, each in range and after the last."""
     if not isinstance(value, list) or not value:
