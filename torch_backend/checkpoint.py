@@ -30,7 +30,7 @@ from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import write_full
 from ms_llm.checkpoint.shards import Piece
 from ms_llm.checkpoint.untrusted import confined, integer, integers
-from ms_llm.checkpoint.writer import SaveItem
+from ms_llm.checkpoint.writer import SaveItem, held_items
 from ms_llm.config.model import ModelConfig
 from ms_llm.errors import CheckpointError
 
@@ -65,23 +65,19 @@ def from_numpy(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def save_items(pieces: dict[str, Piece], tensors: dict[str, torch.Tensor]) -> list[SaveItem]:
-    """SaveItems for every piece; `tensors` maps the same names to local tensors. A piece
-    another replica saves (not primary) goes without data: the writer only records it."""
-    items = []
-    for name, piece in pieces.items():
-        if name not in tensors:
-            raise CheckpointError(f"{name}: the plan puts a piece of it on this rank but no local tensor was given")
-        t = local(tensors[name])
-        if tuple(t.shape) != piece.local_shape:
-            raise CheckpointError(f"{name}: local tensor {tuple(t.shape)} does not match its planned piece "
-                                  f"{piece.local_shape}; the model was not laid out by this plan")
-        if not piece.primary:
-            items.append(SaveItem(piece, None))
-            continue
-        if t.dtype not in DTYPE_NAMES:
-            raise CheckpointError(f"{name}: dtype {t.dtype} cannot be checkpointed")
-        items.append(SaveItem(piece, _copier(t), DTYPE_NAMES[t.dtype]))
-    return items
+    """SaveItems for every piece (writer.held_items); `tensors` maps the same names to local tensors."""
+    return held_items(pieces, tensors, _save_item)
+
+
+def _save_item(piece: Piece, tensor: torch.Tensor) -> SaveItem:
+    """The item of a piece this rank saves: its local tensor, copied straight into the snapshot."""
+    t = local(tensor)
+    if tuple(t.shape) != piece.local_shape:
+        raise CheckpointError(f"{piece.name}: local tensor {tuple(t.shape)} does not match its planned piece "
+                              f"{piece.local_shape}; the model was not laid out by this plan")
+    if t.dtype not in DTYPE_NAMES:
+        raise CheckpointError(f"{piece.name}: dtype {t.dtype} cannot be checkpointed")
+    return SaveItem(piece, _copier(t), DTYPE_NAMES[t.dtype])
 
 
 def _copier(t: torch.Tensor):

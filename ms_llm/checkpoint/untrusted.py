@@ -29,12 +29,13 @@ def confined(folder: str | Path, name: object, field: str) -> Path:
     path = folder / name
     if "/" not in name and name not in (".", ".."):
         try:
-            if not stat.S_ISLNK(os.lstat(path).st_mode):
-                return path         # a plain entry of the folder (a load checks several: one lstat each)
+            plain = not stat.S_ISLNK(os.lstat(path).st_mode)
         except FileNotFoundError:
             return path             # the caller's read says it is missing
         except OSError:
-            pass                    # the full check below says why
+            plain = False           # the full check below says why
+        if plain:
+            return path             # a plain entry of the folder (a load checks several: one lstat each)
     parts = PurePosixPath(name).parts
     if PurePosixPath(name).is_absolute() or ".." in parts:
         raise CheckpointError(f"{folder}: {field} is {name!r}, which points outside the folder; a checkpoint "

@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -56,6 +56,22 @@ class SaveItem:
     piece: Piece
     data: Optional[Data]
     dtype: str = ""                 # our dtype name; required for callables and for bfloat16
+
+
+T = TypeVar("T")
+
+
+def held_items(pieces: Mapping[str, Piece], tensors: Mapping[str, T],
+               convert: Callable[[Piece, T], SaveItem]) -> list[SaveItem]:
+    """SaveItems for every piece a rank holds: a backend's `convert` makes the item of each piece
+    this rank saves (primary) from its local tensor; a piece another replica saves goes without
+    data, nothing converted (the writer records that this rank holds it)."""
+    items = []
+    for name, piece in pieces.items():
+        if name not in tensors:
+            raise CheckpointError(f"{name}: the plan puts a piece of it on this rank but no local tensor was given")
+        items.append(convert(piece, tensors[name]) if piece.primary else SaveItem(piece, None))
+    return items
 
 
 @dataclass

@@ -26,7 +26,7 @@ from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.safetensors_io import bf16_to_f32, dtype_name, f32_to_bf16
 from ms_llm.checkpoint.shards import Piece, layout_piece
 from ms_llm.checkpoint.untrusted import confined
-from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem
+from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem, held_items
 from ms_llm.checkpoint.reshard import layout_plan
 from ms_llm.config.schema import to_dict
 from ms_llm.config.model import ModelConfig
@@ -58,19 +58,8 @@ def from_numpy(array: np.ndarray, dtype: str) -> ms.Tensor:
 
 
 def save_items(pieces: dict[str, Piece], params: dict) -> list[SaveItem]:
-    """SaveItems for every piece; `params` maps the same names to local Parameters. A piece
-    another replica saves (not primary) goes without data (nothing is converted for it): the
-    writer only records it."""
-    items = []
-    for name, piece in pieces.items():
-        if name not in params:
-            raise CheckpointError(f"{name}: the plan puts a piece of it on this rank but no Parameter was given")
-        if not piece.primary:
-            items.append(SaveItem(piece, None))
-            continue
-        array, dtype = to_numpy(params[name])
-        items.append(SaveItem(piece, array, dtype))
-    return items
+    """SaveItems for every piece (writer.held_items); `params` maps the same names to local Parameters."""
+    return held_items(pieces, params, lambda piece, param: SaveItem(piece, *to_numpy(param)))
 
 
 def load_into(ckpt: Checkpoint, pieces: dict[str, Piece], params: dict, strict: bool = True) -> list[str]:
