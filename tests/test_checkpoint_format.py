@@ -1,5 +1,6 @@
 """The shared checkpoint format in one process: boxes, safetensors files, save/load, commit."""
 import json
+import struct
 import math
 import re
 import shutil
@@ -312,6 +313,12 @@ def test_index_is_plain_json_with_layouts(tmp_path):
     assert q == {"shape": [64, 64], "dtype": "float32", "layout": "tp:S(0)", "parts": [[0, 2]]}
     assert index["version"] == 2
     assert [p["tensors"]["model.layers.0.self_attn.q_proj.weight"][0]["offsets"] for p in parts] == [[0, 0], [32, 0]]
+    for rank, part in enumerate(parts):         # each shard's `start`: where the safetensors header puts its bytes
+        raw = (ckpt.folder / f"rank_{rank:05d}.safetensors").read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        starts = {s["key"]: s["start"] for shards in part["tensors"].values() for s in shards}
+        assert starts == {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
     assert [p["bytes"] for p in index["parts"]] == [(ckpt.folder / f"index_{r:05d}.json").stat().st_size
                                                     for r in range(2)]
     assert index["config"]["strategy"]["tp"] == 2 and index["world_size"] == 2

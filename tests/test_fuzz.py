@@ -252,7 +252,7 @@ def test_fuzz_the_one_pass_shard_parse_agrees_with_from_json(record_property):
     both kinds the writer makes (a box, and a ZeRO flat run of one) it never accepts an entry
     from_json refuses, nor reads one differently."""
     shape, itemsize = (4, 6), 4
-    written = [ShardEntry("rank_00000.safetensors", "a", Region((0, 0), (2, 6)), 16, (1, 2, 3)).to_json(),
+    written = [ShardEntry("rank_00000.safetensors", "a", Region((0, 0), (2, 6)), 16, (1, 2, 3), start=80).to_json(),
                ShardEntry("rank_00001.safetensors", "a#1", Region((0, 0), (4, 6), (3, 17)), 16, (4, 5, 6, 7)).to_json()]
     counts = {"examples": 0, "one pass": 0, "from_json only": 0, "refused": 0}
 
@@ -264,7 +264,7 @@ def test_fuzz_the_one_pass_shard_parse_agrees_with_from_json(record_property):
             if _json_paths(tree) and data.draw(st.booleans()):
                 _apply(tree, *data.draw(json_mutation(tree)))
             else:
-                tree[data.draw(st.sampled_from(["flat", "crc32", "crc32c", "block", "extra"]))] = data.draw(NASTY)
+                tree[data.draw(st.sampled_from(["flat", "start", "crc32", "crc32c", "block", "extra"]))] = data.draw(NASTY)
         fast = ShardEntry.from_written_json(tree, shape, itemsize)
         try:
             slow = ShardEntry.from_json(tree, "entry", shape, itemsize)

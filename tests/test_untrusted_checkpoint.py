@@ -64,14 +64,24 @@ def edit_index(folder: Path, edit) -> None:
     (folder / "index.json").write_text(json.dumps(head))
 
 
-def edit_header(path: Path, edit) -> None:
+def edit_header(path: Path, edit, in_place: bool = False) -> None:
+    """`edit(header)` on a safetensors file's header; `in_place` keeps its length (padded), so
+    the tensors' bytes stay where they were."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
     header = edit(header) or header
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
+    text = json.dumps(header, separators=(",", ":") if in_place else None).encode()
+    text += b" " * ((n - len(text)) if in_place else (-len(text) % 8))
+    assert not in_place or len(text) == n
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def without_starts(folder: Path) -> None:
+    """The folder's index as checkpoints were written before shard entries said where their
+    bytes start: a load then finds each shard through its file's safetensors header."""
+    edit_index(folder, lambda h, p: [s.pop("start") for part in p.values() for shards in part["tensors"].values()
+                                     for s in shards])
 
 
 def shards_of(parts: dict, rank: int = 1):
@@ -192,6 +202,13 @@ INDEX_CASES = {
     "shape and shard huge": (lambda h, p: (norm(h).update(shape=[10 ** 12]), p[0]["tensors"][NORM][0].update(
         sizes=[10 ** 12], block=4 * 10 ** 12, crc32c=[0])), r"'model.norm.weight' is \(1000000000000,\) in the "
                                                            r"checkpoint but \(64,\) in the model loading it"),
+    "start text": (lambda h, p: first_shard(p).update(start="64"), r"'start' is '64'; expected an integer in \[8, "),
+    "start in the header length": (lambda h, p: first_shard(p).update(start=0), r"'start' is 0; expected an integer"),
+    "start past the end": (lambda h, p: first_shard(p).update(start=10 ** 9), r"rank_00001.safetensors: truncated: "
+                                                                              r"tensor '.*' needs bytes up to \d+ but "
+                                                                              r"the file has \d+"),
+    "start shifted": (lambda h, p: first_shard(p).update(start=first_shard(p)["start"] + 4),
+                      r"rank_00001.safetensors: tensor '.*' \(key '.*'\) fails its checksum"),
     "offset negative": (lambda h, p: first_shard(p).update(offsets=[-1, 0]), r"'offsets\[0\]' is -1"),
     "offset past end": (lambda h, p: first_shard(p).update(offsets=[10 ** 6, 0]), "outside the tensor's"),
     "flat reversed": (lambda h, p: first_shard(p).update(flat=[5, 2]), "'flat' is"),
@@ -231,7 +248,7 @@ def test_huge_shape_is_refused_before_allocating_the_full_tensor(root):
     """convert-checkpoint reads whole tensors (read_full); an index claiming 10**12 elements
     used to allocate 3.64 TiB before looking at the files."""
     edit_index(root / STEP2, INDEX_CASES["shape and shard huge"][0])
-    with pytest.raises(CheckpointError, match="in the file but"):
+    with pytest.raises(CheckpointError, match="truncated: tensor 'model.norm.weight' needs bytes up to 4000000"):
         Checkpoint(root / STEP2).read_full("model.norm.weight")
 
 
@@ -271,14 +288,31 @@ HEADER_CASES = {
 
 @pytest.mark.parametrize("case", list(HEADER_CASES))
 def test_bad_header_numbers_are_checkpoint_errors_and_fall_back(root, case):
+    """Where the index does not say where a shard starts, the load reads the header and checks it."""
+    without_starts(root / STEP2)
     edit, match = HEADER_CASES[case]
     edit_header(root / STEP2 / "rank_00001.safetensors", edit)
     falls_back(root, match)
 
 
+def test_a_load_reads_where_the_index_says_and_verify_holds_the_header_to_it(root):
+    """A shard's bytes are read from the `start` its index entry gives, under its checksums, so a
+    damaged safetensors header with the tensors' bytes intact loads exactly; verify names it."""
+    edit_header(root / STEP2 / "rank_00001.safetensors", lambda h: first_tensor(h).update(dtype="Q8"), in_place=True)
+    pieces = rank_pieces(plan_for({"dp": 2}, 2), 1)
+    ref = reference()
+    with confine_opens(root) as escapes:
+        arrays = Checkpoint(root / STEP2, rank=1).read_pieces(pieces)
+        with pytest.raises(CheckpointError, match=r"rank_00001.safetensors: tensor '.*': header entry is malformed"):
+            Checkpoint(root / STEP2).verify()
+    assert escapes == []
+    assert all(np.array_equal(arrays[n], cut(ref[n] + 1, p.region)) for n, p in pieces.items())
+
+
 def test_header_length_and_non_regular_files(root):
     path = root / STEP2 / "rank_00001.safetensors"
     raw = path.read_bytes()
+    without_starts(root / STEP2)
     path.write_bytes(struct.pack("<Q", 2 ** 63) + raw[8:])
     falls_back(root, "header length 9223372036854775808 does not fit the file")
     path.unlink()

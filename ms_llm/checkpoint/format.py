@@ -11,9 +11,11 @@ index.json (the head) holds the format version, the step, the run config it was 
 loss scaler: plain JSON, identical on every rank), each rank's own state (RNG states), every
 tensor's global shape, dtype and the layout it was saved under, and a record of each rank's
 index part. A part lists, for every tensor, the shards its rank saved: file, key in that file,
-region in the global tensor (boxes.Region) and checksums of consecutive blocks of its bytes,
-under the name of their algorithm (checksum.py: "crc32c"; checkpoints written before it hold
-"crc32"). Version 1 (still read) kept the shards in index.json itself. Tensor names are
+region in the global tensor (boxes.Region), where its bytes start in the file (`start`, so a
+load reads no safetensors header; the header says the same for peer readers, and verify holds
+the two to each other) and checksums of consecutive blocks of its bytes, under the name of
+their algorithm (checksum.py: "crc32c"; checkpoints written before it hold "crc32", and no
+`start`). Version 1 (still read) kept the shards in index.json itself. Tensor names are
 Hugging Face LLaMA names for weights; optimizer states are `optim.<state>.<param name>` (see
 `optim_name`).
 """
@@ -70,9 +72,11 @@ class ShardEntry(NamedTuple):
     block: int                      # bytes per checksum block
     sums: tuple[int, ...]           # one per block of the shard's bytes; empty for foreign files
     checksum: str = DEFAULT         # their algorithm (checksum.ALGORITHMS)
+    start: Optional[int] = None     # file offset of its first byte; None: the file's header says
 
     def to_json(self) -> dict:
-        return {"file": self.file, "key": self.key, **self.region.to_json(), "block": self.block,
+        where = {} if self.start is None else {"start": self.start}
+        return {"file": self.file, "key": self.key, **self.region.to_json(), **where, "block": self.block,
                 self.checksum: list(self.sums)}
 
     @classmethod
@@ -107,19 +111,23 @@ class ShardEntry(NamedTuple):
         if sums and len(sums) != -(-region.numel * itemsize // block):
             raise CheckpointError(f"{where}: {len(sums)} checksums for {region.numel * itemsize} bytes in blocks "
                                   f"of {block}")
-        return cls(file, key, region, block, sums, algorithm)
+        start = data.get("start")
+        if start is not None:
+            start = integer(start, where, "start", 8, MAX_COUNT)
+        return cls(file, key, region, block, sums, algorithm, start)
 
     @classmethod
     def from_written_json(cls, data: object, shape: tuple[int, ...], itemsize: int) -> Optional["ShardEntry"]:
         """What from_json returns for an entry as ms_llm writes it (file, key, offsets, sizes,
-        an optional flat range, block and its crc32c sums, every value well formed), in one
-        pass; None for anything else, which from_json then parses or says what is wrong with.
+        an optional flat range, start, block and its crc32c sums, every value well formed), in
+        one pass; None for anything else, which from_json then parses or says what is wrong with.
         A load parses one entry per piece it plans: this pass is most of that."""
         if type(data) is not dict:
             return None
         file, key, offsets, sizes = data.get("file"), data.get("key"), data.get("offsets"), data.get("sizes")
-        flat, block, sums = data.get("flat"), data.get("block"), data.get(DEFAULT)
-        if (len(data) != (6 if flat is None else 7) or type(file) is not str or type(key) is not str
+        flat, start, block, sums = data.get("flat"), data.get("start"), data.get("block"), data.get(DEFAULT)
+        if (len(data) != 6 + (flat is not None) + (start is not None) or type(file) is not str
+                or type(key) is not str or start is not None and (type(start) is not int or not 8 <= start <= MAX_COUNT)
                 or type(offsets) is not list or type(sizes) is not list or len(offsets) != len(shape)
                 or len(sizes) != len(shape) or type(block) is not int or not 1 <= block <= MAX_COUNT
                 or type(sums) is not list or not sums):
@@ -139,7 +147,7 @@ class ShardEntry(NamedTuple):
         if (len(sums) != -(-region.numel * itemsize // block) or not set(map(type, sums)) <= {int}
                 or min(sums) < 0 or max(sums) > 0xFFFFFFFF):
             return None
-        return cls(file, key, region, block, tuple(sums), DEFAULT)
+        return cls(file, key, region, block, tuple(sums), DEFAULT, start)
 
 
 @dataclass

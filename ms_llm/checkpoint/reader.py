@@ -7,10 +7,11 @@ A wanted region saved exactly as such (a same-strategy load) is one run of its s
 the loading rank's own index parts (index_parts.py). Any other is intersected, sub-box by
 sub-box (boxes.py), with the saved shards whose box meets it, and the overlaps are read
 straight into the destination (transfer.py), so only the touched byte ranges are read, and
-only the index entries of the shards read from are parsed. Every checksum block a read
-touches is verified (once per Checkpoint), so a flipped bit or a truncated file raises
-CheckpointError naming the file and the tensor; `load_with_fallback` then tries the previous
-checkpoint. Files the memory tier's keeper verified and sealed (seal.py) are read without a
+only the index entries of the shards read from are parsed. A shard's bytes are read from where
+its entry's `start` says (verify, and a load of an index without `start`, read the safetensors
+headers). Every checksum block a read touches is verified (once per Checkpoint), so a flipped
+bit or a truncated file raises CheckpointError naming the file and the tensor;
+`load_with_fallback` then tries the previous checkpoint. Files the memory tier's keeper verified and sealed (seal.py) are read without a
 second checksum pass.
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ import json
 import logging
 import math
 import os
+import stat
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, TypeVar
 
 import numpy as np
 
@@ -41,6 +43,14 @@ from ms_llm.strategy.ir import ParallelStrategy
 
 log = logging.getLogger("ms_llm.checkpoint")
 T = TypeVar("T")
+
+
+class OpenFile(NamedTuple):
+    """A shard file a Checkpoint holds open, and whether the memory tier's keeper sealed it."""
+    path: Path
+    fd: int
+    size: int
+    sealed: bool
 
 
 class Checkpoint:
@@ -63,7 +73,8 @@ class Checkpoint:
                 raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
             index = Index.from_json(data, str(path), self.folder)
         self.index: Index = index
-        self._files: dict[str, tuple[Path, int, Mapping[str, TensorSpan], bool]] = {}
+        self._files: dict[str, OpenFile] = {}
+        self._headers: dict[str, Mapping[str, TensorSpan]] = {}
         self._fds: dict[str, int] = {}
         self._shards: dict[tuple[str, str], Shard] = {}
         self._checked = Checked()
@@ -169,9 +180,11 @@ class Checkpoint:
         return arrays
 
     def verify(self) -> None:
-        """Check every block of every shard (tools and tests; loading checks what it reads)."""
+        """Check every block of every shard, and that each file's safetensors header says what
+        the index does (tools and tests; loading checks what it reads)."""
         for entry in self.index.tensors.values():
             for shard in entry.shards:
+                self._header_span(self._open_file(shard.file, entry.name), entry, shard)
                 check_shard(self._shard(entry, shard), self._checked)
 
     def close(self) -> None:
@@ -179,6 +192,7 @@ class Checkpoint:
             os.close(fd)
         self._fds.clear()
         self._files.clear()
+        self._headers.clear()
         self._shards.clear()
 
     def __enter__(self) -> "Checkpoint":
@@ -191,21 +205,24 @@ class Checkpoint:
     def _plan(self, name: str, want: Region | Piece, out: Optional[np.ndarray]) -> tuple[np.ndarray, list[Move]]:
         """Check the request, allocate (or check) the destination, and list the moves that fill it."""
         entry = self.entry(name)
-        region = want.region if isinstance(want, Piece) else want
+        dtype = storage_dtype(entry.dtype)
+        if isinstance(want, Piece):
+            region = want.region
+            if tuple(want.shape) != entry.shape:
+                raise CheckpointError(f"{self.folder}: tensor {name!r} is {entry.shape} in the checkpoint but "
+                                      f"{tuple(want.shape)} in the model loading it; was it saved from a different "
+                                      "model config?")
+            same = self.index.exact_shard(name, region, self.rank)
+            if same is not None:                    # saved as wanted (a same-layout load): one run, inside the tensor
+                shard = self._shard(entry, same)
+                out = self._destination(name, region, dtype, out)
+                return out, [RunMove(shard, 0, out.reshape(-1).view(np.uint8), 0, shard.nbytes)]
+        else:
+            region = want
         if len(region.offsets) != len(entry.shape) or any(
                 o < 0 or o + s > n for o, s, n in zip(region.offsets, region.sizes, entry.shape)):
             raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {entry.shape}; the wanted box "
                                   f"{region.offsets}+{region.sizes} does not fit (a different model config?)")
-        if isinstance(want, Piece) and tuple(want.shape) != entry.shape:
-            raise CheckpointError(f"{self.folder}: tensor {name!r} is {entry.shape} in the checkpoint but "
-                                  f"{tuple(want.shape)} in the model loading it; was it saved from a different "
-                                  "model config?")
-        dtype = storage_dtype(entry.dtype)
-        same = self.index.exact_shard(name, region, self.rank) if isinstance(want, Piece) else None
-        if same is not None:                        # saved as wanted (a same-layout load): one run
-            shard = self._shard(entry, same)
-            out = self._destination(name, region, dtype, out)
-            return out, [RunMove(shard, 0, out.reshape(-1).view(np.uint8), 0, shard.nbytes)]
         size = dtype.itemsize
         # Saved shards whose bounding box misses the wanted one are skipped before their sub-boxes.
         near = entry.shards_near(region)
@@ -244,17 +261,43 @@ class Checkpoint:
                                   f"C-contiguous {dtype} {region.shape} array")
         return out
 
-    def _open_file(self, fname: str, tensor: str) -> tuple[Path, int, Mapping[str, TensorSpan], bool]:
-        """The file's path, descriptor and spans, and whether the memory tier's keeper sealed it."""
+    def _open_file(self, fname: str, tensor: str) -> OpenFile:
+        """A shard file of the folder, opened once (a regular file only: a FIFO would block)."""
+        got = self._files.get(fname)
+        if got is not None:
+            return got
         with self._lock:
             if fname not in self._files:
                 path = confined(self.folder, fname, f"the shard 'file' of tensor {tensor!r}")
-                spans, _, _ = read_header(str(path))
-                fd = os.open(path, os.O_RDONLY)
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                except FileNotFoundError:
+                    raise CheckpointError(f"{path}: shard file is missing") from None
+                except OSError as exc:
+                    raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
                 self._fds[fname] = fd
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise CheckpointError(f"{path}: not a regular file")
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                self._files[fname] = (path, fd, spans, self._seal.matches(fname, os.fstat(fd)))
+                self._files[fname] = OpenFile(path, fd, st.st_size, self._seal.matches(fname, st))
             return self._files[fname]
+
+    def _header_span(self, file: OpenFile, entry: TensorEntry, shard: ShardEntry) -> TensorSpan:
+        """Where the file's safetensors header puts the shard, checked against the index."""
+        spans = self._headers.get(shard.file)
+        if spans is None:
+            spans = self._headers[shard.file] = read_header(str(file.path))[0]
+        span = spans.get(shard.key)
+        if span is None:
+            raise CheckpointError(f"{file.path}: has no key {shard.key!r} for tensor {entry.name!r}")
+        if span.dtype != entry.dtype or span.shape != shard.region.shape:
+            raise CheckpointError(f"{file.path}: tensor {entry.name!r} is {span.dtype} {span.shape} in the file but "
+                                  f"{entry.dtype} {shard.region.shape} in the index")
+        if shard.start is not None and span.start != shard.start:
+            raise CheckpointError(f"{file.path}: tensor {entry.name!r} starts at byte {span.start} in the file's "
+                                  f"header but at {shard.start} in the index")
+        return span
 
     def _shard(self, entry: TensorEntry, shard: ShardEntry) -> Shard:
         got = self._shards.get((shard.file, shard.key))
@@ -263,15 +306,16 @@ class Checkpoint:
         return got
 
     def _open_shard(self, entry: TensorEntry, shard: ShardEntry) -> Shard:
-        path, fd, spans, sealed = self._open_file(shard.file, entry.name)
-        span = spans.get(shard.key)
-        if span is None:
-            raise CheckpointError(f"{self.folder / shard.file}: has no key {shard.key!r} for tensor {entry.name!r}")
-        if span.dtype != entry.dtype or span.shape != shard.region.shape:
-            raise CheckpointError(f"{self.folder / shard.file}: tensor {entry.name!r} is {span.dtype} "
-                                  f"{span.shape} in the file but {entry.dtype} {shard.region.shape} in the index")
-        return Shard(path, fd, span.start, span.nbytes, shard.block,
-                     () if sealed else shard.sums, shard.checksum, entry.name, shard.key)
+        """The shard's bytes in its file: where the index says they start (the header is read
+        only for an index that does not say: a foreign file, an older checkpoint)."""
+        file = self._open_file(shard.file, entry.name)
+        start = shard.start if shard.start is not None else self._header_span(file, entry, shard).start
+        nbytes = shard.region.numel * entry.itemsize
+        if start + nbytes > file.size:
+            raise CheckpointError(f"{file.path}: truncated: tensor {entry.name!r} needs bytes up to {start + nbytes} "
+                                  f"but the file has {file.size}")
+        return Shard(file.path, file.fd, start, nbytes, shard.block,
+                     () if file.sealed else shard.sums, shard.checksum, entry.name, shard.key)
 
 
 def candidates(*roots: str | Path) -> list[Path]:

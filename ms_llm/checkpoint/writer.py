@@ -300,9 +300,9 @@ class CheckpointWriter:
             """This rank's index part: its shards as the index lists them, by tensor name (the
             same bytes for the memory tier and the disk)."""
             shards: dict[str, list[dict]] = {}
-            for item, key, crc in zip(layout.items, layout.keys, crcs):
+            for item, key, span, crc in zip(layout.items, layout.keys, layout.spans, crcs):
                 shard = ShardEntry(fragment["file"], key, item.piece.region, self.block_bytes, tuple(crc.result()),
-                                   CHECKSUM)
+                                   CHECKSUM, span.start)
                 shards.setdefault(item.piece.name, []).append(shard.to_json())
             return encode_part(self.rank, step, shards)
         step = stats.step
