@@ -19,7 +19,7 @@ truncated or swapped is a CheckpointError naming its file.
 from __future__ import annotations
 
 import json
-from collections.abc import Container, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -104,7 +104,7 @@ class IndexParts:
     """The parts of one committed index, each read, checked against its record and parsed when
     first needed. Entries stay raw JSON; format.ParsedShards parses the shards a load touches."""
 
-    def __init__(self, folder: Path, records: list[PartRecord], step: int, tensors: Container[str], where: str):
+    def __init__(self, folder: Path, records: list[PartRecord], step: int, tensors: Mapping[str, object], where: str):
         self.folder, self.records, self.step, self._tensors, self._where = folder, records, step, tensors, where
         self._parts: dict[int, dict[str, list]] = {}
         self._files: dict[int, str] = {}
@@ -168,10 +168,12 @@ class IndexParts:
         if (not isinstance(tree, dict) or tree.get("format") != PART_FORMAT or tree.get("rank") != rank
                 or tree.get("step") != self.step or not isinstance(tree.get("tensors"), dict)):
             raise CheckpointError(f"{path}: not the index part of rank {rank} at step {self.step}")
-        for tensor, shards in tree["tensors"].items():
-            if tensor not in self._tensors:
-                raise CheckpointError(f"{path}: has shards of tensor {tensor!r}, which {self._where} does not list")
-            if not isinstance(shards, list):
-                raise CheckpointError(f"{path}: tensor {tensor!r}: expected a list of shards, got "
-                                      f"{type(shards).__name__}")
-        return tree["tensors"]
+        tensors = tree["tensors"]
+        if not tensors.keys() <= self._tensors.keys() or not set(map(type, tensors.values())) <= {list}:
+            for tensor, shards in tensors.items():      # the common case is checked above in one pass
+                if tensor not in self._tensors:
+                    raise CheckpointError(f"{path}: has shards of tensor {tensor!r}, which {self._where} does not list")
+                if not isinstance(shards, list):
+                    raise CheckpointError(f"{path}: tensor {tensor!r}: expected a list of shards, got "
+                                          f"{type(shards).__name__}")
+        return tensors

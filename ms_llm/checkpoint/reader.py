@@ -11,8 +11,8 @@ only the index entries of the shards read from are parsed. A shard's bytes are r
 its entry's `start` says (verify, and a load of an index without `start`, read the safetensors
 headers). Every checksum block a read touches is verified (once per Checkpoint), so a flipped
 bit or a truncated file raises CheckpointError naming the file and the tensor;
-`load_with_fallback` then tries the previous checkpoint. Files the memory tier's keeper verified and sealed (seal.py) are read without a
-second checksum pass.
+`load_with_fallback` then tries the previous checkpoint. Files the memory tier's keeper
+verified and sealed (seal.py) are read without a second checksum pass.
 """
 from __future__ import annotations
 
