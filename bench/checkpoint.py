@@ -30,7 +30,9 @@
     (head and every part, collector on), and an open that reads every part; then a pipeline-
     parallel save (PP_SAVED) loaded by rank 0 of another layout (PP_TARGET), which reads the
     parts of the ranks the head names for its tensors, against the same load from a head that
-    does not name them (every part read)
+    does not name them (every part read); and the ZeRO-3 save loaded by rank 0 of half as many
+    ranks (ZERO_TARGET), which reads the parts of the savers whose even slices its own meet (the
+    head's `split`), against the same load from a head without `split` (every part read)
 
     python bench/checkpoint.py            (make bench runs it too)
 
@@ -81,6 +83,8 @@ SCALE_RANKS = 32
 # (e) again under pipeline parallelism: a 4-stage save, loaded by a rank of an 8-stage layout.
 PP_SAVED = ParallelStrategy(pp=4, dp=8, zero=ZeroSpec(stage=1))
 PP_TARGET = ParallelStrategy(pp=8, dp=4, zero=ZeroSpec(stage=1))
+# (e) again as a reshard: rank 0 of a ZeRO-3 layout on half as many ranks loads the 32-rank save.
+ZERO_TARGET = ParallelStrategy(dp=SCALE_RANKS // 2, zero=ZeroSpec(stage=3))
 SCALE_REPEATS = 3
 REPEATS = 9
 
@@ -299,9 +303,52 @@ def index_at_scale(work: Path, forward_backward) -> dict[str, float]:
         kept.clear()
         nbytes, head, own = (sum(f.stat().st_size for f in files), files[0].stat().st_size,
                              (folder / f"index_{me:05d}.json").stat().st_size)
+        if i == SCALE_REPEATS - 1:
+            zero = zero_reshard(folder)
         shutil.rmtree(root)
     return {"index_bytes": nbytes, "head_bytes": head, "own_bytes": own, "pieces": len(mine),
-            **{k: med(v) for k, v in t.items()}, **stage_reshard(work)}
+            **{k: med(v) for k, v in t.items()}, **zero, **stage_reshard(work)}
+
+
+def without(folder: Path, key: str) -> Path:
+    """A copy of a step folder whose head's tensors lack `key`, as heads written before it."""
+    copy = folder.parent.parent / f"{folder.parent.name}_without_{key}" / folder.name
+    shutil.copytree(folder, copy)
+    head = json.loads((copy / "index.json").read_text())
+    for entry in head["tensors"].values():
+        entry.pop(key, None)
+    (copy / "index.json").write_text(json.dumps(head))
+    return copy
+
+
+def interleaved_loads(pieces: dict, folders: dict[str, Path]) -> dict[str, float]:
+    """Median seconds of rank 0's open + load of `pieces` from each folder, interleaved."""
+    def load(where: Path) -> None:
+        with Checkpoint(where, rank=0) as c:
+            c.read_pieces(pieces)
+    t: dict[str, list[float]] = {k: [] for k in folders}
+    for _ in range(SCALE_REPEATS):
+        for key, where in folders.items():
+            gc.collect()
+            t[key].append(timed(lambda: load(where)))
+    return {k: med(v) for k, v in t.items()}
+
+
+def zero_reshard(folder: Path) -> dict[str, float]:
+    """(e), ZeRO-3 resharded: rank 0 of ZERO_TARGET loads its pieces from the SCALE_RANKS-rank
+    save, reading the parts of the savers whose slices its own meet, against the same load from
+    a copy whose head has no `split` (every saver's part)."""
+    wanted = scale_pieces(layout_plan(SCALE, ZERO_TARGET, SCALE_RANKS // 2), 0)
+    every = without(folder, "split")
+    tensors = json.loads((folder / "index.json").read_text())["tensors"]
+    split = [n for n in wanted if "split" in tensors[n]]
+    with Checkpoint(folder, rank=0) as c:
+        c.read_pieces(wanted)
+        read = len(c.index.parts.parsed())
+    times = interleaved_loads(wanted, {"named": folder, "every": every})
+    shutil.rmtree(every.parent)
+    return {"zero_pieces": len(wanted), "zero_split": len(split), "zero_parts": read,
+            **{f"zero_{k}": v for k, v in times.items()}}
 
 
 def stage_reshard(work: Path) -> dict[str, float]:
@@ -317,27 +364,14 @@ def stage_reshard(work: Path) -> dict[str, float]:
                    if p.primary])
         w.close()
     folder = next(root.glob("step_*"))
-    every = work / "pp_every" / folder.name
-    shutil.copytree(folder, every)
-    head = json.loads((every / "index.json").read_text())
-    for entry in head["tensors"].values():
-        del entry["parts"]
-    (every / "index.json").write_text(json.dumps(head))
+    every = without(folder, "parts")
     wanted = scale_pieces(target, 0)
     tensors = json.loads((folder / "index.json").read_text())["tensors"]
     read = {r for n in wanted for a, b in tensors[n]["parts"] for r in range(a, b)}
-
-    def load(where: Path) -> None:
-        with Checkpoint(where, rank=0) as c:
-            c.read_pieces(wanted)
-    t: dict[str, list[float]] = {"named": [], "every": []}
-    for _ in range(SCALE_REPEATS):
-        for key, where in (("named", folder), ("every", every)):
-            gc.collect()
-            t[key].append(timed(lambda: load(where)))
+    times = interleaved_loads(wanted, {"named": folder, "every": every})
     shutil.rmtree(root)
     shutil.rmtree(every.parent)
-    return {"pp_pieces": len(wanted), "pp_parts": len(read), **{f"pp_{k}": med(v) for k, v in t.items()}}
+    return {"pp_pieces": len(wanted), "pp_parts": len(read), **{f"pp_{k}": v for k, v in times.items()}}
 
 
 def scale_pieces(plan, rank: int) -> dict:
@@ -600,6 +634,11 @@ def run(work: Path, shm: Path) -> int:
                                               f"names for its tensors"),
         ("      the same load, head without per-tensor ranks", f"{scale['pp_every'] * 1e3:8.1f} ms",
          f"every part; {scale['pp_every'] / scale['pp_named']:.1f}x the time"),
+        (f"    rank 0 of dp{SCALE_RANKS // 2} ZeRO-3 loads its {scale['zero_pieces']} pieces",
+         f"{scale['zero_named'] * 1e3:8.1f} ms", f"reads {scale['zero_parts']} of {SCALE_RANKS} parts: the savers' "
+                                                f"whose slices meet its own ({scale['zero_split']} tensors split)"),
+        ("      the same load, head without split", f"{scale['zero_every'] * 1e3:8.1f} ms",
+         f"every part; {scale['zero_every'] / scale['zero_named']:.1f}x the time"),
     ]
     width = max(len(r[0]) for r in rows)
     for name, value, ratio in rows:

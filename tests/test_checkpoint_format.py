@@ -19,6 +19,7 @@ from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Piece, Region, SaveI
 from ms_llm.checkpoint.boxes import byte_run
 from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.commit import committed, latest
+from ms_llm.checkpoint.index_parts import savers_meeting
 from ms_llm.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header
 from ms_llm.errors import CheckpointError
 
@@ -310,7 +311,7 @@ def test_index_is_plain_json_with_layouts(tmp_path):
     index = json.loads((ckpt.folder / "index.json").read_text())
     q = index["tensors"]["model.layers.0.self_attn.q_proj.weight"]
     parts = [json.loads((ckpt.folder / f"index_{r:05d}.json").read_text()) for r in range(2)]
-    assert q == {"shape": [64, 64], "dtype": "float32", "layout": "tp:S(0)", "parts": [[0, 2]]}
+    assert q == {"shape": [64, 64], "dtype": "float32", "layout": "tp:S(0)", "parts": [[0, 2]], "split": [0, 32]}
     assert index["version"] == 2
     assert [p["tensors"]["model.layers.0.self_attn.q_proj.weight"][0]["offsets"] for p in parts] == [[0, 0], [32, 0]]
     for rank, part in enumerate(parts):         # each shard's `start`: where the safetensors header puts its bytes
@@ -382,6 +383,71 @@ def test_a_reshard_reads_only_the_parts_of_the_ranks_that_saved_its_tensors(tmp_
         assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items())
         with pytest.raises(CheckpointError, match=r"index_\d{5}.json: missing"):
             c.verify()
+
+
+@pytest.mark.parametrize("saved, target, expect", [
+    ({"tp": 4}, {"tp": 2}, {"model.layers.0.self_attn.q_proj.weight": [0, 16], "lm_head.weight": [0, 32],
+                            "model.layers.0.self_attn.o_proj.weight": [1, 16]}),
+    ({"dp": 4, "zero": {"stage": 3}}, {"dp": 2, "zero": {"stage": 3}}, {"lm_head.weight": [0, 32]}),
+])
+def test_a_reshard_of_an_evenly_split_tensor_reads_the_parts_of_the_savers_it_meets(tmp_path, saved, target, expect):
+    """The head says how a tensor's savers split it evenly (`split`: [dim, size]); rank 0 of a
+    layout with half as many slices reads the parts of the two savers whose slabs its own meets,
+    not all four (here the other two are gone), and reads exactly. Without `split` (a head from
+    before it) the load reads every saver's part. A split the writers did not make evenly (tp
+    and ZeRO-3 together) is not claimed."""
+    ref = reference()
+    folder = _save(tmp_path / "ckpt", plan_for(saved, 4), ref).folder
+    head = json.loads((folder / "index.json").read_text())
+    assert {n: head["tensors"][n].get("split") for n in expect} == expect
+    pieces = rank_pieces(plan_for(target, 2), 0)
+    assert all(head["tensors"][n]["parts"] == [[0, 4]] for n in expect)
+    without = tmp_path / "without" / folder.name
+    shutil.copytree(folder, without)
+    for tensor in head["tensors"].values():
+        tensor.pop("split", None)
+    (without / "index.json").write_text(json.dumps(head))
+    for part in (2, 3):
+        (folder / f"index_{part:05d}.json").unlink()
+        (without / f"index_{part:05d}.json").unlink()
+    with Checkpoint(folder, rank=0) as c:
+        got = c.read_pieces(pieces)
+    assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items())
+    with pytest.raises(CheckpointError, match=r"index_00002.json: missing"):
+        Checkpoint(without, rank=0).read_pieces(pieces)
+    mixed = json.loads((_save(tmp_path / "mixed", plan_for({"dp": 2, "tp": 2, "zero": {"stage": 3}}, 4), ref).folder
+                        / "index.json").read_text())
+    assert "split" not in mixed["tensors"]["model.layers.0.self_attn.q_proj.weight"]
+
+
+@pytest.mark.parametrize("slabs, split", [
+    ([[0, 0, 4], [0, 4, 8], [0, 8, 10]], [0, 4]),          # the last one shorter
+    ([[-1, 0, 30], [-1, 30, 60]], [-1, 30]),                # ZeRO slices of a 6 x 10 tensor
+    ([[0, 0, 4], [0, 4, 6], [0, 6, 10]], None),             # a shorter one before the last
+    ([[0, 0, 4], [0, 4, 8]], None),                         # not all of it
+    ([[0, 0, 4], [0, 5, 9], [0, 9, 10]], None),             # a gap
+    ([[0, 0, 4], [1, 4, 8], [0, 8, 10]], None),             # another dimension
+    ([[0, 0, 5], [0, 5, 5], [0, 5, 10]], None),             # an empty slab
+    ([[0, 0, 5], None], None),                              # a saver with two shards of it
+    ([[0, 0, 10]], None),                                   # one saver: nothing to narrow
+])
+def test_an_even_split_is_claimed_only_when_the_savers_hold_consecutive_equal_slabs(slabs, split):
+    even = commit_mod.EvenSplit()
+    for slab in slabs:
+        even.add(slab)
+    assert even.result((10, 6)) == split
+
+
+def test_the_savers_a_region_meets_come_from_the_rank_runs_in_order():
+    holders = (range(0, 2), range(4, 6), range(9, 10))      # savers 0..4 are ranks 0, 1, 4, 5, 9
+    assert savers_meeting(holders, 10, 15, 30) == [range(1, 2), range(4, 5)]
+    assert savers_meeting(holders, 10, 15, 31) == [range(1, 2), range(4, 6)]
+    assert savers_meeting(holders, 10, 0, 50) == list(holders)
+    assert savers_meeting(holders, 10, 45, 46) == [range(9, 10)]
+    region = Region((0, 2), (6, 4), (3, 17))                 # elements [3, 17) of a 6 x 4 box of a 6 x 10 tensor
+    assert region.extent(-1, (6, 10)) == (5, 43) and region.extent(0, (6, 10)) == (0, 6)
+    assert Region((0, 0), (6, 10), (3, 17)).slab((6, 10)) == (-1, 3, 17)
+    assert Region((2, 0), (2, 10)).slab((6, 10)) == (0, 2, 4) and Region((2, 1), (2, 9)).slab((6, 10)) is None
 
 
 def test_the_backend_adapter_hands_the_writer_the_replicas_a_rank_holds(tmp_path):

@@ -234,6 +234,13 @@ INDEX_CASES = {
     "holders run empty": (lambda h, p: norm(h).update(parts=[[1, 1]]), r"'parts' run \[1, 1\] is empty or not after"),
     "holders leave a rank out": (lambda h, p: h["tensors"]["lm_head.weight"].update(parts=[[0, 1]]),
                                  "'lm_head.weight': the saved shards hold 4096 of the 8192 wanted elements"),
+    "split text": (lambda h, p: h["tensors"]["lm_head.weight"].update(split="rows"),
+                   r"'lm_head.weight': 'split' is 'rows'; expected a list of 2 integers"),
+    "split dim outside": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[2, 64]),
+                          r"'split' is \[2, 64\]; expected \[dim, size\] with dim in \[-1, 1\] and size >= 1"),
+    "split dim negative": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[-2, 64]),
+                           r"'split\[0\]' is -2; expected an integer in \[-1, "),
+    "split size 0": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[0, 0]), r"'split' is \[0, 0\]"),
 }
 
 
@@ -242,6 +249,20 @@ def test_bad_index_numbers_are_checkpoint_errors_and_fall_back(root, case):
     edit, match = INDEX_CASES[case]
     edit_index(root / STEP2, edit)
     falls_back(root, match)
+
+
+@pytest.mark.parametrize("split", [[0, 128], [1, 64], [-1, 10 ** 15]])
+def test_a_split_that_misleads_the_reshard_is_refused_and_falls_back(root, split):
+    """A `split` that does not say how the savers hold the tensor leads a reshard to parts that
+    do not hold all it wants: the read counts what it found and refuses, naming the tensor."""
+    edit_index(root / STEP2, lambda h, p: h["tensors"]["lm_head.weight"].update(split=split))
+    pieces = rank_pieces(plan_for({"dp": 2}, 2), 1)
+    with confine_opens(root) as escapes:
+        with pytest.raises(CheckpointError, match=r"'lm_head.weight': the saved shards hold \d+ of the 8192 wanted"):
+            Checkpoint(root / STEP2, rank=1).read_pieces(pieces)
+        used, arrays = load_with_fallback(candidates(root), lambda c: c.read_pieces(pieces), rank=1)
+    assert escapes == [] and used.step == 1
+    assert np.array_equal(arrays["lm_head.weight"], reference()["lm_head.weight"])
 
 
 def test_huge_shape_is_refused_before_allocating_the_full_tensor(root):

@@ -80,6 +80,31 @@ class Region:
         return [SubBox(tuple(o + off for o, off in zip(p.offsets, self.offsets)), p.sizes, p.start - a)
                 for p in _flat_to_boxes(self.sizes, a, b)]
 
+    def slab(self, shape: tuple[int, ...]) -> Optional[tuple[int, int, int]]:
+        """(dim, start, stop) when the region is one slab of a tensor of `shape`: all of it but
+        [start, stop) along dimension `dim`, or elements [start, stop) of its row-major order
+        (dim -1: a ZeRO slice of the whole tensor, or the whole tensor); None otherwise. A
+        tensor whose savers hold consecutive equal slabs is split evenly (commit.py)."""
+        cut = [d for d, (o, s, n) in enumerate(zip(self.offsets, self.sizes, shape)) if (o, s) != (0, n)]
+        if self.flat is not None:
+            return (-1, *self.flat) if not cut else None
+        if not cut:
+            return -1, 0, math.prod(shape)
+        if len(cut) == 1:
+            d = cut[0]
+            return d, self.offsets[d], self.offsets[d] + self.sizes[d]
+        return None
+
+    def extent(self, dim: int, shape: tuple[int, ...]) -> tuple[int, int]:
+        """[lo, hi) the region spans along dimension `dim` of a tensor of `shape` (dim -1: of
+        its row-major order), for finding the saved slabs it meets."""
+        if dim >= 0:
+            return self.offsets[dim], self.offsets[dim] + self.sizes[dim]
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        firsts = [sum(o * t for o, t in zip(p.offsets, strides)) for p in self.pieces()]
+        lasts = [sum((o + s - 1) * t for o, s, t in zip(p.offsets, p.sizes, strides)) for p in self.pieces()]
+        return min(firsts), max(lasts) + 1
+
     def to_json(self) -> dict:
         out = {"offsets": list(self.offsets), "sizes": list(self.sizes)}
         if self.flat:

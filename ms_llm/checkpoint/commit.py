@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -101,12 +102,14 @@ def _read_fragments(folder: Path, world_size: int, session: str, have: dict[int,
 def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> bytes:
     """index.json from every rank's fragment, in rank order (rank 0's training state is the
     shared one); the ranks wrote their parts beside. Each tensor's saved elements must add up to
-    its size, and the head names the ranks whose parts hold its shards, as [start, stop) runs."""
+    its size, and the head names the ranks whose parts hold its shards, as [start, stop) runs,
+    and for a tensor split evenly over them how (`split`, see EvenSplit)."""
     tensors: dict[str, dict] = {}
     elements: dict[str, int] = {}
     holders: dict[str, list[list[int]]] = {}
+    splits: dict[str, EvenSplit] = {}
     for frag in frags:
-        rank = frag["rank"]
+        rank, slabs = frag["rank"], frag.get("slabs", {})
         for name, info in frag["tensors"].items():
             entry = tensors.setdefault(name, info)
             if entry["shape"] != info["shape"] or entry["dtype"] != info["dtype"]:
@@ -117,17 +120,55 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
                 runs[-1][1] = rank + 1
             else:
                 runs.append([rank, rank + 1])
+            splits.setdefault(name, EvenSplit()).add(slabs.get(name))
         for name, count in frag["elements"].items():
             elements[name] = elements.get(name, 0) + count
     for name, info in tensors.items():
         check_coverage(name, tuple(info["shape"]), elements.get(name, 0), f"step {step}")
         info["parts"] = holders[name]
+        split = splits[name].result(tuple(info["shape"]))
+        if split is not None:
+            info["split"] = split
     records = [PartRecord(f["part"]["bytes"], f["part"][CHECKSUM], tuple(sorted(also)))
                for f, also in zip(frags, _also(frags, folder, holders))]
     first = frags[0]
     return encode_head(step, world_size, first["config"], first["state"],
                        {f["rank"]: f["rank_state"] for f in frags if f.get("rank_state")}, tensors, records,
                        first.get("stats", {}))
+
+
+class EvenSplit:
+    """Whether a tensor's savers, in rank order, hold consecutive slabs of one size along one
+    dimension (or of its row-major order: ZeRO), the last one possibly shorter, together all of
+    it: the head then says [dim, size] and a reshard reads the parts of the savers whose slabs
+    meet what it wants, not every saver's (index_parts.savers_meeting)."""
+
+    def __init__(self) -> None:
+        self.dim: Optional[int] = None
+        self.size = self.stop = self.count = 0
+        self.even = True
+
+    def add(self, slab: Optional[list[int]]) -> None:
+        """The next saver's slab (Region.slab), or None when its shards are no one slab."""
+        if not self.even:
+            return
+        if slab is None or slab[2] <= slab[1] or (self.count and (slab[0] != self.dim or slab[1] != self.stop
+                                                                  or self.stop % self.size)):
+            self.even = False
+            return
+        if not self.count:
+            self.dim, self.size = slab[0], slab[2] - slab[1]
+            self.even = slab[1] == 0
+        elif slab[2] - slab[1] > self.size:
+            self.even = False
+        self.stop, self.count = slab[2], self.count + 1
+
+    def result(self, shape: tuple[int, ...]) -> Optional[list[int]]:
+        """[dim, size] when the savers (more than one) split the tensor evenly, else None."""
+        if not self.even or self.count < 2:
+            return None
+        extent = math.prod(shape) if self.dim == -1 else shape[self.dim]
+        return [self.dim, self.size] if self.stop == extent else None
 
 
 def _also(frags: list[dict], folder: Path, holders: dict[str, list[list[int]]]) -> list[set[int]]:

@@ -9,8 +9,9 @@
 index.json (the head) holds the format version, the step, the run config it was saved under
 (model, strategy, world size, backend), the training state (step, LR scheduler, data sampler,
 loss scaler: plain JSON, identical on every rank), each rank's own state (RNG states), every
-tensor's global shape, dtype and the layout it was saved under, and a record of each rank's
-index part. A part lists, for every tensor, the shards its rank saved: file, key in that file,
+tensor's global shape, dtype and the layout it was saved under, the ranks whose parts hold its
+shards and, when they split it evenly, how (`split`: commit.EvenSplit), and a record of each
+rank's index part. A part lists, for every tensor, the shards its rank saved: file, key in that file,
 region in the global tensor (boxes.Region), where its bytes start in the file (`start`, so a
 load reads no safetensors header; the header says the same for peer readers, and verify holds
 the two to each other) and checksums of consecutive blocks of its bytes, under the name of
@@ -33,7 +34,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
-from ms_llm.checkpoint.index_parts import IndexParts, PartRecord, RawShards, parse_rank_ranges
+from ms_llm.checkpoint.index_parts import IndexParts, PartRecord, RawShards, parse_rank_ranges, savers_meeting
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
 from ms_llm.checkpoint.untrusted import MAX_COUNT, CheckedOnUse, integer, integers
 from ms_llm.config.schema import to_dict
@@ -186,8 +187,9 @@ class TensorEntry:
             holders = data.get("parts")
             if holders is not None:
                 holders = parse_rank_ranges(holders, len(parts.records), where)
+            narrow = _narrowing(parts, name, holders, data.get("split"), shape, where)
             return cls(name, shape, dtype, layout,
-                       ParsedShards(lambda: parts.shards(name, holders), path, name, shape, dtype))
+                       ParsedShards(lambda: parts.shards(name, holders), path, name, shape, dtype, narrow))
         shards = data.get("shards")
         if not isinstance(shards, list):
             raise CheckpointError(f"{where}: 'shards' must be a list, got {type(shards).__name__}")
@@ -203,6 +205,10 @@ class TensorEntry:
     def shards_near(self, region: Region) -> list[tuple[int, ShardEntry]]:
         """The shards whose box meets `region`'s box, with their positions."""
         if isinstance(self.shards, ParsedShards):
+            narrowed = self.shards.narrowed(region)
+            if narrowed is not None:
+                return [(k, s) for k, s in enumerate(narrowed)
+                        if intersect(region.offsets, region.sizes, s.region.offsets, s.region.sizes)]
             candidates = self.shards.maybe_near(region)
         else:
             candidates = range(len(self.shards))
@@ -214,6 +220,20 @@ class TensorEntry:
         return near
 
 
+def _narrowing(parts: IndexParts, name: str, holders: Optional[tuple[range, ...]], split: object,
+               shape: tuple[int, ...], where: str) -> Optional[Callable[[Region], RawShards]]:
+    """For a tensor the head says its savers split evenly (`split`: [dim, size]), what gives the
+    raw shards a wanted region may meet from the parts of the savers whose slabs meet it only;
+    None for any other tensor."""
+    if split is None or holders is None:
+        return None
+    dim, size = integers(split, where, "split", -1, MAX_COUNT, length=2)
+    if dim >= len(shape) or size < 1:
+        raise CheckpointError(f"{where}: 'split' is {split}; expected [dim, size] with dim in [-1, {len(shape) - 1}] "
+                              "and size >= 1")
+    return lambda region: parts.shards(name, savers_meeting(holders, size, *region.extent(dim, shape)))
+
+
 class ParsedShards(Sequence):
     """A saved tensor's shards, each parsed and checked (ShardEntry.from_json) when first used:
     a load parses the shards it reads from (`find`, `maybe_near`), where a tensor of a
@@ -223,8 +243,8 @@ class ParsedShards(Sequence):
     (check_coverage)."""
 
     def __init__(self, source: Callable[[], RawShards], where: str, name: str,
-                 shape: tuple[int, ...], dtype: str):
-        self._source, self._where, self._name = source, where, name
+                 shape: tuple[int, ...], dtype: str, narrow: Optional[Callable[[Region], RawShards]] = None):
+        self._source, self._narrow, self._where, self._name = source, narrow, where, name
         self._shape, self._itemsize = shape, storage_dtype(dtype).itemsize
         self._parsed: dict[int, ShardEntry] = {}
         self._covered = False
@@ -260,6 +280,17 @@ class ParsedShards(Sequence):
         parsed; the read itself checks that the shards it touches cover what it wants)."""
         lo, hi = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes))
         return [i for i, raw in enumerate(self._raw.entries) if not _surely_apart(raw, lo, hi, self._shape)]
+
+    def narrowed(self, region: Region) -> Optional[list[ShardEntry]]:
+        """For an evenly split tensor whose shards are not all read yet, the shards that may meet
+        `region`, parsed, from the parts of the savers whose slabs meet it only (`narrow`); None
+        otherwise. The read checks that what it takes from them covers what it wants."""
+        if self._narrow is None or "_raw" in self.__dict__:
+            return None
+        raw = self._narrow(region)
+        lo, hi = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes))
+        return [parse_shard(r, raw.origin(i), self._name, self._shape, self._itemsize)
+                for i, r in enumerate(raw.entries) if not _surely_apart(r, lo, hi, self._shape)]
 
     def find(self, region: Region) -> Optional[int]:
         """`TensorEntry.exact_shard`, comparing the raw JSON first (find_raw); the match stays parsed."""

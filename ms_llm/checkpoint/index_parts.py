@@ -65,6 +65,18 @@ def parse_rank_ranges(value: object, world_size: int, where: str) -> tuple[range
     return tuple(runs)
 
 
+def savers_meeting(holders: Sequence[range], size: int, lo: int, hi: int) -> list[range]:
+    """The savers of an evenly split tensor (`holders` in order, the i-th holding slab
+    [i * size, (i + 1) * size): the head's `split`) whose slabs meet [lo, hi), as rank runs."""
+    first, last, out, i = lo // size, (hi - 1) // size, [], 0
+    for run in holders:
+        a, b = max(first - i, 0), min(last - i + 1, len(run))
+        if a < b:
+            out.append(run[a:b])
+        i += len(run)
+    return out
+
+
 @dataclass(frozen=True)
 class PartRecord:
     """What the head says of rank r's part: its size and checksum, and the other parts holding
@@ -119,6 +131,10 @@ class IndexParts:
                 for rank in ranks:
                     self._part(rank)
         return self._gather(ranks, name)
+
+    def parsed(self) -> list[int]:
+        """The ranks whose parts were read so far (what a load needed of the index)."""
+        return sorted(self._parts)
 
     def rank_shards(self, rank: int, name: str) -> RawShards:
         """The shards of `name` in the parts a same-layout load of rank `rank` reads: its own and

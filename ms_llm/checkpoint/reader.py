@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import stat
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, TypeVar
@@ -31,7 +30,7 @@ from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.boxes import Region, byte_run, intersect, local_slices
 from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.format import INDEX, Index, ShardEntry, TensorEntry, decode_state
-from ms_llm.checkpoint.safetensors_io import TensorSpan, read_header, storage_dtype
+from ms_llm.checkpoint.safetensors_io import TensorSpan, open_shard_file, read_header, storage_dtype
 from ms_llm.checkpoint.seal import Seal
 from ms_llm.checkpoint.shards import Piece
 from ms_llm.checkpoint.transfer import BoxMove, Checked, Move, Mover, RunMove, Shard, check_shard
@@ -262,23 +261,15 @@ class Checkpoint:
         return out
 
     def _open_file(self, fname: str, tensor: str) -> OpenFile:
-        """A shard file of the folder, opened once (a regular file only: a FIFO would block)."""
+        """A shard file of the folder, opened once."""
         got = self._files.get(fname)
         if got is not None:
             return got
         with self._lock:
             if fname not in self._files:
                 path = confined(self.folder, fname, f"the shard 'file' of tensor {tensor!r}")
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-                except FileNotFoundError:
-                    raise CheckpointError(f"{path}: shard file is missing") from None
-                except OSError as exc:
-                    raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
+                fd, st = open_shard_file(str(path))
                 self._fds[fname] = fd
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise CheckpointError(f"{path}: not a regular file")
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 self._files[fname] = OpenFile(path, fd, st.st_size, self._seal.matches(fname, st))
             return self._files[fname]

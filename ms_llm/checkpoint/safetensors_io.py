@@ -123,18 +123,26 @@ def read_header(path: str) -> tuple[Mapping[str, TensorSpan], dict[str, str], in
     return CheckedOnUse(header, lambda key, info: _span(path, key, info, base, size)), metadata, size
 
 
-def _header_text(path: str) -> tuple[bytes, int]:
-    """The header JSON bytes and the file size; only a regular file is read (a FIFO would block)."""
+def open_shard_file(path: str) -> tuple[int, os.stat_result]:
+    """A descriptor of the shard file and its fstat; only a regular file is opened (a FIFO would
+    block a read), else a CheckpointError naming it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: shard file is missing") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return fd, st
+
+
+def _header_text(path: str) -> tuple[bytes, int]:
+    """The header JSON bytes and the file size."""
+    fd, st = open_shard_file(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: not a regular file")
         size = st.st_size
         raw = os.pread(fd, 8, 0)
         if len(raw) < 8:
