@@ -385,57 +385,60 @@ def test_a_reshard_reads_only_the_parts_of_the_ranks_that_saved_its_tensors(tmp_
             c.verify()
 
 
-@pytest.mark.parametrize("saved, target, expect", [
+@pytest.mark.parametrize("saved, target, expect, needed", [
     ({"tp": 4}, {"tp": 2}, {"model.layers.0.self_attn.q_proj.weight": [0, 16], "lm_head.weight": [0, 32],
-                            "model.layers.0.self_attn.o_proj.weight": [1, 16]}),
-    ({"dp": 4, "zero": {"stage": 3}}, {"dp": 2, "zero": {"stage": 3}}, {"lm_head.weight": [0, 32]}),
+                            "model.layers.0.self_attn.o_proj.weight": [1, 16]}, {0, 1}),
+    ({"dp": 4, "zero": {"stage": 3}}, {"dp": 2, "zero": {"stage": 3}}, {"lm_head.weight": [0, 32]}, {0, 1}),
+    ({"dp": 2, "tp": 2, "zero": {"stage": 3}}, {"tp": 2}, {"model.layers.0.self_attn.q_proj.weight": [0, 16, 2],
+                                                        "model.layers.0.self_attn.o_proj.weight": None}, {0, 2}),
 ])
-def test_a_reshard_of_an_evenly_split_tensor_reads_the_parts_of_the_savers_it_meets(tmp_path, saved, target, expect):
-    """The head says how a tensor's savers split it evenly (`split`: [dim, size]); rank 0 of a
-    layout with half as many slices reads the parts of the two savers whose slabs its own meets,
-    not all four (here the other two are gone), and reads exactly. Without `split` (a head from
-    before it) the load reads every saver's part. A split the writers did not make evenly (tp
-    and ZeRO-3 together) is not claimed."""
+def test_a_reshard_of_an_evenly_split_tensor_reads_the_parts_of_the_savers_it_meets(tmp_path, saved, target, expect,
+                                                                                     needed):
+    """The head says how a tensor's savers split it evenly (`split`); rank 0 of a layout with
+    half as many slices reads, for the tensors split so, the parts of the two savers whose slabs
+    its own meets, not all four (here the other two are gone), and reads exactly; tensor
+    parallel over ZeRO-3 interleaves them (across 2). Without `split` (a head from before it)
+    the load reads every saver's part. A tensor cut along two dimensions is not claimed."""
     ref = reference()
     folder = _save(tmp_path / "ckpt", plan_for(saved, 4), ref).folder
     head = json.loads((folder / "index.json").read_text())
     assert {n: head["tensors"][n].get("split") for n in expect} == expect
-    pieces = rank_pieces(plan_for(target, 2), 0)
-    assert all(head["tensors"][n]["parts"] == [[0, 4]] for n in expect)
+    pieces = {n: p for n, p in rank_pieces(plan_for(target, 2), 0).items() if "split" in head["tensors"][n]
+              or head["tensors"][n]["parts"] == [[0, 1]]}
+    assert all(head["tensors"][n]["parts"] == [[0, 4]] for n in expect if expect[n])
+    assert len(pieces) > 10
     without = tmp_path / "without" / folder.name
     shutil.copytree(folder, without)
     for tensor in head["tensors"].values():
         tensor.pop("split", None)
     (without / "index.json").write_text(json.dumps(head))
-    for part in (2, 3):
+    for part in set(range(4)) - needed:
         (folder / f"index_{part:05d}.json").unlink()
         (without / f"index_{part:05d}.json").unlink()
     with Checkpoint(folder, rank=0) as c:
         got = c.read_pieces(pieces)
+        assert c.index.parts.parsed() == sorted(needed)
     assert all(np.array_equal(got[n], cut(ref[n], p.region)) for n, p in pieces.items())
-    with pytest.raises(CheckpointError, match=r"index_00002.json: missing"):
+    with pytest.raises(CheckpointError, match=r"index_0000\d.json: missing"):
         Checkpoint(without, rank=0).read_pieces(pieces)
-    mixed = json.loads((_save(tmp_path / "mixed", plan_for({"dp": 2, "tp": 2, "zero": {"stage": 3}}, 4), ref).folder
-                        / "index.json").read_text())
-    assert "split" not in mixed["tensors"]["model.layers.0.self_attn.q_proj.weight"]
 
 
 @pytest.mark.parametrize("slabs, split", [
     ([[0, 0, 4], [0, 4, 8], [0, 8, 10]], [0, 4]),          # the last one shorter
     ([[-1, 0, 30], [-1, 30, 60]], [-1, 30]),                # ZeRO slices of a 6 x 10 tensor
-    ([[0, 0, 4], [0, 4, 6], [0, 6, 10]], None),             # a shorter one before the last
+    ([[0, 0, 2], [0, 4, 6], [0, 2, 4], [0, 6, 8], [0, 8, 10]], None),    # interleaved, but 5 savers
+    ([[0, 0, 3], [0, 6, 9], [0, 3, 6], [0, 9, 10]], [0, 3, 2]),          # interleaved: across 2
+    ([[0, 0, 4], [0, 4, 6], [0, 6, 10]], None),             # a shorter one before the end
     ([[0, 0, 4], [0, 4, 8]], None),                         # not all of it
     ([[0, 0, 4], [0, 5, 9], [0, 9, 10]], None),             # a gap
+    ([[0, 0, 4], [0, 4, 8], [0, 4, 8], [0, 8, 10]], None),  # one twice
     ([[0, 0, 4], [1, 4, 8], [0, 8, 10]], None),             # another dimension
     ([[0, 0, 5], [0, 5, 5], [0, 5, 10]], None),             # an empty slab
     ([[0, 0, 5], None], None),                              # a saver with two shards of it
     ([[0, 0, 10]], None),                                   # one saver: nothing to narrow
 ])
-def test_an_even_split_is_claimed_only_when_the_savers_hold_consecutive_equal_slabs(slabs, split):
-    even = commit_mod.EvenSplit()
-    for slab in slabs:
-        even.add(slab)
-    assert even.result((10, 6)) == split
+def test_an_even_split_is_claimed_only_when_the_savers_hold_each_equal_slab_once(slabs, split):
+    assert commit_mod.even_split(slabs, (10, 6)) == split
 
 
 def test_the_savers_a_region_meets_come_from_the_rank_runs_in_order():
@@ -444,6 +447,9 @@ def test_the_savers_a_region_meets_come_from_the_rank_runs_in_order():
     assert savers_meeting(holders, 10, 15, 31) == [range(1, 2), range(4, 6)]
     assert savers_meeting(holders, 10, 0, 50) == list(holders)
     assert savers_meeting(holders, 10, 45, 46) == [range(9, 10)]
+    holders = (range(0, 4),)                                 # saver i holds slab (i % 2) * 2 + i // 2
+    assert savers_meeting(holders, 10, 0, 20, across=2) == [range(0, 1), range(2, 3)]
+    assert savers_meeting(holders, 10, 15, 35, across=2) == [range(1, 2), range(2, 3), range(3, 4)]
     region = Region((0, 2), (6, 4), (3, 17))                 # elements [3, 17) of a 6 x 4 box of a 6 x 10 tensor
     assert region.extent(-1, (6, 10)) == (5, 43) and region.extent(0, (6, 10)) == (0, 6)
     assert Region((0, 0), (6, 10), (3, 17)).slab((6, 10)) == (-1, 3, 17)

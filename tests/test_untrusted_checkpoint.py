@@ -235,9 +235,13 @@ INDEX_CASES = {
     "holders leave a rank out": (lambda h, p: h["tensors"]["lm_head.weight"].update(parts=[[0, 1]]),
                                  "'lm_head.weight': the saved shards hold 4096 of the 8192 wanted elements"),
     "split text": (lambda h, p: h["tensors"]["lm_head.weight"].update(split="rows"),
-                   r"'lm_head.weight': 'split' is 'rows'; expected a list of 2 integers"),
+                   r"'lm_head.weight': 'split' is 'rows'; expected \[dim, size\] or \[dim, size, across\]"),
     "split dim outside": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[2, 64]),
-                          r"'split' is \[2, 64\]; expected \[dim, size\] with dim in \[-1, 1\] and size >= 1"),
+                          r"'split' is \[2, 64\]; expected dim in \[-1, 1\], size >= 1 and across dividing the 2 "
+                          r"savers"),
+    "split across": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[0, 64, 3]),
+                     r"'split' is \[0, 64, 3\]; expected dim in"),
+    "split float": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[0, 64.0]), r"'split\[1\]' is 64.0"),
     "split dim negative": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[-2, 64]),
                            r"'split\[0\]' is -2; expected an integer in \[-1, "),
     "split size 0": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[0, 0]), r"'split' is \[0, 0\]"),
@@ -251,7 +255,7 @@ def test_bad_index_numbers_are_checkpoint_errors_and_fall_back(root, case):
     falls_back(root, match)
 
 
-@pytest.mark.parametrize("split", [[0, 128], [1, 64], [-1, 10 ** 15]])
+@pytest.mark.parametrize("split", [[0, 128], [1, 64], [-1, 10 ** 15], [0, 128, 2]])
 def test_a_split_that_misleads_the_reshard_is_refused_and_falls_back(root, split):
     """A `split` that does not say how the savers hold the tensor leads a reshard to parts that
     do not hold all it wants: the read counts what it found and refuses, naming the tensor."""

@@ -103,13 +103,13 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
     """index.json from every rank's fragment, in rank order (rank 0's training state is the
     shared one); the ranks wrote their parts beside. Each tensor's saved elements must add up to
     its size, and the head names the ranks whose parts hold its shards, as [start, stop) runs,
-    and for a tensor split evenly over them how (`split`, see EvenSplit)."""
+    and for a tensor split evenly over them how (`split`, see even_split)."""
     tensors: dict[str, dict] = {}
     elements: dict[str, int] = {}
     holders: dict[str, list[list[int]]] = {}
-    splits: dict[str, EvenSplit] = {}
+    slabs: dict[str, list[Optional[list[int]]]] = {}
     for frag in frags:
-        rank, slabs = frag["rank"], frag.get("slabs", {})
+        rank, saved_slabs = frag["rank"], frag.get("slabs", {})
         for name, info in frag["tensors"].items():
             entry = tensors.setdefault(name, info)
             if entry["shape"] != info["shape"] or entry["dtype"] != info["dtype"]:
@@ -120,13 +120,13 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
                 runs[-1][1] = rank + 1
             else:
                 runs.append([rank, rank + 1])
-            splits.setdefault(name, EvenSplit()).add(slabs.get(name))
+            slabs.setdefault(name, []).append(saved_slabs.get(name))
         for name, count in frag["elements"].items():
             elements[name] = elements.get(name, 0) + count
     for name, info in tensors.items():
         check_coverage(name, tuple(info["shape"]), elements.get(name, 0), f"step {step}")
         info["parts"] = holders[name]
-        split = splits[name].result(tuple(info["shape"]))
+        split = even_split(slabs[name], tuple(info["shape"]))
         if split is not None:
             info["split"] = split
     records = [PartRecord(f["part"]["bytes"], f["part"][CHECKSUM], tuple(sorted(also)))
@@ -137,38 +137,28 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
                        first.get("stats", {}))
 
 
-class EvenSplit:
-    """Whether a tensor's savers, in rank order, hold consecutive slabs of one size along one
-    dimension (or of its row-major order: ZeRO), the last one possibly shorter, together all of
-    it: the head then says [dim, size] and a reshard reads the parts of the savers whose slabs
+def even_split(slabs: list[Optional[list[int]]], shape: tuple[int, ...]) -> Optional[list[int]]:
+    """How a tensor's savers (their slabs in rank order, Region.slab; None for a saver whose
+    shards are no one slab) split it evenly, or None: every slab of one size along one dimension
+    (or of its row-major order: ZeRO), the one at the end possibly shorter, each once, together
+    all of it, saver i holding slab (i % across) * (n // across) + i // across (across = 1: in
+    order; tensor parallel over ZeRO-3 on the same dimension interleaves them). The head keeps
+    [dim, size] or [dim, size, across], and a reshard reads the parts of the savers whose slabs
     meet what it wants, not every saver's (index_parts.savers_meeting)."""
-
-    def __init__(self) -> None:
-        self.dim: Optional[int] = None
-        self.size = self.stop = self.count = 0
-        self.even = True
-
-    def add(self, slab: Optional[list[int]]) -> None:
-        """The next saver's slab (Region.slab), or None when its shards are no one slab."""
-        if not self.even:
-            return
-        if slab is None or slab[2] <= slab[1] or (self.count and (slab[0] != self.dim or slab[1] != self.stop
-                                                                  or self.stop % self.size)):
-            self.even = False
-            return
-        if not self.count:
-            self.dim, self.size = slab[0], slab[2] - slab[1]
-            self.even = slab[1] == 0
-        elif slab[2] - slab[1] > self.size:
-            self.even = False
-        self.stop, self.count = slab[2], self.count + 1
-
-    def result(self, shape: tuple[int, ...]) -> Optional[list[int]]:
-        """[dim, size] when the savers (more than one) split the tensor evenly, else None."""
-        if not self.even or self.count < 2:
-            return None
-        extent = math.prod(shape) if self.dim == -1 else shape[self.dim]
-        return [self.dim, self.size] if self.stop == extent else None
+    n = len(slabs)
+    if n < 2 or any(s is None for s in slabs) or len({s[0] for s in slabs}) != 1:
+        return None
+    dim = slabs[0][0]
+    extent = math.prod(shape) if dim == -1 else shape[dim]
+    size = max(hi - lo for _, lo, hi in slabs)
+    if size < 1 or n * size < extent or any(lo % size or hi <= lo or hi != min(lo + size, extent)
+                                            for _, lo, hi in slabs):
+        return None
+    order = [lo // size for _, lo, _ in slabs]
+    across = 1 if order[1] == 1 else n // max(order[1], 1)    # saver 1 holds slab n // across
+    if n % across or any(k != (i % across) * (n // across) + i // across for i, k in enumerate(order)):
+        return None
+    return [dim, size] if across == 1 else [dim, size, across]
 
 
 def _also(frags: list[dict], folder: Path, holders: dict[str, list[list[int]]]) -> list[set[int]]:

@@ -10,7 +10,7 @@ index.json (the head) holds the format version, the step, the run config it was 
 (model, strategy, world size, backend), the training state (step, LR scheduler, data sampler,
 loss scaler: plain JSON, identical on every rank), each rank's own state (RNG states), every
 tensor's global shape, dtype and the layout it was saved under, the ranks whose parts hold its
-shards and, when they split it evenly, how (`split`: commit.EvenSplit), and a record of each
+shards and, when they split it evenly, how (`split`: commit.even_split), and a record of each
 rank's index part. A part lists, for every tensor, the shards its rank saved: file, key in that file,
 region in the global tensor (boxes.Region), where its bytes start in the file (`start`, so a
 load reads no safetensors header; the header says the same for peer readers, and verify holds
@@ -222,16 +222,19 @@ class TensorEntry:
 
 def _narrowing(parts: IndexParts, name: str, holders: Optional[tuple[range, ...]], split: object,
                shape: tuple[int, ...], where: str) -> Optional[Callable[[Region], RawShards]]:
-    """For a tensor the head says its savers split evenly (`split`: [dim, size]), what gives the
-    raw shards a wanted region may meet from the parts of the savers whose slabs meet it only;
-    None for any other tensor."""
+    """For a tensor the head says its savers split evenly (`split`: [dim, size] or [dim, size,
+    across], commit.even_split), what gives the raw shards a wanted region may meet from the
+    parts of the savers whose slabs meet it only; None for any other tensor."""
     if split is None or holders is None:
         return None
-    dim, size = integers(split, where, "split", -1, MAX_COUNT, length=2)
-    if dim >= len(shape) or size < 1:
-        raise CheckpointError(f"{where}: 'split' is {split}; expected [dim, size] with dim in [-1, {len(shape) - 1}] "
-                              "and size >= 1")
-    return lambda region: parts.shards(name, savers_meeting(holders, size, *region.extent(dim, shape)))
+    if not isinstance(split, list) or len(split) not in (2, 3):
+        raise CheckpointError(f"{where}: 'split' is {split!r:.60}; expected [dim, size] or [dim, size, across]")
+    dim, size, *rest = integers(split, where, "split", -1, MAX_COUNT)
+    across, savers = (rest or [1])[0], sum(len(run) for run in holders)
+    if dim >= len(shape) or size < 1 or across < 1 or savers % across:
+        raise CheckpointError(f"{where}: 'split' is {split}; expected dim in [-1, {len(shape) - 1}], size >= 1 and "
+                              f"across dividing the {savers} savers")
+    return lambda region: parts.shards(name, savers_meeting(holders, size, *region.extent(dim, shape), across))
 
 
 class ParsedShards(Sequence):

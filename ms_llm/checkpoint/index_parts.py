@@ -65,16 +65,23 @@ def parse_rank_ranges(value: object, world_size: int, where: str) -> tuple[range
     return tuple(runs)
 
 
-def savers_meeting(holders: Sequence[range], size: int, lo: int, hi: int) -> list[range]:
-    """The savers of an evenly split tensor (`holders` in order, the i-th holding slab
-    [i * size, (i + 1) * size): the head's `split`) whose slabs meet [lo, hi), as rank runs."""
-    first, last, out, i = lo // size, (hi - 1) // size, [], 0
-    for run in holders:
-        a, b = max(first - i, 0), min(last - i + 1, len(run))
-        if a < b:
-            out.append(run[a:b])
-        i += len(run)
-    return out
+def savers_meeting(holders: Sequence[range], size: int, lo: int, hi: int, across: int = 1) -> list[range]:
+    """The savers of an evenly split tensor (`holders` in order; the head's `split`: saver i
+    holds slab k = (i % across) * (n // across) + i // across, elements [k * size, (k + 1) *
+    size)) whose slabs meet [lo, hi), as rank runs."""
+    first, last = lo // size, (hi - 1) // size
+    if across == 1:
+        out, i = [], 0
+        for run in holders:
+            a, b = max(first - i, 0), min(last - i + 1, len(run))
+            if a < b:
+                out.append(run[a:b])
+            i += len(run)
+        return out
+    ranks = [r for run in holders for r in run]
+    down = len(ranks) // across
+    return [range(r, r + 1) for r in sorted(ranks[(k % down) * across + k // down]
+                                            for k in range(first, min(last + 1, len(ranks))))]
 
 
 @dataclass(frozen=True)
