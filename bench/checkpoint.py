@@ -27,12 +27,13 @@
     before, and the same save committed on rank 0's writer thread (commit_mod.CHILD_SHARDS raised
     above the save's shards for it); then one rank's open of the checkpoint and its load of its
     own pieces (the head and its own index part), against a plain json.loads of the whole index
-    (head and every part, collector on), and an open that reads every part; then a pipeline-
-    parallel save (PP_SAVED) loaded by rank 0 of another layout (PP_TARGET), which reads the
-    parts of the ranks the head names for its tensors, against the same load from a head that
-    does not name them (every part read); and the ZeRO-3 save loaded by rank 0 of half as many
-    ranks (ZERO_TARGET), which reads the parts of the savers whose even slices its own meet (the
-    head's `split`), against the same load from a head without `split` (every part read)
+    (head and every part, collector on), and an open that reads every part (as a verify does);
+    then a pipeline-parallel save (PP_SAVED) loaded by rank 0 of another layout (PP_TARGET),
+    which reads the parts of the ranks the head names for its tensors, against the same load
+    from a head that does not name them (every part read); and the ZeRO-3 save loaded by rank 0
+    of half as many ranks (ZERO_TARGET), which reads the parts of the savers whose even slices
+    its own meet (the head's `split`), against the same load from a head without `split` (every
+    part read)
 
     python bench/checkpoint.py            (make bench runs it too)
 
@@ -627,7 +628,7 @@ def run(work: Path, shm: Path) -> int:
         ("    that rank's load of its own pieces (its part)", f"{scale['load'] * 1e3:8.1f} ms",
          f"open + load {(scale['open'] + scale['load']) / scale['parse']:.2f}x the time of a plain parse"),
         ("      json.loads of the whole index, collector on", f"{scale['parse'] * 1e3:8.1f} ms", ""),
-        ("    an open that reads every part (a reshard's)", f"{scale['open_all'] * 1e3:8.1f} ms",
+        ("    an open that reads every part (a verify's)", f"{scale['open_all'] * 1e3:8.1f} ms",
          f"{scale['open_all'] / scale['parse']:.2f}x the plain parse"),
         (f"    pp4 x dp8 save, rank 0 of pp8 x dp4 loads its {scale['pp_pieces']} pieces",
          f"{scale['pp_named'] * 1e3:8.1f} ms", f"reads the {scale['pp_parts']} of {SCALE_RANKS} parts the head "
@@ -635,8 +636,8 @@ def run(work: Path, shm: Path) -> int:
         ("      the same load, head without per-tensor ranks", f"{scale['pp_every'] * 1e3:8.1f} ms",
          f"every part; {scale['pp_every'] / scale['pp_named']:.1f}x the time"),
         (f"    rank 0 of dp{SCALE_RANKS // 2} ZeRO-3 loads its {scale['zero_pieces']} pieces",
-         f"{scale['zero_named'] * 1e3:8.1f} ms", f"reads {scale['zero_parts']} of {SCALE_RANKS} parts: the savers' "
-                                                f"whose slices meet its own ({scale['zero_split']} tensors split)"),
+         f"{scale['zero_named'] * 1e3:8.1f} ms", f"reads {scale['zero_parts']} of {SCALE_RANKS} parts, those of the "
+                                                f"savers whose slices meet its own ({scale['zero_split']} tensors split)"),
         ("      the same load, head without split", f"{scale['zero_every'] * 1e3:8.1f} ms",
          f"every part; {scale['zero_every'] / scale['zero_named']:.1f}x the time"),
     ]

@@ -19,7 +19,7 @@ from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Piece, Region, SaveI
 from ms_llm.checkpoint.boxes import byte_run
 from ms_llm.checkpoint import commit as commit_mod
 from ms_llm.checkpoint.commit import committed, latest
-from ms_llm.checkpoint.index_parts import savers_meeting
+from ms_llm.checkpoint.index_parts import Grid, savers_meeting
 from ms_llm.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header
 from ms_llm.errors import CheckpointError
 
@@ -311,7 +311,8 @@ def test_index_is_plain_json_with_layouts(tmp_path):
     index = json.loads((ckpt.folder / "index.json").read_text())
     q = index["tensors"]["model.layers.0.self_attn.q_proj.weight"]
     parts = [json.loads((ckpt.folder / f"index_{r:05d}.json").read_text()) for r in range(2)]
-    assert q == {"shape": [64, 64], "dtype": "float32", "layout": "tp:S(0)", "parts": [[0, 2]], "split": [0, 32]}
+    assert q == {"shape": [64, 64], "dtype": "float32", "layout": "tp:S(0)", "parts": [[0, 2]],
+                 "split": [[0, 32, [[1, 2]]]]}
     assert index["version"] == 2
     assert [p["tensors"]["model.layers.0.self_attn.q_proj.weight"][0]["offsets"] for p in parts] == [[0, 0], [32, 0]]
     for rank, part in enumerate(parts):         # each shard's `start`: where the safetensors header puts its bytes
@@ -386,27 +387,27 @@ def test_a_reshard_reads_only_the_parts_of_the_ranks_that_saved_its_tensors(tmp_
 
 
 @pytest.mark.parametrize("saved, target, expect, needed", [
-    ({"tp": 4}, {"tp": 2}, {"model.layers.0.self_attn.q_proj.weight": [0, 16], "lm_head.weight": [0, 32],
-                            "model.layers.0.self_attn.o_proj.weight": [1, 16]}, {0, 1}),
-    ({"dp": 4, "zero": {"stage": 3}}, {"dp": 2, "zero": {"stage": 3}}, {"lm_head.weight": [0, 32]}, {0, 1}),
-    ({"dp": 2, "tp": 2, "zero": {"stage": 3}}, {"tp": 2}, {"model.layers.0.self_attn.q_proj.weight": [0, 16, 2],
-                                                        "model.layers.0.self_attn.o_proj.weight": None}, {0, 2}),
+    ({"tp": 4}, {"tp": 2}, {"model.layers.0.self_attn.q_proj.weight": [[0, 16, [[1, 4]]]],
+                            "model.layers.0.self_attn.o_proj.weight": [[1, 16, [[1, 4]]]]}, {0, 1}),
+    ({"dp": 4, "zero": {"stage": 3}}, {"dp": 2, "zero": {"stage": 3}}, {"lm_head.weight": [[0, 32, [[1, 4]]]]},
+     {0, 1}),
+    ({"dp": 2, "tp": 2, "zero": {"stage": 3}}, {"tp": 2},
+     {"model.layers.0.self_attn.q_proj.weight": [[0, 16, [[2, 2], [1, 2]]]],
+      "model.layers.0.self_attn.o_proj.weight": [[0, 32, [[2, 2]]], [1, 32, [[1, 2]]]]}, {0, 2}),
 ])
 def test_a_reshard_of_an_evenly_split_tensor_reads_the_parts_of_the_savers_it_meets(tmp_path, saved, target, expect,
                                                                                      needed):
-    """The head says how a tensor's savers split it evenly (`split`); rank 0 of a layout with
-    half as many slices reads, for the tensors split so, the parts of the two savers whose slabs
-    its own meets, not all four (here the other two are gone), and reads exactly; tensor
-    parallel over ZeRO-3 interleaves them (across 2). Without `split` (a head from before it)
-    the load reads every saver's part. A tensor cut along two dimensions is not claimed."""
+    """The head says how a tensor's savers tile it evenly (`split`); rank 0 of a layout with
+    half as many slices reads the parts of the two savers whose cells its own meets, not all
+    four (here the other two are gone), and reads exactly: tensor parallel (columns or rows),
+    ZeRO-3, and both, whose savers' slabs interleave (q_proj) or form a grid (o_proj). Without
+    `split` (a head from before it) the load reads every saver's part."""
     ref = reference()
     folder = _save(tmp_path / "ckpt", plan_for(saved, 4), ref).folder
     head = json.loads((folder / "index.json").read_text())
     assert {n: head["tensors"][n].get("split") for n in expect} == expect
-    pieces = {n: p for n, p in rank_pieces(plan_for(target, 2), 0).items() if "split" in head["tensors"][n]
-              or head["tensors"][n]["parts"] == [[0, 1]]}
-    assert all(head["tensors"][n]["parts"] == [[0, 4]] for n in expect if expect[n])
-    assert len(pieces) > 10
+    pieces = rank_pieces(plan_for(target, 2), 0)
+    assert all(head["tensors"][n]["parts"] == [[0, 4]] for n in expect)
     without = tmp_path / "without" / folder.name
     shutil.copytree(folder, without)
     for tensor in head["tensors"].values():
@@ -423,37 +424,47 @@ def test_a_reshard_of_an_evenly_split_tensor_reads_the_parts_of_the_savers_it_me
         Checkpoint(without, rank=0).read_pieces(pieces)
 
 
-@pytest.mark.parametrize("slabs, split", [
-    ([[0, 0, 4], [0, 4, 8], [0, 8, 10]], [0, 4]),          # the last one shorter
-    ([[-1, 0, 30], [-1, 30, 60]], [-1, 30]),                # ZeRO slices of a 6 x 10 tensor
-    ([[0, 0, 2], [0, 4, 6], [0, 2, 4], [0, 6, 8], [0, 8, 10]], None),    # interleaved, but 5 savers
-    ([[0, 0, 3], [0, 6, 9], [0, 3, 6], [0, 9, 10]], [0, 3, 2]),          # interleaved: across 2
-    ([[0, 0, 4], [0, 4, 6], [0, 6, 10]], None),             # a shorter one before the end
-    ([[0, 0, 4], [0, 4, 8]], None),                         # not all of it
-    ([[0, 0, 4], [0, 5, 9], [0, 9, 10]], None),             # a gap
-    ([[0, 0, 4], [0, 4, 8], [0, 4, 8], [0, 8, 10]], None),  # one twice
-    ([[0, 0, 4], [1, 4, 8], [0, 8, 10]], None),             # another dimension
-    ([[0, 0, 5], [0, 5, 5], [0, 5, 10]], None),             # an empty slab
-    ([[0, 0, 5], None], None),                              # a saver with two shards of it
-    ([[0, 0, 10]], None),                                   # one saver: nothing to narrow
+def cells(*boxes):
+    """Savers' cuts (Region.cuts) of a 10 x 6 tensor from (row start, row stop, col start, col stop)."""
+    return [[c for c in ([0, r0, r1], [1, c0, c1]) if (c[1], c[2]) != (0, (10, 6)[c[0]])] for r0, r1, c0, c1 in boxes]
+
+
+@pytest.mark.parametrize("savers, split", [
+    (cells((0, 4, 0, 6), (4, 8, 0, 6), (8, 10, 0, 6)), [[0, 4, [[1, 3]]]]),              # the last one shorter
+    ([[[-1, 0, 30]], [[-1, 30, 60]]], [[-1, 30, [[1, 2]]]]),                              # ZeRO slices
+    (cells((0, 3, 0, 6), (6, 9, 0, 6), (3, 6, 0, 6), (9, 10, 0, 6)), [[0, 3, [[2, 2], [1, 2]]]]),   # interleaved
+    (cells((0, 5, 0, 3), (0, 5, 3, 6), (5, 10, 0, 3), (5, 10, 3, 6)), [[0, 5, [[2, 2]]], [1, 3, [[1, 2]]]]),  # a grid
+    (cells((0, 5, 0, 3), (5, 10, 0, 3), (0, 5, 3, 6), (5, 10, 3, 6)), [[0, 5, [[1, 2]]], [1, 3, [[2, 2]]]]),
+    (cells((0, 2, 0, 6), (4, 6, 0, 6), (2, 4, 0, 6), (6, 8, 0, 6), (8, 10, 0, 6)), None),  # interleaved, 5 savers
+    (cells((0, 4, 0, 6), (4, 6, 0, 6), (6, 10, 0, 6)), None),             # a shorter one before the end
+    (cells((0, 4, 0, 6), (4, 8, 0, 6)), None),                             # not all of it
+    (cells((0, 4, 0, 6), (5, 9, 0, 6), (9, 10, 0, 6)), None),              # a gap
+    (cells((0, 4, 0, 6), (4, 8, 0, 6), (4, 8, 0, 6), (8, 10, 0, 6)), None),  # one twice
+    (cells((0, 5, 0, 6), (0, 10, 0, 3), (0, 10, 3, 6)), None),              # other dimensions
+    (cells((0, 5, 0, 3), (5, 10, 3, 6), (0, 5, 3, 6), (5, 10, 0, 3)), None),  # a grid in no mesh's order
+    ([[[0, 0, 5]], [[0, 5, 5]], [[0, 5, 10]]], None),                        # an empty slab
+    ([[[0, 0, 5]], None], None),                                           # a saver with two shards of it
+    (cells((0, 10, 0, 6)), None),                                          # one saver: nothing to narrow
 ])
-def test_an_even_split_is_claimed_only_when_the_savers_hold_each_equal_slab_once(slabs, split):
-    assert commit_mod.even_split(slabs, (10, 6)) == split
+def test_an_even_split_is_claimed_only_when_a_mesh_numbers_the_savers_cells(savers, split):
+    assert commit_mod.even_split(savers, (10, 6)) == split
 
 
 def test_the_savers_a_region_meets_come_from_the_rank_runs_in_order():
     holders = (range(0, 2), range(4, 6), range(9, 10))      # savers 0..4 are ranks 0, 1, 4, 5, 9
-    assert savers_meeting(holders, 10, 15, 30) == [range(1, 2), range(4, 5)]
-    assert savers_meeting(holders, 10, 15, 31) == [range(1, 2), range(4, 6)]
-    assert savers_meeting(holders, 10, 0, 50) == list(holders)
-    assert savers_meeting(holders, 10, 45, 46) == [range(9, 10)]
-    holders = (range(0, 4),)                                 # saver i holds slab (i % 2) * 2 + i // 2
-    assert savers_meeting(holders, 10, 0, 20, across=2) == [range(0, 1), range(2, 3)]
-    assert savers_meeting(holders, 10, 15, 35, across=2) == [range(1, 2), range(2, 3), range(3, 4)]
+    rows = [Grid(0, 10, ((1, 5),))]
+    assert savers_meeting(holders, rows, [(15, 30)]) == [range(1, 2), range(4, 5)]
+    assert savers_meeting(holders, rows, [(15, 31)]) == [range(1, 2), range(4, 5), range(5, 6)]
+    assert savers_meeting(holders, rows, [(45, 46)]) == [range(9, 10)]
+    interleaved = [Grid(0, 10, ((2, 2), (1, 2)))]             # saver i holds slab (i // 2) + 2 * (i % 2)
+    assert savers_meeting((range(4),), interleaved, [(0, 20)]) == [range(0, 1), range(2, 3)]
+    grid = [Grid(0, 5, ((2, 2),)), Grid(1, 3, ((1, 2),))]     # saver i holds row slab i // 2, column slab i % 2
+    assert savers_meeting((range(4),), grid, [(5, 10), (0, 6)]) == [range(2, 3), range(3, 4)]
+    assert savers_meeting((range(4),), grid, [(0, 10), (4, 5)]) == [range(1, 2), range(3, 4)]
     region = Region((0, 2), (6, 4), (3, 17))                 # elements [3, 17) of a 6 x 4 box of a 6 x 10 tensor
     assert region.extent(-1, (6, 10)) == (5, 43) and region.extent(0, (6, 10)) == (0, 6)
-    assert Region((0, 0), (6, 10), (3, 17)).slab((6, 10)) == (-1, 3, 17)
-    assert Region((2, 0), (2, 10)).slab((6, 10)) == (0, 2, 4) and Region((2, 1), (2, 9)).slab((6, 10)) is None
+    assert Region((0, 0), (6, 10), (3, 17)).cuts((6, 10)) == [(-1, 3, 17)]
+    assert Region((2, 0), (2, 10)).cuts((6, 10)) == [(0, 2, 4)] and Region((2, 1), (2, 9), (0, 3)).cuts((6, 10)) is None
 
 
 def test_the_backend_adapter_hands_the_writer_the_replicas_a_rank_holds(tmp_path):

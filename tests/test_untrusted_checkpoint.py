@@ -232,19 +232,28 @@ INDEX_CASES = {
     "holders outside": (lambda h, p: norm(h).update(parts=[[0, 3]]), r"'parts\[1\]' is 3; expected an integer in "
                                                                      r"\[0, 2\]"),
     "holders run empty": (lambda h, p: norm(h).update(parts=[[1, 1]]), r"'parts' run \[1, 1\] is empty or not after"),
-    "holders leave a rank out": (lambda h, p: h["tensors"]["lm_head.weight"].update(parts=[[0, 1]]),
+    "holders leave a rank out": (lambda h, p: h["tensors"]["lm_head.weight"].update(parts=[[0, 1]], split=None),
                                  "'lm_head.weight': the saved shards hold 4096 of the 8192 wanted elements"),
     "split text": (lambda h, p: h["tensors"]["lm_head.weight"].update(split="rows"),
-                   r"'lm_head.weight': 'split' is 'rows'; expected \[dim, size\] or \[dim, size, across\]"),
-    "split dim outside": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[2, 64]),
-                          r"'split' is \[2, 64\]; expected dim in \[-1, 1\], size >= 1 and across dividing the 2 "
-                          r"savers"),
-    "split across": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[0, 64, 3]),
-                     r"'split' is \[0, 64, 3\]; expected dim in"),
-    "split float": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[0, 64.0]), r"'split\[1\]' is 64.0"),
-    "split dim negative": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[-2, 64]),
+                   r"'lm_head.weight': 'split' is 'rows'; expected a list of \[dim, size, digits\]"),
+    "split entry": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64]]),
+                    r"'split' entry \[0, 64\] is not \[dim, size, \[\[stride, count\], ...\]\]"),
+    "split dim outside": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[2, 64, [[1, 2]]]]),
+                          r"'split' \[\[2, 64, \[\[1, 2\]\]\]\] does not number 2 savers over distinct dimensions "
+                          r"in \[-1, 1\]"),
+    "split dim twice": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64, [[1, 2]]],
+                                                                                 [0, 32, [[1, 1]]]]),
+                        "does not number 2 savers"),
+    "split dim negative": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[-2, 64, [[1, 2]]]]),
                            r"'split\[0\]' is -2; expected an integer in \[-1, "),
-    "split size 0": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[0, 0]), r"'split' is \[0, 0\]"),
+    "split size 0": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 0, [[1, 2]]]]),
+                     "does not number 2 savers"),
+    "split digits past the savers": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64, [[2, 2]]]]),
+                                     "does not number 2 savers"),
+    "split count huge": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64, [[1, 10 ** 9]]]]),
+                         r"'split digits\[1\]' is 1000000000; expected an integer in \[1, 2\]"),
+    "split float": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64.0, [[1, 2]]]]),
+                    r"'split\[1\]' is 64.0"),
 }
 
 
@@ -255,7 +264,7 @@ def test_bad_index_numbers_are_checkpoint_errors_and_fall_back(root, case):
     falls_back(root, match)
 
 
-@pytest.mark.parametrize("split", [[0, 128], [1, 64], [-1, 10 ** 15], [0, 128, 2]])
+@pytest.mark.parametrize("split", [[[0, 128, [[1, 2]]]], [[1, 64, [[1, 2]]]], [[-1, 10 ** 15, [[1, 2]]]]])
 def test_a_split_that_misleads_the_reshard_is_refused_and_falls_back(root, split):
     """A `split` that does not say how the savers hold the tensor leads a reshard to parts that
     do not hold all it wants: the read counts what it found and refuses, naming the tensor."""

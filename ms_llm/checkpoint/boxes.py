@@ -80,20 +80,15 @@ class Region:
         return [SubBox(tuple(o + off for o, off in zip(p.offsets, self.offsets)), p.sizes, p.start - a)
                 for p in _flat_to_boxes(self.sizes, a, b)]
 
-    def slab(self, shape: tuple[int, ...]) -> Optional[tuple[int, int, int]]:
-        """(dim, start, stop) when the region is one slab of a tensor of `shape`: all of it but
-        [start, stop) along dimension `dim`, or elements [start, stop) of its row-major order
-        (dim -1: a ZeRO slice of the whole tensor, or the whole tensor); None otherwise. A
-        tensor whose savers hold consecutive equal slabs is split evenly (commit.py)."""
-        cut = [d for d, (o, s, n) in enumerate(zip(self.offsets, self.sizes, shape)) if (o, s) != (0, n)]
+    def cuts(self, shape: tuple[int, ...]) -> Optional[list[tuple[int, int, int]]]:
+        """(dim, start, stop) for each dimension of a tensor of `shape` the region does not hold
+        whole, [] for all of it, [(-1, start, stop)] for elements [start, stop) of its row-major
+        order (a ZeRO slice of the whole tensor); None for a slice of a box. A tensor whose
+        savers' cuts tile it evenly is marked so in the head (commit.even_split)."""
+        cut = [(d, o, o + s) for d, (o, s, n) in enumerate(zip(self.offsets, self.sizes, shape)) if (o, s) != (0, n)]
         if self.flat is not None:
-            return (-1, *self.flat) if not cut else None
-        if not cut:
-            return -1, 0, math.prod(shape)
-        if len(cut) == 1:
-            d = cut[0]
-            return d, self.offsets[d], self.offsets[d] + self.sizes[d]
-        return None
+            return [(-1, *self.flat)] if not cut else None
+        return cut
 
     def extent(self, dim: int, shape: tuple[int, ...]) -> tuple[int, int]:
         """[lo, hi) the region spans along dimension `dim` of a tensor of `shape` (dim -1: of

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM
 from ms_llm.checkpoint.collector import collector_paused
 from ms_llm.checkpoint.format import INDEX, check_coverage, encode_head
@@ -107,9 +109,9 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
     tensors: dict[str, dict] = {}
     elements: dict[str, int] = {}
     holders: dict[str, list[list[int]]] = {}
-    slabs: dict[str, list[Optional[list[int]]]] = {}
+    cuts: dict[str, list[Optional[list[list[int]]]]] = {}
     for frag in frags:
-        rank, saved_slabs = frag["rank"], frag.get("slabs", {})
+        rank, saved_cuts = frag["rank"], frag.get("cuts", {})
         for name, info in frag["tensors"].items():
             entry = tensors.setdefault(name, info)
             if entry["shape"] != info["shape"] or entry["dtype"] != info["dtype"]:
@@ -120,13 +122,13 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
                 runs[-1][1] = rank + 1
             else:
                 runs.append([rank, rank + 1])
-            slabs.setdefault(name, []).append(saved_slabs.get(name))
+            cuts.setdefault(name, []).append(saved_cuts.get(name))
         for name, count in frag["elements"].items():
             elements[name] = elements.get(name, 0) + count
     for name, info in tensors.items():
         check_coverage(name, tuple(info["shape"]), elements.get(name, 0), f"step {step}")
         info["parts"] = holders[name]
-        split = even_split(slabs[name], tuple(info["shape"]))
+        split = even_split(cuts[name], tuple(info["shape"]))
         if split is not None:
             info["split"] = split
     records = [PartRecord(f["part"]["bytes"], f["part"][CHECKSUM], tuple(sorted(also)))
@@ -137,28 +139,62 @@ def index_head(frags: list[dict], step: int, world_size: int, folder: Path) -> b
                        first.get("stats", {}))
 
 
-def even_split(slabs: list[Optional[list[int]]], shape: tuple[int, ...]) -> Optional[list[int]]:
-    """How a tensor's savers (their slabs in rank order, Region.slab; None for a saver whose
-    shards are no one slab) split it evenly, or None: every slab of one size along one dimension
-    (or of its row-major order: ZeRO), the one at the end possibly shorter, each once, together
-    all of it, saver i holding slab (i % across) * (n // across) + i // across (across = 1: in
-    order; tensor parallel over ZeRO-3 on the same dimension interleaves them). The head keeps
-    [dim, size] or [dim, size, across], and a reshard reads the parts of the savers whose slabs
-    meet what it wants, not every saver's (index_parts.savers_meeting)."""
-    n = len(slabs)
-    if n < 2 or any(s is None for s in slabs) or len({s[0] for s in slabs}) != 1:
+def even_split(savers: list[Optional[list[list[int]]]], shape: tuple[int, ...]) -> Optional[list]:
+    """How a tensor's savers tile it evenly, or None. `savers` holds each saver's cuts in rank
+    order (Region.cuts; None for a saver whose shards are no one box). Even: every saver cuts
+    the same dimensions (-1: ZeRO slices of the row-major order) into slabs of one size per
+    dimension (the last possibly shorter), each cell of that grid held once, and a saver's slab
+    index along each dimension a mixed-radix number whose digits are digits of its position i
+    among the savers: sum of ((i // stride) % count) * weight, weights 1, count, count * count2...
+    That is how a device mesh lays out tensor parallel, ZeRO-3 and both together. The head keeps
+    [[dim, size, [[stride, count], ...]], ...] (digits by weight), and a reshard reads the parts
+    of the savers whose cells meet what it wants, not every saver's (index_parts.savers_meeting)."""
+    n = len(savers)
+    if n < 2 or None in savers:
         return None
-    dim = slabs[0][0]
-    extent = math.prod(shape) if dim == -1 else shape[dim]
-    size = max(hi - lo for _, lo, hi in slabs)
-    if size < 1 or n * size < extent or any(lo % size or hi <= lo or hi != min(lo + size, extent)
-                                            for _, lo, hi in slabs):
+    try:
+        cuts = np.array(savers, dtype=np.int64)         # (saver, cut dimension, (dim, lo, hi)): a few numpy
+    except (ValueError, OverflowError):                 # passes, where a 1024-rank job has 1024 savers a tensor
         return None
-    order = [lo // size for _, lo, _ in slabs]
-    across = 1 if order[1] == 1 else n // max(order[1], 1)    # saver 1 holds slab n // across
-    if n % across or any(k != (i % across) * (n // across) + i // across for i, k in enumerate(order)):
+    if cuts.ndim != 3 or not cuts.shape[1] or (cuts[:, :, 0] != cuts[0, :, 0]).any():
         return None
-    return [dim, size] if across == 1 else [dim, size, across]
+    dims = [int(d) for d in cuts[0, :, 0]]
+    extents = np.array([math.prod(shape) if d == -1 else shape[d] for d in dims], dtype=np.int64)
+    lo, hi = cuts[:, :, 1], cuts[:, :, 2]
+    sizes = (hi - lo).max(axis=0)
+    if (sizes < 1).any() or (lo % sizes).any() or (hi <= lo).any() or (hi != np.minimum(lo + sizes, extents)).any():
+        return None
+    cells, counts = lo // sizes, -(-extents // sizes)
+    if math.prod(int(c) for c in counts) != n or len(np.unique(np.ravel_multi_index(cells.T, counts))) != n:
+        return None
+    digits, stride = [], 1              # (stride, count, position of its dimension, weight)
+    while stride < n:
+        moved = np.flatnonzero(cells[stride])
+        if len(moved) != 1:
+            return None
+        pos = int(moved[0])
+        weight = int(cells[stride, pos])
+        steps = np.arange(1, (n - 1) // stride + 1)
+        expected = np.zeros((len(steps), len(dims)), dtype=np.int64)
+        expected[:, pos] = steps * weight
+        wrong = np.flatnonzero((cells[steps * stride] != expected).any(axis=1))
+        count = int(wrong[0]) + 1 if len(wrong) else len(steps) + 1
+        digits.append((stride, count, pos, weight))
+        stride *= count
+    split = []
+    for pos, dim in enumerate(dims):
+        mine, radix = sorted((w, s, c) for s, c, q, w in digits if q == pos), 1
+        for weight, _, count in mine:
+            if weight != radix:
+                return None
+            radix *= count
+        if radix != counts[pos]:
+            return None
+        split.append([dim, int(sizes[pos]), [[s, c] for _, s, c in mine]])
+    numbered = np.zeros_like(cells)
+    for s, c, pos, w in digits:
+        numbered[:, pos] += np.arange(n) // s % c * w
+    return split if np.array_equal(numbered, cells) else None
 
 
 def _also(frags: list[dict], folder: Path, holders: dict[str, list[list[int]]]) -> list[set[int]]:

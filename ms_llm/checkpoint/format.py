@@ -34,7 +34,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
-from ms_llm.checkpoint.index_parts import IndexParts, PartRecord, RawShards, parse_rank_ranges, savers_meeting
+from ms_llm.checkpoint.index_parts import (IndexParts, PartRecord, RawShards, parse_rank_ranges, parse_split,
+                                          savers_meeting)
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
 from ms_llm.checkpoint.untrusted import MAX_COUNT, CheckedOnUse, integer, integers
 from ms_llm.config.schema import to_dict
@@ -222,19 +223,14 @@ class TensorEntry:
 
 def _narrowing(parts: IndexParts, name: str, holders: Optional[tuple[range, ...]], split: object,
                shape: tuple[int, ...], where: str) -> Optional[Callable[[Region], RawShards]]:
-    """For a tensor the head says its savers split evenly (`split`: [dim, size] or [dim, size,
-    across], commit.even_split), what gives the raw shards a wanted region may meet from the
-    parts of the savers whose slabs meet it only; None for any other tensor."""
+    """For a tensor the head says its savers tile evenly (`split`, commit.even_split), what gives
+    the raw shards a wanted region may meet from the parts of the savers whose cells meet it
+    only; None for any other tensor."""
     if split is None or holders is None:
         return None
-    if not isinstance(split, list) or len(split) not in (2, 3):
-        raise CheckpointError(f"{where}: 'split' is {split!r:.60}; expected [dim, size] or [dim, size, across]")
-    dim, size, *rest = integers(split, where, "split", -1, MAX_COUNT)
-    across, savers = (rest or [1])[0], sum(len(run) for run in holders)
-    if dim >= len(shape) or size < 1 or across < 1 or savers % across:
-        raise CheckpointError(f"{where}: 'split' is {split}; expected dim in [-1, {len(shape) - 1}], size >= 1 and "
-                              f"across dividing the {savers} savers")
-    return lambda region: parts.shards(name, savers_meeting(holders, size, *region.extent(dim, shape), across))
+    grids = parse_split(split, sum(len(run) for run in holders), len(shape), where)
+    return lambda region: parts.shards(name, savers_meeting(holders, grids, [region.extent(g.dim, shape)
+                                                                             for g in grids]))
 
 
 class ParsedShards(Sequence):

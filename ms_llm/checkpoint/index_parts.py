@@ -19,6 +19,7 @@ truncated or swapped is a CheckpointError naming its file.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,23 +66,67 @@ def parse_rank_ranges(value: object, world_size: int, where: str) -> tuple[range
     return tuple(runs)
 
 
-def savers_meeting(holders: Sequence[range], size: int, lo: int, hi: int, across: int = 1) -> list[range]:
-    """The savers of an evenly split tensor (`holders` in order; the head's `split`: saver i
-    holds slab k = (i % across) * (n // across) + i // across, elements [k * size, (k + 1) *
-    size)) whose slabs meet [lo, hi), as rank runs."""
-    first, last = lo // size, (hi - 1) // size
-    if across == 1:
-        out, i = [], 0
-        for run in holders:
-            a, b = max(first - i, 0), min(last - i + 1, len(run))
-            if a < b:
-                out.append(run[a:b])
-            i += len(run)
+class Grid(NamedTuple):
+    """One dimension of an even split (the head's `split`, commit.even_split): slabs of `size`
+    elements along `dim` (-1: of the row-major order); saver i holds slab sum of ((i // stride) %
+    count) * weight over `digits` ((stride, count) pairs, weights 1, count, count * count2...)."""
+    dim: int
+    size: int
+    digits: tuple[tuple[int, int], ...]
+
+    @property
+    def count(self) -> int:
+        return math.prod(c for _, c in self.digits)
+
+    def positions(self, lo: int, hi: int) -> list[int]:
+        """The parts of saver positions that hold slabs meeting [lo, hi) along this dimension."""
+        out = []
+        for k in range(lo // self.size, min((hi - 1) // self.size, self.count - 1) + 1):
+            i = 0
+            for stride, count in self.digits:
+                k, digit = divmod(k, count)
+                i += digit * stride
+            out.append(i)
         return out
-    ranks = [r for run in holders for r in run]
-    down = len(ranks) // across
-    return [range(r, r + 1) for r in sorted(ranks[(k % down) * across + k // down]
-                                            for k in range(first, min(last + 1, len(ranks))))]
+
+
+def parse_split(value: object, savers: int, ndim: int, where: str) -> tuple[Grid, ...]:
+    """A head's `split` for a tensor of `ndim` dimensions held by `savers` savers: its digits
+    number each saver once (their counts multiply to `savers`, every position below it)."""
+    if not isinstance(value, list) or not 1 <= len(value) <= max(ndim, 1):
+        raise CheckpointError(f"{where}: 'split' is {value!r:.60}; expected a list of [dim, size, digits] per split "
+                              "dimension")
+    grids = []
+    for entry in value:
+        if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[2], list) or not entry[2]:
+            raise CheckpointError(f"{where}: 'split' entry {entry!r:.60} is not [dim, size, [[stride, count], ...]]")
+        dim, size = integers(entry[:2], where, "split", -1, MAX_COUNT)
+        digits = tuple(integers(d, where, "split digits", 1, savers, length=2) for d in entry[2])
+        grids.append(Grid(dim, size, digits))
+    dims = [g.dim for g in grids]
+    if (len(set(dims)) != len(dims) or max(dims) >= ndim or (-1 in dims and len(dims) > 1)
+            or min(g.size for g in grids) < 1 or math.prod(g.count for g in grids) != savers
+            or sum((c - 1) * s for g in grids for s, c in g.digits) >= savers):
+        raise CheckpointError(f"{where}: 'split' {value!r:.80} does not number {savers} savers over distinct "
+                              f"dimensions in [-1, {ndim - 1}]")
+    return tuple(grids)
+
+
+def savers_meeting(holders: Sequence[range], grids: Sequence[Grid], extents: Sequence[tuple[int, int]]) -> list[range]:
+    """The ranks (`holders`, the savers in order) whose cells of an evenly split tensor meet a
+    region spanning `extents` ([lo, hi) along each grid's dimension), as runs of one rank."""
+    found = {0}
+    for grid, (lo, hi) in zip(grids, extents):
+        found = {i + j for i in found for j in grid.positions(lo, hi)}
+    runs, wanted = [], sorted(found)
+    i, k = 0, 0
+    for run in holders:
+        while k < len(wanted) and wanted[k] < i + len(run):
+            rank = run[wanted[k] - i]
+            runs.append(range(rank, rank + 1))
+            k += 1
+        i += len(run)
+    return runs
 
 
 @dataclass(frozen=True)

@@ -289,15 +289,15 @@ class CheckpointWriter:
         # Checksums on the pool while this thread writes the file; the fragment needs both.
         crcs = [self._pool.submit(self._checksums, image, span) for span in layout.spans]
         elements: dict[str, int] = {}                       # what the commit checks each tensor's coverage with
-        slabs: dict[str, Optional[tuple[int, int, int]]] = {}   # and finds evenly split tensors with
+        cuts: dict[str, Optional[list[tuple[int, int, int]]]] = {}  # and finds evenly split tensors with
         for item in layout.items:
             name, region = item.piece.name, item.piece.region
             elements[name] = elements.get(name, 0) + region.numel
-            slabs[name] = None if name in slabs else region.slab(tuple(item.piece.shape))
+            cuts[name] = None if name in cuts else region.cuts(tuple(item.piece.shape))
         fragment = {"rank": self.rank, "session": self.session, "file": rank_file(self.rank), **meta,
                     "tensors": {i.piece.name: {"shape": list(i.piece.shape), "dtype": d, "layout": i.piece.layout}
                                 for i, d in zip(layout.items, layout.dtypes)}, "elements": elements,
-                    "slabs": {name: list(slab) for name, slab in slabs.items() if slab is not None}}
+                    "cuts": {name: [list(c) for c in cut] for name, cut in cuts.items() if cut is not None}}
 
         @functools.cache
         def part() -> bytes:
