@@ -185,6 +185,11 @@ def norm(h: dict) -> dict:
     return h["tensors"]["model.norm.weight"]
 
 
+def lm_head(h: dict) -> dict:
+    """Split over both ranks: a load reads its head entry's `parts` (and `split`) to find its shards."""
+    return h["tensors"]["lm_head.weight"]
+
+
 NORM = "model.norm.weight"                   # replicated under tp: rank 0 saved it, in part 0
 INDEX_CASES = {
     "block 0": (lambda h, p: first_shard(p).update(block=0), r"index_00001.json: tensor '.*' shard \d: 'block' is 0"),
@@ -227,33 +232,14 @@ INDEX_CASES = {
     "part of a stranger": (lambda h, p: p[1]["tensors"].update(evil=[]), "has shards of tensor 'evil', which"),
     "part of another rank": (lambda h, p: p[1].update(rank=0), "index_00001.json: not the index part of rank 1"),
     "part of another step": (lambda h, p: p[1].update(step=1), "not the index part of rank 1 at step 2"),
-    "holders not a list": (lambda h, p: norm(h).update(parts="all"), r"tensor 'model.norm.weight': 'parts' must be "
-                                                                     r"a non-empty list of \[start, stop\) rank runs"),
-    "holders outside": (lambda h, p: norm(h).update(parts=[[0, 3]]), r"'parts\[1\]' is 3; expected an integer in "
-                                                                     r"\[0, 2\]"),
-    "holders run empty": (lambda h, p: norm(h).update(parts=[[1, 1]]), r"'parts' run \[1, 1\] is empty or not after"),
+    "holders not a list": (lambda h, p: lm_head(h).update(parts="all"), r"tensor 'lm_head.weight': 'parts' must be "
+                                                                        r"a non-empty list of \[start, stop\) rank runs"),
+    "holders outside": (lambda h, p: lm_head(h).update(parts=[[0, 3]]), r"'parts\[1\]' is 3; expected an integer in "
+                                                                        r"\[0, 2\]"),
+    "holders run empty": (lambda h, p: lm_head(h).update(parts=[[1, 1]]), r"'parts' run \[1, 1\] is empty or not "
+                                                                          r"after"),
     "holders leave a rank out": (lambda h, p: h["tensors"]["lm_head.weight"].update(parts=[[0, 1]], split=None),
                                  "'lm_head.weight': the saved shards hold 4096 of the 8192 wanted elements"),
-    "split text": (lambda h, p: h["tensors"]["lm_head.weight"].update(split="rows"),
-                   r"'lm_head.weight': 'split' is 'rows'; expected a list of \[dim, size, digits\]"),
-    "split entry": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64]]),
-                    r"'split' entry \[0, 64\] is not \[dim, size, \[\[stride, count\], ...\]\]"),
-    "split dim outside": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[2, 64, [[1, 2]]]]),
-                          r"'split' \[\[2, 64, \[\[1, 2\]\]\]\] does not number 2 savers over distinct dimensions "
-                          r"in \[-1, 1\]"),
-    "split dim twice": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64, [[1, 2]]],
-                                                                                 [0, 32, [[1, 1]]]]),
-                        "does not number 2 savers"),
-    "split dim negative": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[-2, 64, [[1, 2]]]]),
-                           r"'split\[0\]' is -2; expected an integer in \[-1, "),
-    "split size 0": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 0, [[1, 2]]]]),
-                     "does not number 2 savers"),
-    "split digits past the savers": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64, [[2, 2]]]]),
-                                     "does not number 2 savers"),
-    "split count huge": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64, [[1, 10 ** 9]]]]),
-                         r"'split digits\[1\]' is 1000000000; expected an integer in \[1, 2\]"),
-    "split float": (lambda h, p: h["tensors"]["lm_head.weight"].update(split=[[0, 64.0, [[1, 2]]]]),
-                    r"'split\[1\]' is 64.0"),
 }
 
 
@@ -262,6 +248,36 @@ def test_bad_index_numbers_are_checkpoint_errors_and_fall_back(root, case):
     edit, match = INDEX_CASES[case]
     edit_index(root / STEP2, edit)
     falls_back(root, match)
+
+
+SPLIT_CASES = {                             # lm_head.weight's split, and what the refusal says
+    "text": ("rows", r"'lm_head.weight': 'split' is 'rows'; expected a list of \[dim, size, digits\]"),
+    "entry": ([[0, 64]], r"'split' entry \[0, 64\] is not \[dim, size, \[\[stride, count\], ...\]\]"),
+    "dim outside": ([[2, 64, [[1, 2]]]], r"'split' \[\[2, 64, \[\[1, 2\]\]\]\] does not number 2 savers over "
+                                         r"distinct dimensions in \[-1, 1\]"),
+    "dim twice": ([[0, 64, [[1, 2]]], [0, 32, [[1, 1]]]], "does not number 2 savers"),
+    "dim negative": ([[-2, 64, [[1, 2]]]], r"'split\[0\]' is -2; expected an integer in \[-1, "),
+    "size 0": ([[0, 0, [[1, 2]]]], "does not number 2 savers"),
+    "digits past the savers": ([[0, 64, [[2, 2]]]], "does not number 2 savers"),
+    "count huge": ([[0, 64, [[1, 10 ** 9]]]], r"'split digits\[1\]' is 1000000000; expected an integer in \[1, 2\]"),
+    "float": ([[0, 64.0, [[1, 2]]]], r"'split\[1\]' is 64.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_a_bad_split_is_refused_where_a_reshard_reads_it(root, case):
+    """A tensor's `split` is parsed when a reshard first narrows the parts it reads by it (a
+    same-layout load never does); a malformed one is a CheckpointError naming the field, and the
+    load falls back to step 1 without opening anything outside the folder."""
+    split, match = SPLIT_CASES[case]
+    edit_index(root / STEP2, lambda h, p: h["tensors"]["lm_head.weight"].update(split=split))
+    pieces = rank_pieces(plan_for({"dp": 2}, 2), 1)
+    with confine_opens(root) as escapes:
+        with pytest.raises(CheckpointError, match=match):
+            Checkpoint(root / STEP2, rank=1).read_pieces(pieces)
+        used, arrays = load_with_fallback(candidates(root), lambda c: c.read_pieces(pieces), rank=1)
+    assert escapes == [] and used.step == 1
+    assert np.array_equal(arrays["lm_head.weight"], reference()["lm_head.weight"])
 
 
 @pytest.mark.parametrize("split", [[[0, 128, [[1, 2]]]], [[1, 64, [[1, 2]]]], [[-1, 10 ** 15, [[1, 2]]]]])

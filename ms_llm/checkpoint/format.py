@@ -34,8 +34,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from ms_llm.checkpoint.boxes import Region, intersect
 from ms_llm.checkpoint.checksum import ALGORITHMS, DEFAULT
-from ms_llm.checkpoint.index_parts import (IndexParts, PartRecord, RawShards, parse_rank_ranges, parse_split,
-                                          savers_meeting)
+from ms_llm.checkpoint.index_parts import (Grid, IndexParts, PartRecord, RawShards, parse_rank_ranges,
+                                          parse_split, savers_meeting)
 from ms_llm.checkpoint.safetensors_io import DTYPES, storage_dtype
 from ms_llm.checkpoint.untrusted import MAX_COUNT, CheckedOnUse, integer, integers
 from ms_llm.config.schema import to_dict
@@ -185,12 +185,9 @@ class TensorEntry:
         if not isinstance(layout, str):
             raise CheckpointError(f"{where}: 'layout' must be a string, got {type(layout).__name__}")
         if parts is not None:
-            holders = data.get("parts")
-            if holders is not None:
-                holders = parse_rank_ranges(holders, len(parts.records), where)
-            narrow = _narrowing(parts, name, holders, data.get("split"), shape, where)
-            return cls(name, shape, dtype, layout,
-                       ParsedShards(lambda: parts.shards(name, holders), path, name, shape, dtype, narrow))
+            saved = SavedBy(parts, name, data.get("parts"), data.get("split"), shape, where)
+            return cls(name, shape, dtype, layout, ParsedShards(saved.shards, path, name, shape, dtype,
+                                                                saved.narrow if saved.split is not None else None))
         shards = data.get("shards")
         if not isinstance(shards, list):
             raise CheckpointError(f"{where}: 'shards' must be a list, got {type(shards).__name__}")
@@ -221,16 +218,38 @@ class TensorEntry:
         return near
 
 
-def _narrowing(parts: IndexParts, name: str, holders: Optional[tuple[range, ...]], split: object,
-               shape: tuple[int, ...], where: str) -> Optional[Callable[[Region], RawShards]]:
-    """For a tensor the head says its savers tile evenly (`split`, commit.even_split), what gives
-    the raw shards a wanted region may meet from the parts of the savers whose cells meet it
-    only; None for any other tensor."""
-    if split is None or holders is None:
-        return None
-    grids = parse_split(split, sum(len(run) for run in holders), len(shape), where)
-    return lambda region: parts.shards(name, savers_meeting(holders, grids, [region.extent(g.dim, shape)
-                                                                             for g in grids]))
+class SavedBy:
+    """Which index parts hold a tensor's shards, from its head entry's `parts` (the savers' rank
+    runs) and `split` (how they tile it, commit.even_split), each parsed when a load first needs
+    it: a same-layout load, which reads its own parts, needs neither."""
+
+    def __init__(self, parts: IndexParts, name: str, holders: object, split: object, shape: tuple[int, ...],
+                 where: str):
+        self.parts, self.name, self._holders, self.split, self.shape, self.where = (parts, name, holders, split,
+                                                                                     shape, where)
+
+    @cached_property
+    def holders(self) -> Optional[tuple[range, ...]]:
+        """The savers' rank runs; None for a head that does not name them (every part holds some)."""
+        if self._holders is None:
+            return None
+        return parse_rank_ranges(self._holders, len(self.parts.records), self.where)
+
+    @cached_property
+    def grids(self) -> tuple[Grid, ...]:
+        return parse_split(self.split, sum(len(run) for run in self.holders), len(self.shape), self.where)
+
+    def shards(self) -> RawShards:
+        """Every saved shard, from every saver's part."""
+        return self.parts.shards(self.name, self.holders)
+
+    def narrow(self, region: Region) -> Optional[RawShards]:
+        """The shards `region` may meet, from the parts of the savers whose cells meet it only
+        (None without holders to number)."""
+        if self.holders is None:
+            return None
+        extents = [region.extent(grid.dim, self.shape) for grid in self.grids]
+        return self.parts.shards(self.name, savers_meeting(self.holders, self.grids, extents))
 
 
 class ParsedShards(Sequence):
@@ -242,7 +261,7 @@ class ParsedShards(Sequence):
     (check_coverage)."""
 
     def __init__(self, source: Callable[[], RawShards], where: str, name: str,
-                 shape: tuple[int, ...], dtype: str, narrow: Optional[Callable[[Region], RawShards]] = None):
+                 shape: tuple[int, ...], dtype: str, narrow: Optional[Callable[[Region], Optional[RawShards]]] = None):
         self._source, self._narrow, self._where, self._name = source, narrow, where, name
         self._shape, self._itemsize = shape, storage_dtype(dtype).itemsize
         self._parsed: dict[int, ShardEntry] = {}
@@ -287,6 +306,8 @@ class ParsedShards(Sequence):
         if self._narrow is None or "_raw" in self.__dict__:
             return None
         raw = self._narrow(region)
+        if raw is None:
+            return None
         lo, hi = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes))
         return [parse_shard(r, raw.origin(i), self._name, self._shape, self._itemsize)
                 for i, r in enumerate(raw.entries) if not _surely_apart(r, lo, hi, self._shape)]
