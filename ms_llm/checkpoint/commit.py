@@ -152,6 +152,13 @@ def even_split(savers: list[Optional[list[list[int]]]], shape: tuple[int, ...]) 
     n = len(savers)
     if n < 2 or None in savers:
         return None
+    if len(savers[0]) == 1:             # the common case, slabs in rank order, in one pass
+        dim, lo, size = savers[0][0][0], savers[0][0][1], savers[0][0][2] - savers[0][0][1]
+        extent = math.prod(shape) if dim == -1 else shape[dim]
+        if lo == 0 and size >= 1 and (n - 1) * size < extent <= n * size and all(
+                len(cuts) == 1 and cuts[0][0] == dim and cuts[0][1] == i * size
+                and cuts[0][2] == min((i + 1) * size, extent) for i, cuts in enumerate(savers)):
+            return [[dim, size, [[1, n]]]]
     try:
         cuts = np.array(savers, dtype=np.int64)         # (saver, cut dimension, (dim, lo, hi)): a few numpy
     except (ValueError, OverflowError):                 # passes, where a 1024-rank job has 1024 savers a tensor
