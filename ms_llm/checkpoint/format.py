@@ -10,13 +10,13 @@ index.json (the head) holds the format version, the step, the run config it was 
 (model, strategy, world size, backend), the training state (step, LR scheduler, data sampler,
 loss scaler: plain JSON, identical on every rank), each rank's own state (RNG states), every
 tensor's global shape, dtype and the layout it was saved under, the ranks whose parts hold its
-shards and, when they split it evenly, how (`split`: commit.even_split), and a record of each
-rank's index part. A part lists, for every tensor, the shards its rank saved: file, key in that file,
-region in the global tensor (boxes.Region), where its bytes start in the file (`start`, so a
-load reads no safetensors header; the header says the same for peer readers, and verify holds
-the two to each other) and checksums of consecutive blocks of its bytes, under the name of
-their algorithm (checksum.py: "crc32c"; checkpoints written before it hold "crc32", and no
-`start`). Version 1 (still read) kept the shards in index.json itself. Tensor names are
+shards (`parts`) and, when they tile it evenly, how (`split`: commit.even_split), and a record
+of each rank's index part. A part lists, for every tensor, the shards its rank saved: file, key
+in that file, region in the global tensor (boxes.Region), where its bytes start in the file
+(`start`, so a load reads no safetensors header; the header says the same for peer readers,
+and verify holds the two to each other) and checksums of consecutive blocks of its bytes, under
+the name of their algorithm (checksum.py: "crc32c"; checkpoints written before it hold "crc32",
+and no `start`). Version 1 (still read) kept the shards in index.json itself. Tensor names are
 Hugging Face LLaMA names for weights; optimizer states are `optim.<state>.<param name>` (see
 `optim_name`).
 """
@@ -201,7 +201,8 @@ class TensorEntry:
         return next((k for k, s in enumerate(self.shards) if s.region == region), None)
 
     def shards_near(self, region: Region) -> list[tuple[int, ShardEntry]]:
-        """The shards whose box meets `region`'s box, with their positions."""
+        """The shards whose box meets `region`'s box, each with its position in the list it was
+        found in (all the tensor's shards, or those of the savers a split narrows the read to)."""
         if isinstance(self.shards, ParsedShards):
             narrowed = self.shards.narrowed(region)
             if narrowed is not None:

@@ -79,7 +79,8 @@ class Grid(NamedTuple):
         return math.prod(c for _, c in self.digits)
 
     def positions(self, lo: int, hi: int) -> list[int]:
-        """The parts of saver positions that hold slabs meeting [lo, hi) along this dimension."""
+        """For each slab meeting [lo, hi) along this dimension, what its digits add to the position
+        of the savers holding it (summed over every split dimension: the saver's position)."""
         out = []
         for k in range(lo // self.size, min((hi - 1) // self.size, self.count - 1) + 1):
             i = 0
