@@ -359,6 +359,13 @@ def test_a_load_reads_where_the_index_says_and_verify_holds_the_header_to_it(roo
     assert all(np.array_equal(arrays[n], cut(ref[n] + 1, p.region)) for n, p in pieces.items())
 
 
+def test_verify_holds_each_start_to_the_files_header(root):
+    edit_index(root / STEP2, INDEX_CASES["start shifted"][0])
+    with pytest.raises(CheckpointError, match=r"rank_00001.safetensors: tensor '.*' starts at byte \d+ in the "
+                                              r"file's header but at \d+ in the index"):
+        Checkpoint(root / STEP2).verify()
+
+
 def test_header_length_and_non_regular_files(root):
     path = root / STEP2 / "rank_00001.safetensors"
     raw = path.read_bytes()
