@@ -186,8 +186,7 @@ class TensorEntry:
             raise CheckpointError(f"{where}: 'layout' must be a string, got {type(layout).__name__}")
         if parts is not None:
             saved = SavedBy(parts, name, data.get("parts"), data.get("split"), shape, where)
-            return cls(name, shape, dtype, layout, ParsedShards(saved.shards, path, name, shape, dtype,
-                                                                saved.narrow if saved.split is not None else None))
+            return cls(name, shape, dtype, layout, ParsedShards(saved.shards, path, name, shape, dtype, saved.narrow))
         shards = data.get("shards")
         if not isinstance(shards, list):
             raise CheckpointError(f"{where}: 'shards' must be a list, got {type(shards).__name__}")
@@ -203,20 +202,10 @@ class TensorEntry:
     def shards_near(self, region: Region) -> list[tuple[int, ShardEntry]]:
         """The shards whose box meets `region`'s box, each with its position in the list it was
         found in (all the tensor's shards, or those of the savers a split narrows the read to)."""
-        if isinstance(self.shards, ParsedShards):
-            narrowed = self.shards.narrowed(region)
-            if narrowed is not None:
-                return [(k, s) for k, s in enumerate(narrowed)
-                        if intersect(region.offsets, region.sizes, s.region.offsets, s.region.sizes)]
-            candidates = self.shards.maybe_near(region)
-        else:
-            candidates = range(len(self.shards))
-        near = []
-        for k in candidates:
-            shard = self.shards[k]
-            if intersect(region.offsets, region.sizes, shard.region.offsets, shard.region.sizes):
-                near.append((k, shard))
-        return near
+        candidates = (self.shards.maybe_near(region) if isinstance(self.shards, ParsedShards)
+                      else list(enumerate(self.shards)))
+        return [(k, s) for k, s in candidates
+                if intersect(region.offsets, region.sizes, s.region.offsets, s.region.sizes)]
 
 
 class SavedBy:
@@ -246,8 +235,8 @@ class SavedBy:
 
     def narrow(self, region: Region) -> Optional[RawShards]:
         """The shards `region` may meet, from the parts of the savers whose cells meet it only
-        (None without holders to number)."""
-        if self.holders is None:
+        (None without a split, or without holders to number)."""
+        if self.split is None or self.holders is None:
             return None
         extents = [region.extent(grid.dim, self.shape) for grid in self.grids]
         return self.parts.shards(self.name, savers_meeting(self.holders, self.grids, extents))
@@ -293,25 +282,19 @@ class ParsedShards(Sequence):
             self._covered = True
         return iter(shards)
 
-    def maybe_near(self, region: Region) -> list[int]:
-        """Indices of the shards that may meet `region`'s box: all but those whose raw box is well
-        formed, inside the tensor and away from it (a shard this read does not touch is not
-        parsed; the read itself checks that the shards it touches cover what it wants)."""
+    def maybe_near(self, region: Region) -> list[tuple[int, ShardEntry]]:
+        """The shards that may meet `region`'s box, parsed, with their positions: all but those
+        whose raw box is well formed, inside the tensor and away from it (a shard this read does
+        not touch is not parsed; the read itself checks that the shards it touches cover what it
+        wants). For an evenly split tensor whose shards are not all read yet, only the parts of
+        the savers whose cells meet the region are read (`narrow`), positions counting in those."""
         lo, hi = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes))
-        return [i for i, raw in enumerate(self._raw.entries) if not _surely_apart(raw, lo, hi, self._shape)]
-
-    def narrowed(self, region: Region) -> Optional[list[ShardEntry]]:
-        """For an evenly split tensor whose shards are not all read yet, the shards that may meet
-        `region`, parsed, from the parts of the savers whose slabs meet it only (`narrow`); None
-        otherwise. The read checks that what it takes from them covers what it wants."""
-        if self._narrow is None or "_raw" in self.__dict__:
-            return None
-        raw = self._narrow(region)
+        raw = self._narrow(region) if self._narrow is not None and "_raw" not in self.__dict__ else None
         if raw is None:
-            return None
-        lo, hi = region.offsets, tuple(o + s for o, s in zip(region.offsets, region.sizes))
-        return [parse_shard(r, raw.origin(i), self._name, self._shape, self._itemsize)
-                for i, r in enumerate(raw.entries) if not _surely_apart(r, lo, hi, self._shape)]
+            return [(i, self[i]) for i, entry in enumerate(self._raw.entries)
+                    if not _surely_apart(entry, lo, hi, self._shape)]
+        return [(i, parse_shard(entry, raw.origin(i), self._name, self._shape, self._itemsize))
+                for i, entry in enumerate(raw.entries) if not _surely_apart(entry, lo, hi, self._shape)]
 
     def find(self, region: Region) -> Optional[int]:
         """`TensorEntry.exact_shard`, comparing the raw JSON first (find_raw); the match stays parsed."""

@@ -74,7 +74,6 @@ class Checkpoint:
         self.index: Index = index
         self._files: dict[str, OpenFile] = {}
         self._headers: dict[str, Mapping[str, TensorSpan]] = {}
-        self._fds: dict[str, int] = {}
         self._shards: dict[tuple[str, str], Shard] = {}
         self._checked = Checked()
         self._seal = Seal.load(self.folder)
@@ -187,9 +186,8 @@ class Checkpoint:
                 check_shard(self._shard(entry, shard), self._checked)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for file in self._files.values():
+            os.close(file.fd)
         self._files.clear()
         self._headers.clear()
         self._shards.clear()
@@ -269,9 +267,8 @@ class Checkpoint:
             if fname not in self._files:
                 path = confined(self.folder, fname, f"the shard 'file' of tensor {tensor!r}")
                 fd, st = open_shard_file(str(path))
-                self._fds[fname] = fd
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 self._files[fname] = OpenFile(path, fd, st.st_size, self._seal.matches(fname, st))
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             return self._files[fname]
 
     def _header_span(self, file: OpenFile, entry: TensorEntry, shard: ShardEntry) -> TensorSpan:
