@@ -204,6 +204,8 @@ def test_the_commit_parses_each_fragment_once_while_it_waits(tmp_path, monkeypat
                 time.sleep(0.01)
         writers[rank] = CheckpointWriter(tmp_path, rank, 3, session="s")
         writers[rank].save(1, [SaveItem(pieces[rank], np.full(2, rank, np.float32))])
+        if rank == 2:                                   # its fragment is there before rank 0's commit polls
+            writers[rank].wait()
     for w in writers.values():
         w.close()
     assert Checkpoint.open(tmp_path).read_full("x").tolist() == [0, 0, 1, 1, 2, 2]

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -190,6 +191,35 @@ def test_a_reshard_reads_split_rows_in_batches_and_checks_them(tp4, tmp_path, mo
     (folder / shard.file).write_bytes(bytes(data))
     with Checkpoint(folder) as c, pytest.raises(CheckpointError, match=f"tensor '{W}'.*fails its checksum"):
         c.read_pieces(pieces)
+
+
+def test_a_load_hints_the_kernel_only_for_files_it_does_not_read_on_to_their_end(tp4, monkeypatch):
+    """Batches of a file a load reads without a gap on to its end are left to the kernel's
+    sequential readahead; the other files' batches ask for their bytes (transfer.prefetch)."""
+    ref, folder = tp4
+    hinted = []
+    monkeypatch.setattr(transfer, "prefetch", lambda fd, offset, n, real=transfer.prefetch: (
+        hinted.append(fd), real(fd, offset, n))[1])
+    for strategy, world, rank, streams, hints in [({"tp": 4}, 4, 3, {"rank_00003"}, {"rank_00000"}),
+                                                  ({"tp": 2, "pp": 2}, 4, 0, set(), {"rank_00000", "rank_00001"})]:
+        hinted.clear()
+        pieces = rank_pieces(plan_for(strategy, world), rank)
+        with Checkpoint(folder, rank=rank) as c:
+            got = c.read_pieces(pieces)
+            files = {f.fd: f.path.stem for f in c._files.values()}
+        for name, piece in pieces.items():
+            assert got[name].tobytes() == cut(ref[name], piece.region).tobytes(), name
+        assert {files[fd] for fd in hinted} == hints and set(files.values()) == streams | hints, strategy
+
+
+def test_streamed_files_are_read_without_a_gap_on_to_their_end():
+    def move(fd, src, nbytes, file_size=100):
+        shard = transfer.Shard(Path(f"f{fd}"), fd, 10, 90, 0, (), "crc32c", "t", "k", file_size)
+        return transfer.RunMove(shard, src, np.empty(nbytes, np.uint8), 0, nbytes)
+    assert transfer.streamed([move(3, 40, 50), move(3, 0, 40)]) == {3}             # in any order
+    assert transfer.streamed([move(3, 20, 70), move(3, 30, 10), move(4, 0, 89)]) == {3}   # overlaps; 4 stops short
+    assert transfer.streamed([move(3, 0, 40), move(3, 41, 49)]) == set()           # a gap
+    assert transfer.streamed([move(3, 50, 40)]) == {3}                             # the tail only
 
 
 def test_a_load_parses_only_the_shards_it_reads(tp4):

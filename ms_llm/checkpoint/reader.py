@@ -303,7 +303,7 @@ class Checkpoint:
             raise CheckpointError(f"{file.path}: truncated: tensor {entry.name!r} needs bytes up to {start + nbytes} "
                                   f"but the file has {file.size}")
         return Shard(file.path, file.fd, start, nbytes, shard.block,
-                     () if file.sealed else shard.sums, shard.checksum, entry.name, shard.key)
+                     () if file.sealed else shard.sums, shard.checksum, entry.name, shard.key, file.size)
 
 
 def candidates(*roots: str | Path) -> list[Path]:

@@ -14,7 +14,9 @@ Other chunks go through `read_checked`, which reads in SUB-byte pieces, each che
 soon as it lands, while it is still in the CPU cache (checking bytes already evicted to
 memory would cost as much as reading them again). The chunks and batches run on a small
 thread pool (Mover): preadv, the checksums (checksum.py) and numpy copies release the GIL, so
-the cores read and check in parallel.
+the cores read and check in parallel. A batch not in the page cache asks the kernel for its
+bytes first (prefetch), unless the load reads its file on to the end without a gap: the kernel's
+sequential readahead serves such a file faster.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class Shard(NamedTuple):
     checksum: str                   # their algorithm (checksum.ALGORITHMS)
     tensor: str                     # for messages
     key: str
+    file_size: int                  # of the whole file (a load that reads on to its end streams it)
 
     def blocks(self, lo: int, hi: int) -> range:
         """Checksum blocks that bytes [lo, hi) of the shard touch (none without checksums)."""
@@ -129,7 +132,10 @@ def prefetch(fd: int, offset: int, n: int) -> None:
     """Have the kernel start reading file bytes [offset, offset + n) at once (WILLNEED) unless
     the page cache holds them, as told by a non-blocking read of their last byte: threads
     reading one file at different offsets defeat its sequential readahead, so a cold chunk
-    would otherwise arrive one small synchronous read per piece, and a warm one needs no hint."""
+    would otherwise arrive one small synchronous read per piece, and a warm one needs no hint.
+    Batches of a file the load reads on to its end without a gap (`streamed`) go without: there
+    the kernel's readahead streams the file faster than hints batch by batch, and it reads
+    nothing the load does not want; stopping short or skipping, it would read on past."""
     if n > 0 and not _cached(fd, offset + n - 1):
         os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
 
@@ -199,6 +205,10 @@ class RunMove:
     def run(self, a: int, b: int, checked: Checked) -> None:
         read_checked(self.shard, self.view(a, b), self.src + a, checked)
 
+    def extent(self) -> tuple[int, int]:
+        """The file bytes [lo, hi) the move reads."""
+        return self.shard.start + self.src, self.shard.start + self.src + self.nbytes
+
 
 @dataclass
 class BoxMove:
@@ -237,6 +247,11 @@ class BoxMove:
         read_checked(self.shard, landed, lo, checked)
         self.finish(a, b, landed)
 
+    def extent(self) -> tuple[int, int]:
+        """The file bytes [lo, hi) the move reads."""
+        lo, hi = self.span(0, self.dst.shape[0])
+        return self.shard.start + lo, self.shard.start + hi
+
 
 Move = Union[RunMove, BoxMove]
 
@@ -263,6 +278,7 @@ class Batch:
     A part is (move, chunk [a, b), the shard's bytes [lo, hi) it reads)."""
     start: int
     parts: list[tuple[Move, int, int, int, int]]
+    hint: bool                      # prefetch it (its file is not streamed)
     nbytes: int = 0
 
     def follows(self, shard: Shard, lo: int) -> bool:
@@ -283,7 +299,8 @@ class Batch:
             else:
                 views.append(room[used:used + hi - lo])
                 used += hi - lo
-        prefetch(first.fd, self.start, self.nbytes)
+        if self.hint:
+            prefetch(first.fd, self.start, self.nbytes)
         readv_into(first.path, first.fd, views, self.start, first.tensor)
         for (m, a, b, lo, hi), view in zip(self.parts, views):
             shard, update = m.shard, ALGORITHMS[m.shard.checksum] if m.shard.sums else None
@@ -300,6 +317,28 @@ def check_shard(shard: Shard, checked: Checked) -> None:
     buffer = memoryview(np.empty(min(step, shard.nbytes), np.uint8))
     for lo in range(0, shard.nbytes, step):
         read_checked(shard, buffer[:min(step, shard.nbytes - lo)], lo, checked)
+
+
+def streamed(moves: Sequence[Move]) -> set[int]:
+    """The files (by descriptor) that `moves` read without a gap from where they start on to the
+    file's end, which the kernel's sequential readahead streams fastest when cold (prefetch)."""
+    extents: dict[int, list[tuple[int, int]]] = {}
+    sizes: dict[int, int] = {}
+    for m in moves:
+        extents.setdefault(m.shard.fd, []).append(m.extent())
+        sizes[m.shard.fd] = m.shard.file_size
+    out = set()
+    for fd, spans in extents.items():
+        spans.sort()
+        end = spans[0][0]
+        for lo, hi in spans:
+            if lo > end:
+                break
+            end = max(end, hi)
+        else:
+            if end >= sizes[fd]:
+                out.add(fd)
+    return out
 
 
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
@@ -331,6 +370,7 @@ class Mover:
         self._batches: dict[int, Batch] = {}       # by file descriptor: the batch still growing
 
     def submit(self, moves: Sequence[Move]) -> None:
+        streams = streamed(moves)
         for m in moves:
             shard = m.shard
             for a, b in m.chunks():
@@ -343,7 +383,7 @@ class Mover:
                     self._flush(shard.fd)
                     batch = None
                 if batch is None:
-                    batch = self._batches[shard.fd] = Batch(shard.start + lo, [])
+                    batch = self._batches[shard.fd] = Batch(shard.start + lo, [], shard.fd not in streams)
                 batch.add(m, a, b, lo, hi)
                 if batch.nbytes >= CHUNK:
                     self._flush(shard.fd)
