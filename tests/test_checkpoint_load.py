@@ -212,6 +212,29 @@ def test_a_load_hints_the_kernel_only_for_files_it_does_not_read_on_to_their_end
         assert {files[fd] for fd in hinted} == hints and set(files.values()) == streams | hints, strategy
 
 
+def test_chunks_that_cut_checksum_blocks_follow_the_same_hint_rule(tp4, monkeypatch):
+    """A read that starts inside a checksum block goes through read_checked, not a Batch: it too
+    leaves a file it reads on to its end to the kernel's readahead, and hints any other."""
+    ref, folder = tp4
+    hinted = []
+    monkeypatch.setattr(transfer, "prefetch", lambda fd, offset, n, real=transfer.prefetch: (
+        hinted.append(n), real(fd, offset, n))[1])
+    with Checkpoint(folder) as c:
+        name, last = max(((n, s) for n in c.names() for s in c.entry(n).shards if s.file == "rank_00003.safetensors"),
+                         key=lambda found: found[1].start)
+        numel = last.region.numel
+        assert last.start + numel * 4 == (folder / last.file).stat().st_size
+        row = last.region.sizes[-1] * 4
+        # Elements [1, stop) of the shard: a row less its first element and one less its last, each
+        # inside a checksum block (read_checked), the whole rows between (a Batch).
+        for stop, hints in ((numel, []), (numel - 1, [row - 4, row - 4, numel * 4 - 2 * row])):
+            hinted.clear()
+            want = Region(last.region.offsets, last.region.sizes, (1, stop))
+            c._checked = transfer.Checked()
+            assert c.read(name, want).tobytes() == cut(ref[name], want).tobytes()
+            assert sorted(hinted) == hints, stop
+
+
 def test_streamed_files_are_read_without_a_gap_on_to_their_end():
     def move(fd, src, nbytes, file_size=100):
         shard = transfer.Shard(Path(f"f{fd}"), fd, 10, 90, 0, (), "crc32c", "t", "k", file_size)

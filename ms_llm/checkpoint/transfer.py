@@ -14,9 +14,9 @@ Other chunks go through `read_checked`, which reads in SUB-byte pieces, each che
 soon as it lands, while it is still in the CPU cache (checking bytes already evicted to
 memory would cost as much as reading them again). The chunks and batches run on a small
 thread pool (Mover): preadv, the checksums (checksum.py) and numpy copies release the GIL, so
-the cores read and check in parallel. A batch not in the page cache asks the kernel for its
-bytes first (prefetch), unless the load reads its file on to the end without a gap: the kernel's
-sequential readahead serves such a file faster.
+the cores read and check in parallel. A chunk or batch not in the page cache asks the kernel
+for its bytes first (prefetch), unless the load reads its file on to the end without a gap: the
+kernel's sequential readahead serves such a file faster.
 """
 from __future__ import annotations
 
@@ -148,12 +148,14 @@ def _cached(fd: int, offset: int) -> bool:
         return False
 
 
-def read_checked(shard: Shard, view: memoryview, offset: int, checked: Checked) -> None:
+def read_checked(shard: Shard, view: memoryview, offset: int, checked: Checked, hint: bool) -> None:
     """Fill `view` with the shard's bytes from `offset`, verifying every checksum block they
     touch that `checked` has not seen (an edge block's bytes outside `view` are read from the
-    file for it). Each SUB-byte piece is checksummed right after it is read."""
+    file for it). Each SUB-byte piece is checksummed right after it is read. `hint`: prefetch
+    the bytes (False for a file the load streams)."""
     end = offset + len(view)
-    prefetch(shard.fd, shard.start + offset, len(view))
+    if hint:
+        prefetch(shard.fd, shard.start + offset, len(view))
     pos = offset                                    # view bytes before it are filled
     for blk in shard.blocks(offset, end):
         if (shard, blk) in checked:
@@ -202,8 +204,8 @@ class RunMove:
     def finish(self, a: int, b: int, landed: memoryview) -> None:
         """Nothing: the bytes landed in place."""
 
-    def run(self, a: int, b: int, checked: Checked) -> None:
-        read_checked(self.shard, self.view(a, b), self.src + a, checked)
+    def run(self, a: int, b: int, checked: Checked, hint: bool) -> None:
+        read_checked(self.shard, self.view(a, b), self.src + a, checked, hint)
 
     def extent(self) -> tuple[int, int]:
         """The file bytes [lo, hi) the move reads."""
@@ -241,10 +243,10 @@ class BoxMove:
         rows = np.frombuffer(landed, self.dtype).reshape((b - a,) + self.sizes[1:])
         np.copyto(self.dst[a:b], rows[(slice(None),) + self.index[1:]])
 
-    def run(self, a: int, b: int, checked: Checked) -> None:
+    def run(self, a: int, b: int, checked: Checked, hint: bool) -> None:
         lo, hi = self.span(a, b)
         landed = scratch(hi - lo)
-        read_checked(self.shard, landed, lo, checked)
+        read_checked(self.shard, landed, lo, checked, hint)
         self.finish(a, b, landed)
 
     def extent(self) -> tuple[int, int]:
@@ -316,7 +318,7 @@ def check_shard(shard: Shard, checked: Checked) -> None:
     step = shard.step()
     buffer = memoryview(np.empty(min(step, shard.nbytes), np.uint8))
     for lo in range(0, shard.nbytes, step):
-        read_checked(shard, buffer[:min(step, shard.nbytes - lo)], lo, checked)
+        read_checked(shard, buffer[:min(step, shard.nbytes - lo)], lo, checked, True)
 
 
 def streamed(moves: Sequence[Move]) -> set[int]:
@@ -376,7 +378,7 @@ class Mover:
             for a, b in m.chunks():
                 lo, hi = m.span(a, b)
                 if not shard.whole_blocks(lo, hi):
-                    self._run(m.run, a, b, self.checked)
+                    self._run(m.run, a, b, self.checked, shard.fd not in streams)
                     continue
                 batch = self._batches.get(shard.fd)
                 if batch is not None and not batch.follows(shard, lo):
