@@ -133,8 +133,8 @@ def prefetch(fd: int, offset: int, n: int) -> None:
     the page cache holds them, as told by a non-blocking read of their last byte: threads
     reading one file at different offsets defeat its sequential readahead, so a cold chunk
     would otherwise arrive one small synchronous read per piece, and a warm one needs no hint.
-    Batches of a file the load reads on to its end without a gap (`streamed`) go without: there
-    the kernel's readahead streams the file faster than hints batch by batch, and it reads
+    Callers skip it for a file the load reads on to its end without a gap (`streamed`): there
+    the kernel's readahead streams the file faster than hints chunk by chunk, and it reads
     nothing the load does not want; stopping short or skipping, it would read on past."""
     if n > 0 and not _cached(fd, offset + n - 1):
         os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
@@ -209,7 +209,8 @@ class RunMove:
 
     def extent(self) -> tuple[int, int]:
         """The file bytes [lo, hi) the move reads."""
-        return self.shard.start + self.src, self.shard.start + self.src + self.nbytes
+        lo, hi = self.span(0, self.nbytes)
+        return self.shard.start + lo, self.shard.start + hi
 
 
 @dataclass
