@@ -95,7 +95,7 @@ def main() -> int:
                     help="CPU threads for each framework (1 keeps the comparison fair on a shared machine)")
     args = ap.parse_args()
 
-    from ms_llm.config.job import load_job
+    from ms_llm.job import load_job
     from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens
 
     job = load_job(args.config)

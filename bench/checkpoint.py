@@ -62,13 +62,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # read when torch loads its OpenMP runtime
 
-from ms_llm.checkpoint import (Checkpoint, CheckpointWriter, MemoryTier, SaveItem, SaveStats,  # noqa: E402
+from ms_llm.checkpoint import (Checkpoint, CheckpointWriter, SaveItem, SaveStats,  # noqa: E402
                                optim_pieces, param_pieces)
-from ms_llm.checkpoint import commit as commit_mod  # noqa: E402
 from ms_llm.checkpoint.reshard import layout_plan  # noqa: E402
-from ms_llm.checkpoint.safetensors_io import read_header  # noqa: E402
+from ms_llm.checkpoint.storage import commit as commit_mod  # noqa: E402
+from ms_llm.checkpoint.storage.safetensors_io import read_header  # noqa: E402
 from ms_llm.config.model import ModelConfig  # noqa: E402
 from ms_llm.init import init_param  # noqa: E402
+from ms_llm.run.memory_tier import MemoryTier  # noqa: E402
 from ms_llm.strategy.ir import ParallelStrategy, ZeroSpec  # noqa: E402
 
 # ~40M parameters = 160 MB in fp32.

@@ -4,7 +4,7 @@ The tiny model (configs/models/tiny.yaml, max_seq_len raised to --seq-len), fp32
 sequence per step, the same random batches. Each row is its own torchrun launch (1 or 2 gloo
 ranks on this machine's CPUs), so each peak RSS is its own. Per rank: tokens/s over the timed
 steps (after one warm-up step), peak RSS, and the bytes autograd keeps for backward over one
-forward (the activation memory the cost model prices; tests/torch_cp_memory_worker.py). The
+forward (the activation memory the cost model prices; tests/helpers/torch_cp_memory_worker.py). The
 ratios to cp1 are printed last.
 
 --long: the longest sequence cp1 trains under a per-rank memory limit (train.memory_limit_gb:
@@ -38,7 +38,7 @@ def worker(case: str, seq_len: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from ms_llm.config.job import job_from_dict
+    from ms_llm.job import job_from_dict
     import yaml
     from ms_llm.machine import Machine
     from ms_llm.run import peak_rss_gb

@@ -50,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from ms_llm.config.job import load_job  # noqa: E402
 from ms_llm.data import IndexedDatasetWriter, dtype_for_vocab, readers, samples  # noqa: E402
 from ms_llm.data.gpt import build_indices  # noqa: E402
 from ms_llm.data.prepare import TextJob, prepare_text  # noqa: E402
+from ms_llm.job import load_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_JOB = ROOT / "configs/train/tiny_torch_dp2.yaml"

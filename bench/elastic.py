@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ms_llm.data import build_stdlib_corpus  # noqa: E402
-from ms_llm.elastic.procs import descendants, kill_all  # noqa: E402
 from ms_llm.launch import TrainRequest, prepare  # noqa: E402
 from ms_llm.nodes import worker_env  # noqa: E402
+from ms_llm.processes import descendants, kill_all  # noqa: E402
 from ms_llm.run.heartbeat import read_heartbeats  # noqa: E402
 from ms_llm.run.metrics import read_metrics  # noqa: E402
 from torch_backend.launch import torch_command  # noqa: E402

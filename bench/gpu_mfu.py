@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def job_for(args: argparse.Namespace, device: str):
     """The ms_llm job of the run; a model outside 1B-8B, a sequence longer than the model's, or a
     model that does not fit the device is one line naming the flag."""
-    from ms_llm.config.job import job_from_dict
+    from ms_llm.job import job_from_dict
     from ms_llm.errors import ConfigError
     from ms_llm.strategy.cost import estimate
     from ms_llm.strategy.devices import get_device

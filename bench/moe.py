@@ -26,8 +26,8 @@ import torch.distributed as dist  # noqa: E402
 import yaml  # noqa: E402
 
 import torch_backend.moe as moe  # noqa: E402
-from ms_llm.config.job import job_from_dict  # noqa: E402
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
+from ms_llm.job import job_from_dict  # noqa: E402
 from ms_llm.machine import Machine  # noqa: E402
 from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
 from torch_backend.apply import apply  # noqa: E402

@@ -45,7 +45,7 @@ SIDES = ("ms_llm fsdp2", "ms_llm zero3", "torchtitan")
 
 
 def job_for(world: int, engine: str):
-    from ms_llm.config.job import job_from_dict
+    from ms_llm.job import job_from_dict
     return job_from_dict({
         "name": "peers", "device": "cpu", "model": "tiny",
         "strategy": {"dp": world, "zero": {"stage": 3, "engine": engine},

@@ -1,6 +1,6 @@
 """Strategy search speed: the 70B-on-1024-devices search end to end, and the two ways of pricing one
 strategy measured side by side (a full per-tensor ModelPlan vs the degrees-only CostShape the
-search uses; both give identical estimates, tests/test_cost_shape.py holds them equal).
+search uses; both give identical estimates, tests/strategy/test_cost_shape.py holds them equal).
 
     .venv/bin/python bench/search_strategy.py [--runs 3] [--sample 100]
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ms_llm.config.job import load_section  # noqa: E402
 from ms_llm.config.train import TrainConfig  # noqa: E402
+from ms_llm.job import load_section  # noqa: E402
 from ms_llm.strategy.cost import estimate, shape_of  # noqa: E402
 from ms_llm.strategy.devices import get_device  # noqa: E402
 from ms_llm.strategy.plan import plan  # noqa: E402

@@ -28,13 +28,13 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from bench._plain import plain_step  # noqa: E402
-from ms_llm.config.job import job_from_dict  # noqa: E402
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
+from ms_llm.job import job_from_dict  # noqa: E402
 from ms_llm.machine import Machine  # noqa: E402
-from torch_backend.launch import torchrun  # noqa: E402
 from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
-from torch_backend.dist import init_distributed, shutdown  # noqa: E402
 from torch_backend.apply import apply  # noqa: E402
+from torch_backend.dist import init_distributed, shutdown  # noqa: E402
+from torch_backend.launch import torchrun  # noqa: E402
 from torch_backend.lower import lower  # noqa: E402
 from torch_backend.mesh import build_meshes  # noqa: E402
 from torch_backend.model import Transformer  # noqa: E402

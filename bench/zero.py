@@ -81,7 +81,7 @@ def worker(args) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from ms_llm.config.job import load_section
+    from ms_llm.job import load_section
     from ms_llm.config.train import OptimizerConfig, TrainConfig
     from ms_llm.strategy.ir import ParallelStrategy, PrecisionSpec, ZeroSpec
     from ms_llm.strategy.plan import plan

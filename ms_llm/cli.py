@@ -11,7 +11,7 @@ from ms_llm.errors import MsLlmError
 
 
 def _load_plan(args):
-    from ms_llm.config.job import load_job
+    from ms_llm.job import load_job
     from ms_llm.strategy.cost import estimate
     from ms_llm.strategy.devices import get_device
     from ms_llm.strategy.plan import plan

@@ -32,16 +32,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ms_llm.backends import BACKENDS, check
-from ms_llm.checkpoint.memory_tier import MemoryTier
-from ms_llm.config.job import JobConfig, dump_yaml, job_to_dict, load_job
 from ms_llm.config.train import DataConfig
 from ms_llm.data import IndexedDataset, build_stdlib_corpus, samples
 from ms_llm.elastic import check_restarts, with_restarts
 from ms_llm.elastic.supervisor import ElasticOptions
 from ms_llm.errors import ConfigError, RunFolderError, StrategyError
+from ms_llm.job import JobConfig, dump_yaml, job_to_dict, load_job
 from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
 from ms_llm.run.heartbeat import read_heartbeats
+from ms_llm.run.memory_tier import MemoryTier
 from ms_llm.run.metrics import run_summary
 from ms_llm.strategy.plan import ModelPlan, plan
 

@@ -1,15 +1,14 @@
 """Where a job's worker processes start: this machine's place among the nodes, ports, the
-environment and log of a backend launcher (torchrun, msrun). Shared by ms_llm.launch and the
-backends' launch modules; imports no framework."""
+environment of a backend launcher (torchrun, msrun) and what its workers read of it (the
+elastic gate, the supervisor to exit with). Shared by ms_llm.launch and the backends' launch
+modules; imports no framework. Starting and stopping processes is ms_llm/processes.py."""
 from __future__ import annotations
 
 import contextlib
 import os
 import select
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -18,14 +17,13 @@ from pathlib import Path
 from typing import Optional
 
 from ms_llm.errors import ConfigError
-from ms_llm.run import RunFolder
+from ms_llm.run.folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm and the backends
 COLLECTIVE_TIMEOUT_ENV = "MS_LLM_COLLECTIVE_TIMEOUT_S"    # set by the elastic supervisor for its workers
 COLLECTIVE_TIMEOUT_S = 600.0                              # otherwise: a dead peer blocks a collective this long
 GATE_ENV = "MS_LLM_GATE"         # a standby worker's gate file: it waits, imports done, until the file exists
 SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # the elastic supervisor: its workers exit when it is gone
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -117,27 +115,6 @@ def exit_with_supervisor() -> None:
     threading.Thread(target=watch, name="exit-with-supervisor", daemon=True).start()
 
 
-# Run as `python -S -c _TRAMPOLINE <parent pid> <signal> <command...>`: asks the kernel for the
-# signal when the parent dies (PR_SET_PDEATHSIG, kept across exec), gives up if the parent died
-# before the call, then becomes the command. It runs in a fresh single-threaded process, where a
-# preexec_fn would run between fork and exec in a copy of the threaded supervisor and could
-# deadlock on a lock another of its threads held at the fork.
-_TRAMPOLINE = ("import ctypes, os, sys\n"
-               f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, int(sys.argv[2]))\n"
-               "if os.getppid() != int(sys.argv[1]):\n"
-               "    os._exit(1)\n"
-               "os.execvp(sys.argv[3], sys.argv[3:])\n")
-
-
-def die_with_parent(cmd: list[str], sig: int = signal.SIGKILL) -> list[str]:
-    """`cmd` for a launcher the supervisor starts, such that it gets `sig` when the supervisor
-    dies, so a killed supervisor leaves no launcher behind (Linux; `cmd` as is elsewhere).
-    SIGTERM for one that stops its own children on it (msrun's log tails)."""
-    if not sys.platform.startswith("linux"):
-        return cmd
-    return [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()), str(int(sig)), *cmd]
-
-
 def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
     """One per node: nodes sharing a run folder end at different times."""
     return run.root / "tmp" / f"node{nodes.rank}"
@@ -159,39 +136,3 @@ def remove_tmp(run: RunFolder, nodes: Nodes) -> None:
     shutil.rmtree(tmp_dir(run, nodes), ignore_errors=True)
     with contextlib.suppress(OSError):                # not empty: another node is still running
         tmp_dir(run, nodes).parent.rmdir()            # the last node out removes tmp/
-
-
-def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool = True) -> subprocess.Popen:
-    """Start `cmd`, by default in a session of its own (the elastic supervisor stops it and
-    everything below it by PID; it dies with the supervisor), echoing its merged output to the
-    console and to `log` from a thread."""
-    out = open(log, "a")
-    out.write("$ " + " ".join(cmd) + "\n")
-    out.flush()
-    proc = subprocess.Popen(die_with_parent(cmd) if session else cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=session)
-
-    def echo() -> None:
-        logging = True
-        with contextlib.suppress(OSError), out:         # closing a log on a full disk may fail too
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                if logging:
-                    try:
-                        out.write(line)
-                        out.flush()
-                    except OSError:                       # a full disk: the console still gets it
-                        logging = False
-    proc.echo = threading.Thread(target=echo, name="launcher-output", daemon=True)
-    proc.echo.start()
-    return proc
-
-
-def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
-    """Run `cmd`, echoing its merged output to the console and to `log`; in this session, so
-    Ctrl-C reaches it."""
-    proc = spawn_logged(cmd, env, log, session=False)
-    rc = proc.wait()
-    proc.echo.join()
-    return rc

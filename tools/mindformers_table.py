@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ms_llm.config.job import load_section  # noqa: E402  (the path above must come first)
+from ms_llm.job import load_section  # noqa: E402  (the path above must come first)
 from ms_llm.convert import ReadOptions, load  # noqa: E402
 from ms_llm.errors import MsLlmError  # noqa: E402
 

@@ -24,12 +24,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from ms_llm.checkpoint import names as name_tables
-from ms_llm.checkpoint.format import split_optim_name
+from ms_llm.checkpoint.interop import names as name_tables
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import write_full
 from ms_llm.checkpoint.shards import Piece
-from ms_llm.checkpoint.untrusted import confined, integer, integers
+from ms_llm.checkpoint.storage.format import split_optim_name
+from ms_llm.checkpoint.storage.untrusted import confined, integer, integers
 from ms_llm.checkpoint.writer import SaveItem, held_items
 from ms_llm.config.model import ModelConfig
 from ms_llm.errors import CheckpointError

@@ -12,8 +12,9 @@ import subprocess
 import sys
 from typing import Optional
 
-from ms_llm.config.job import JobConfig
-from ms_llm.nodes import Nodes, run_logged, spawn_logged, worker_env
+from ms_llm.job import JobConfig
+from ms_llm.nodes import Nodes, worker_env
+from ms_llm.processes import run_logged, spawn_logged
 from ms_llm.run import RunFolder
 
 

@@ -1,4 +1,4 @@
-"""The torch trainer's training state for ms_llm.checkpoint.trainer (save cadence, resume).
+"""The torch trainer's training state for ms_llm.run.checkpoints (save cadence, resume).
 
 Every tensor of the training state is paired with the Piece of its global tensor this rank
 holds, whatever engine runs data parallelism:
@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ms_llm.checkpoint import Piece, Region, layout_piece, optim_name
-from ms_llm.checkpoint.trainer import Held
 from ms_llm.checkpoint.zero_state import engine_slices
 from ms_llm.errors import CheckpointError
+from ms_llm.run.checkpoints import Held
 from ms_llm.strategy.plan import ModelPlan
 from torch_backend.checkpoint import load_into, save_items
 from torch_backend.step import TrainStep
@@ -131,7 +131,7 @@ def training_state(step_fn: TrainStep, plan: ModelPlan, rank: int, create: bool 
 
 
 class TorchTrainerState:
-    """ms_llm.checkpoint.trainer.TrainerState over a TrainStep (any engine, any lowering)."""
+    """ms_llm.run.checkpoints.TrainerState over a TrainStep (any engine, any lowering)."""
     backend = "torch"
 
     def __init__(self, step_fn: TrainStep, plan: ModelPlan, rank: int):

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ms_llm.config.job import load_job
 from ms_llm.errors import MsLlmError, TrainingDiverged
+from ms_llm.job import load_job
 from ms_llm.run import RunFolder
 from ms_llm.run.loop import DIVERGED_EXIT
 

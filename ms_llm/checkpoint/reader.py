@@ -26,15 +26,15 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, TypeV
 
 import numpy as np
 
-from ms_llm.checkpoint import commit as commit_mod
-from ms_llm.checkpoint.boxes import Region, byte_run, intersect, local_slices
-from ms_llm.checkpoint.collector import collector_paused
-from ms_llm.checkpoint.format import INDEX, Index, ShardEntry, TensorEntry, decode_state
-from ms_llm.checkpoint.safetensors_io import TensorSpan, open_shard_file, read_header, storage_dtype
-from ms_llm.checkpoint.seal import Seal
 from ms_llm.checkpoint.shards import Piece
-from ms_llm.checkpoint.transfer import BoxMove, Checked, Move, Mover, RunMove, Shard, check_shard
-from ms_llm.checkpoint.untrusted import confined
+from ms_llm.checkpoint.storage import commit as commit_mod
+from ms_llm.checkpoint.storage.boxes import Region, byte_run, intersect, local_slices
+from ms_llm.checkpoint.storage.collector import collector_paused
+from ms_llm.checkpoint.storage.format import INDEX, Index, ShardEntry, TensorEntry, decode_state
+from ms_llm.checkpoint.storage.safetensors_io import TensorSpan, open_shard_file, read_header, storage_dtype
+from ms_llm.checkpoint.storage.seal import Seal
+from ms_llm.checkpoint.storage.transfer import BoxMove, Checked, Move, Mover, RunMove, Shard, check_shard
+from ms_llm.checkpoint.storage.untrusted import confined
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.errors import CheckpointError, MsLlmError

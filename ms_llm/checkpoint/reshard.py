@@ -12,11 +12,11 @@ from typing import Optional
 
 import numpy as np
 
-from ms_llm.checkpoint.boxes import Region
-from ms_llm.checkpoint.commit import step_dir
-from ms_llm.checkpoint.format import run_config, split_optim_name
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.shards import Piece, optim_pieces, param_pieces
+from ms_llm.checkpoint.storage.boxes import Region
+from ms_llm.checkpoint.storage.commit import step_dir
+from ms_llm.checkpoint.storage.format import run_config, split_optim_name
 from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import TrainConfig

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ms_llm.checkpoint.boxes import Region
-from ms_llm.checkpoint.format import optim_name
+from ms_llm.checkpoint.storage.boxes import Region
+from ms_llm.checkpoint.storage.format import optim_name
 from ms_llm.errors import CheckpointError
 from ms_llm.strategy.layout import Partial, Shard, TensorLayout
 

@@ -32,14 +32,14 @@ from typing import Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
-from ms_llm.checkpoint import commit as commit_mod
-from ms_llm.checkpoint.checksum import DEFAULT as CHECKSUM, block_checksums
-from ms_llm.checkpoint.direct_io import aligned_buffer, write_file
-from ms_llm.checkpoint.format import ShardEntry, encode_state, rank_file
-from ms_llm.checkpoint.index_parts import encode_part
-from ms_llm.checkpoint.safetensors_io import TensorSpan, dtype_name, header_bytes, storage_dtype
 from ms_llm.checkpoint.shards import Piece
-from ms_llm.checkpoint.untrusted import confined
+from ms_llm.checkpoint.storage import commit as commit_mod
+from ms_llm.checkpoint.storage.checksum import DEFAULT as CHECKSUM, block_checksums
+from ms_llm.checkpoint.storage.direct_io import aligned_buffer, write_file
+from ms_llm.checkpoint.storage.format import ShardEntry, encode_state, rank_file
+from ms_llm.checkpoint.storage.index_parts import encode_part
+from ms_llm.checkpoint.storage.safetensors_io import TensorSpan, dtype_name, header_bytes, storage_dtype
+from ms_llm.checkpoint.storage.untrusted import confined
 from ms_llm.errors import CheckpointError
 
 # A local tensor as numpy (a view is fine: it is copied before save() returns) or a function

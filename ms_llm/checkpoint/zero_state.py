@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ms_llm.checkpoint.boxes import Region
-from ms_llm.checkpoint.format import optim_name
 from ms_llm.checkpoint.shards import Piece
+from ms_llm.checkpoint.storage.boxes import Region
+from ms_llm.checkpoint.storage.format import optim_name
 
 # Bucket-state attribute -> optimizer-state name in checkpoints (torch.optim.AdamW's names).
 STATES = {"m": "exp_avg", "v": "exp_avg_sq", "master": "master"}

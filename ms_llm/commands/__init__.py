@@ -25,7 +25,7 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_options(args: argparse.Namespace):
-    from ms_llm.config.job import load_section
+    from ms_llm.job import load_section
     from ms_llm.convert import ReadOptions
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size: got {args.world_size}; need at least 1 device")

@@ -16,12 +16,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ms_llm.checkpoint.commit import step_dir
-from ms_llm.checkpoint.hf import export_hf, import_hf
+from ms_llm.checkpoint.interop.hf import export_hf, import_hf
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import layout_plan, reshard
-from ms_llm.config.job import load_section
+from ms_llm.checkpoint.storage.commit import step_dir
 from ms_llm.errors import CheckpointError, ConfigError
+from ms_llm.job import load_section
 
 FORMATS = ("ms_llm", "hf", "mindspore", "dcp")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from ms_llm.checkpoint.memory_tier import MemoryTier
 from ms_llm.errors import ConfigError
+from ms_llm.run.memory_tier import MemoryTier
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

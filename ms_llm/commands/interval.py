@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from ms_llm.checkpoint.interval import IntervalInputs, choose_interval
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.errors import ConfigError
+from ms_llm.run.interval import IntervalInputs, choose_interval
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_run(folder: Path) -> Run:
-    from ms_llm.config.job import load_job
+    from ms_llm.job import load_job
     from ms_llm.run.metrics import read_metrics
     from ms_llm.strategy.plan import plan
     from ms_llm.strategy.report import strategy_summary

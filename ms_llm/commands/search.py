@@ -55,7 +55,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def _problem(args: argparse.Namespace):
     """(model, train, base strategy, world size, device name) from the input and the flags."""
-    from ms_llm.config.job import load_section
+    from ms_llm.job import load_section
     from ms_llm.config.train import TrainConfig
     from ms_llm.convert import load
     from ms_llm.strategy.ir import ParallelStrategy
@@ -82,7 +82,7 @@ def _problem(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ms_llm.config.job import JobConfig
+    from ms_llm.job import JobConfig
     from ms_llm.convert import dump, format_for_output, from_job, load
     from ms_llm.strategy.devices import get_device
     from ms_llm.strategy.report import params_text

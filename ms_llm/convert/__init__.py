@@ -15,10 +15,15 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from ms_llm.config.job import parse_yaml, read_text
 from ms_llm.config.schema import to_dict
-from ms_llm.convert import (deepspeed, megatron, megatron_script, mindformers, mindformers2_yaml, mindformers_pynative,
-                            mindformers_yaml, msllm, torchtitan, torchtitan_args, torchtitan_job, torchtitan_toml)
+from ms_llm.convert import msllm
+from ms_llm.convert.deepspeed import json_config as deepspeed
+from ms_llm.convert.megatron import read as megatron, write as megatron_script
+from ms_llm.convert.mindformers import pynative as mindformers_pynative, read as mindformers
+from ms_llm.convert.mindformers import write as mindformers_yaml, write2 as mindformers2_yaml
+from ms_llm.convert.torchtitan import args as torchtitan_args, read as torchtitan
+from ms_llm.convert.torchtitan import write_job as torchtitan_job, write_toml as torchtitan_toml
+from ms_llm.job import parse_yaml, read_text
 from ms_llm.convert.common import (ConversionError, Converted, ReadOptions, Written, annotate, covered,
                                    flatten)
 from ms_llm.errors import MsLlmError, StrategyError

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ms_llm.config.job import JobConfig, job_from_dict
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import SCALAR_NAMES, scalar
 from ms_llm.errors import MsLlmError
+from ms_llm.job import JobConfig, job_from_dict
 
 MISSING = object()
 DTYPES = ("float32", "bfloat16", "float16")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ms_llm.config.job import JobConfig, dump_yaml, job_from_dict, job_to_dict, parse_yaml
 from ms_llm.convert.common import Converted, ReadOptions, Written
+from ms_llm.job import JobConfig, dump_yaml, job_from_dict, job_to_dict, parse_yaml
 
 
 def read(text: str, source: str, options: ReadOptions) -> Converted:

@@ -6,7 +6,7 @@ seq_len tokens into samples of seq_len + 1 (the sample index: where each sample 
 (position in the document index, token offset)); the samples are then visited in a shuffled
 order (the shuffle index). Same seed, same inputs: the same three arrays as megatron-core
 (numpy.random.RandomState, the same draws in the same order, its 80% rule for a short last
-epoch), which tests/test_indexed_dataset.py checks against megatron-core itself.
+epoch), which tests/data/test_indexed_dataset.py checks against megatron-core itself.
 """
 from __future__ import annotations
 

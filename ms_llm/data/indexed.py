@@ -27,7 +27,7 @@ from types import TracebackType
 
 import numpy as np
 
-from ms_llm.checkpoint.commit import fsync_dir
+from ms_llm.durable import fsync_dir
 from ms_llm.errors import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"

@@ -32,6 +32,7 @@ import numpy as np
 from ms_llm.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from ms_llm.data.readers import Counts, batched, expand_inputs, read_documents
 from ms_llm.data.tokenizers import TokenizerSpec, load_tokenizer
+from ms_llm.durable import replace_durably
 from ms_llm.errors import ConfigError
 
 
@@ -185,9 +186,7 @@ class Outputs:
         return tmp
 
     def commit(self, tmp: Path, final: Path) -> None:
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        replace_durably(tmp, final)
         self.temporaries.remove(tmp)
 
     def write_json(self, final: Path, data: dict) -> None:

@@ -6,7 +6,7 @@ it, `--max-restarts N` is the plain relaunch below:
 
 A launch that fails is started again (a fresh rendezvous, the same run folder), a bounded
 number of times. Workers resume from the run folder's newest checkpoint that every rank can
-load (ms_llm.checkpoint.trainer), or from the memory tier when it is newer, so a crash costs
+load (ms_llm.run.checkpoints), or from the memory tier when it is newer, so a crash costs
 the steps since that checkpoint, not the run.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from ms_llm.config.job import JobConfig
 from ms_llm.errors import ConfigError
+from ms_llm.job import JobConfig
 from ms_llm.run import RunFolder
 
 

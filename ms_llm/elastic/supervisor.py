@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from ms_llm.checkpoint.commit import latest
-from ms_llm.config.job import JobConfig
+from ms_llm.checkpoint.storage.commit import latest
 from ms_llm.elastic.classify import Failure, deterministic
 from ms_llm.elastic.members import Membership
-from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
 from ms_llm.elastic.world import BackendCheck, changes, choose_world
+from ms_llm.job import JobConfig
 from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, SUPERVISOR_ENV, Nodes
+from ms_llm.processes import descendants, kill_all
 from ms_llm.run import RunFolder
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan

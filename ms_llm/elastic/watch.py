@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from ms_llm.elastic.classify import Failure
-from ms_llm.elastic.procs import alive, stopped
+from ms_llm.processes import alive, stopped
 from ms_llm.run.heartbeat import read_heartbeats
 
 

@@ -19,8 +19,8 @@ import dataclasses
 import math
 from typing import Callable, Optional
 
-from ms_llm.config.job import JobConfig
 from ms_llm.errors import StrategyError
+from ms_llm.job import JobConfig
 from ms_llm.strategy.cost import estimate
 from ms_llm.strategy.devices import get_device
 from ms_llm.strategy.ir import ParallelStrategy

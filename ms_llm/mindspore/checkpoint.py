@@ -21,15 +21,15 @@ from typing import Optional
 import mindspore as ms
 import numpy as np
 
-from ms_llm.checkpoint.format import optim_name, split_optim_name
 from ms_llm.checkpoint.reader import Checkpoint
-from ms_llm.checkpoint.safetensors_io import bf16_to_f32, dtype_name, f32_to_bf16
-from ms_llm.checkpoint.shards import Piece, layout_piece
-from ms_llm.checkpoint.untrusted import confined
-from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem, held_items
 from ms_llm.checkpoint.reshard import layout_plan
-from ms_llm.config.schema import to_dict
+from ms_llm.checkpoint.shards import Piece, layout_piece
+from ms_llm.checkpoint.storage.format import optim_name, split_optim_name
+from ms_llm.checkpoint.storage.safetensors_io import bf16_to_f32, dtype_name, f32_to_bf16
+from ms_llm.checkpoint.storage.untrusted import confined
+from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem, held_items
 from ms_llm.config.model import ModelConfig
+from ms_llm.config.schema import to_dict
 from ms_llm.errors import CheckpointError
 from ms_llm.mindspore.strategy_file import MsParamLayout, ms_param_layout, read_strategy_file, to_layout, \
     write_strategy_file

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ms_llm.config.job import JobConfig
-from ms_llm.elastic.procs import descendants, kill_all
 from ms_llm.errors import ConfigError
-from ms_llm.nodes import GATE_ENV, ROOT, Nodes, collective_timeout_s, die_with_parent, free_port, worker_env
+from ms_llm.job import JobConfig
+from ms_llm.nodes import GATE_ENV, ROOT, Nodes, collective_timeout_s, free_port, worker_env
+from ms_llm.processes import descendants, die_with_parent, kill_all
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 

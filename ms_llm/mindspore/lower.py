@@ -8,7 +8,7 @@ q/k/v layouts transposed to (B, heads, T, hd) with keys whole along the sequence
 parallel: allgather, ulysses or ring, MindFormers' colossalai_cp / ulysses_cp /
 use_ring_attention, _attention_core). For the
 cases MindFormers covers the results equal the strategies of MindFormers' own LLaMA, built and
-read by tests/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
+read by tests/mindspore/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
 MoE layers are lowered by lower_moe.py (experts over ep, their tokens over edp).
 
 A strategy is a tuple of split counts when MindSpore's default device matrix for it (split

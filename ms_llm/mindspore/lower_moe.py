@@ -9,7 +9,7 @@ its edp group (the all-gather dispatch over ep of MindFormers' use_allgather_dis
 expert weights are the plan's (E over ep, the experts' own tp on their width), and the sum over
 experts is an all-reduce over ep. These equal MindFormers 2.1's expert BatchMatMuls for the same
 moe_config and expert_parallel ((dp_moe, ep, 1, 1) x (ep, mp, 1), then (dp_moe, ep, 1, mp) x
-(ep, 1, mp)) and its router's token-parallel (dp*cp, 1) ops: tests/test_ms_oracle.py compares them
+(ep, 1, mp)) and its router's token-parallel (dp*cp, 1) ops: tests/mindspore/test_ms_oracle.py compares them
 and says where the layers differ in structure.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The MindSpore trainer's training state for ms_llm.checkpoint.trainer (save cadence, resume).
+"""The MindSpore trainer's training state for ms_llm.run.checkpoints (save cadence, resume).
 
 Two step kinds (ms_llm/mindspore/step.py): GraphStep, whose AdamW holds moments next to the
 weights, each rank the piece its layout gives it (whole on a CPU machine; the shard the
@@ -15,10 +15,10 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from ms_llm.checkpoint import optim_name, optim_pieces, param_pieces
-from ms_llm.checkpoint.trainer import Held
 from ms_llm.checkpoint.zero_state import EngineSlice, engine_slices
 from ms_llm.errors import CheckpointError
 from ms_llm.mindspore.checkpoint import load_into, save_items
+from ms_llm.run.checkpoints import Held
 from ms_llm.strategy.plan import ModelPlan
 
 STATES = ("exp_avg", "exp_avg_sq")
@@ -79,7 +79,7 @@ class SegmentSlice:
 
 
 class MsTrainerState:
-    """ms_llm.checkpoint.trainer.TrainerState over a GraphStep or a ZeroStep."""
+    """ms_llm.run.checkpoints.TrainerState over a GraphStep or a ZeroStep."""
     backend = "mindspore"
     save_items = staticmethod(save_items)
     load_into = staticmethod(load_into)

@@ -17,7 +17,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from ms_llm.config.job import JobConfig
+from ms_llm.job import JobConfig
 from ms_llm.mindspore.collectives import MeanOverRanks
 from ms_llm.mindspore.optim import AdamW, clip_by_norm, global_norm
 from ms_llm.run import lr_at

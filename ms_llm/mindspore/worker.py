@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ms_llm.config.job import JobConfig, load_job
 from ms_llm.errors import MsLlmError, TrainingDiverged
+from ms_llm.job import JobConfig, load_job
 from ms_llm.machine import Machine
 from ms_llm.nodes import exit_with_supervisor, wait_for_gate
 from ms_llm.run import RunFolder

@@ -16,10 +16,10 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from ms_llm.checkpoint.trainer import TrainerCheckpoints, TrainerState
-from ms_llm.config.job import JobConfig
 from ms_llm.data import BatchSampler, GlobalBatchSampler, load_tokens, samples
 from ms_llm.errors import ConfigError, TrainingDiverged
+from ms_llm.job import JobConfig
+from ms_llm.run.checkpoints import TrainerCheckpoints, TrainerState
 from ms_llm.run.folder import RunFolder
 from ms_llm.run.heartbeat import Heartbeat
 from ms_llm.run.loss_scale import LossScaler

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from ms_llm.config.job import JobConfig
+from ms_llm.job import JobConfig
 from ms_llm.run.tensorboard import TensorBoardLog
 from ms_llm.strategy.devices import get_device
 

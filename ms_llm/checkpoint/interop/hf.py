@@ -1,0 +1,178 @@
+"""Hugging Face LLaMA / Qwen2 / Qwen3 / Mixtral export and import.
+
+Canonical tensor names are Hugging Face names, so export is a copy: full tensors
+into model-0000i-of-0000n.safetensors + model.safetensors.index.json, and a config.json
+that transformers 5 reads (hf_config.py). Import wraps the HF files as a checkpoint
+source (no copy; Mixtral's per-expert tensors are stacked into one staged file first) that
+`reshard` lays out for any strategy.
+"""
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ms_llm.checkpoint.interop.hf_moe import mixtral_names, stack_experts
+from ms_llm.checkpoint.reader import Checkpoint
+from ms_llm.checkpoint.reshard import layout_plan, reshard
+from ms_llm.checkpoint.storage.boxes import Region
+from ms_llm.checkpoint.storage.format import Index, ShardEntry, TensorEntry, split_optim_name
+from ms_llm.checkpoint.storage.safetensors_io import bf16_to_f32, f32_to_bf16, read_header, storage_dtype, write_file
+from ms_llm.checkpoint.storage.untrusted import confined
+from ms_llm.config.hf import hf_config, is_mixtral, mixtral_config, model_from_hf_config
+from ms_llm.config.schema import to_dict
+from ms_llm.errors import CheckpointError
+from ms_llm.strategy.ir import ParallelStrategy
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def convert_dtype(array: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Change dtype; bfloat16 (raw uint16 bits) goes through float32 with round-to-nearest-even."""
+    if src == dst:
+        return array
+    wide = bf16_to_f32(array) if src == "bfloat16" else array.astype(np.float32)
+    return f32_to_bf16(wide) if dst == "bfloat16" else wide.astype(storage_dtype(dst))
+
+
+def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
+              max_shard_bytes: int = 5 << 30) -> Path:
+    """Write the model weights of checkpoint `src` as a Hugging Face folder `out`."""
+    ckpt = Checkpoint.open(src)
+    model = ckpt.model_config()
+    if model.moe is not None and not is_mixtral(model):
+        raise CheckpointError(f"{ckpt.folder}: this mixture-of-experts model (shared or leading dense experts) has no "
+                              "MixtralForCausalLM layout; Hugging Face export covers LLaMA and Mixtral models")
+    hf_config(model, "float32")                  # refuses a model no transformers class computes, before writing
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sources = hf_tensors(ckpt, model)
+    names = list(sources)
+    out_dtype = dtype or ckpt.entry(sources[names[0]][0]).dtype
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = math.prod(hf_shape(ckpt, *sources[name])) * storage_dtype(out_dtype).itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+        fname = SINGLE_NAME if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        entries = [(n, out_dtype, hf_shape(ckpt, *sources[n])) for n in group]
+        total += write_file(str(confined(out, fname, "an export file")), entries,
+                            lambda n: convert_dtype(hf_read(ckpt, *sources[n]), ckpt.entry(sources[n][0]).dtype,
+                                                    out_dtype), {"format": "pt"})
+        weight_map.update({n: fname for n in group})
+    if len(groups) > 1:
+        confined(out, INDEX_NAME, "an export file").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config = hf_config(model, out_dtype)
+    if model.moe is not None:
+        config = mixtral_config(model, out_dtype, config)
+    confined(out, "config.json", "an export file").write_text(json.dumps(config, indent=2))
+    ckpt.close()
+    return out
+
+
+def hf_tensors(ckpt: Checkpoint, model: ModelConfig) -> dict[str, tuple[str, Optional[int]]]:
+    """Hub name -> (canonical tensor, expert index or None) of every model weight."""
+    out: dict[str, tuple[str, Optional[int]]] = {}
+    for name in ckpt.names():
+        if split_optim_name(name) is not None:
+            continue
+        hub = mixtral_names(name, model.moe.num_experts) if model.moe is not None else None
+        if hub is None or len(hub) == 1:
+            out[(hub or [name])[0]] = (name, None)
+        else:
+            out.update({h: (name, e) for e, h in enumerate(hub)})
+    return out
+
+
+def hf_shape(ckpt: Checkpoint, name: str, expert: Optional[int]) -> tuple[int, ...]:
+    shape = tuple(ckpt.entry(name).shape)
+    return shape if expert is None else shape[1:]
+
+
+def hf_read(ckpt: Checkpoint, name: str, expert: Optional[int]) -> np.ndarray:
+    """The full tensor, or one expert's slice of a stacked one."""
+    if expert is None:
+        return ckpt.read_full(name)
+    shape = ckpt.entry(name).shape
+    return ckpt.read(name, Region((expert,) + (0,) * (len(shape) - 1), (1,) + tuple(shape[1:])))[0]
+
+
+def hf_source(folder: str | Path, staging: Optional[Path] = None) -> Checkpoint:
+    """A Hugging Face folder opened as a (read-only, checksum-less) checkpoint of full tensors.
+    Mixtral keeps one tensor per expert where ms_llm stacks them: its weights are first written
+    to `staging` under canonical names, experts stacked (hf_moe.stack_experts)."""
+    folder = Path(folder)
+    config = _read_json(folder, "config.json")
+    if (folder / INDEX_NAME).is_file():
+        data = _read_json(folder, INDEX_NAME)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{folder / INDEX_NAME}: 'weight_map' is missing or not a JSON object")
+        files = sorted(set(weight_map.values()), key=str)
+    elif (folder / SINGLE_NAME).is_file():
+        files = [SINGLE_NAME]
+    else:
+        raise CheckpointError(f"{folder}: neither {INDEX_NAME} nor {SINGLE_NAME}; only safetensors weights import")
+    tensors = _file_tensors(folder, files, f"a file in {INDEX_NAME} 'weight_map'")
+    stored = {t.dtype for t in tensors.values()}
+    model = model_from_hf_config(config, str(folder / "config.json"), stored.pop() if len(stored) == 1 else None)
+    if model.moe is not None:
+        if staging is None:
+            raise CheckpointError(f"{folder}: Mixtral keeps one tensor per expert; import it with "
+                                  "`ms-llm convert-checkpoint HF_DIR DST --from hf`, which stacks them")
+        hub = Checkpoint(folder, _index(tensors, {}))
+        stack_experts(hub, layout_plan(model, ParallelStrategy(dp=1), 1).params, model.moe.num_experts,
+                      str(confined(staging, SINGLE_NAME, "the stacked experts")))
+        hub.close()
+        folder, tensors = staging, _file_tensors(staging, [SINGLE_NAME], "the stacked experts")
+    if model.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return Checkpoint(folder, _index(tensors, {"backend": "hf", "model": to_dict(model, full=True)}))
+
+
+def _file_tensors(folder: Path, files: list[str], what: str) -> dict[str, TensorEntry]:
+    """Every tensor of the safetensors `files`, each one whole shard."""
+    tensors = {}
+    for fname in files:
+        spans, _, _ = read_header(str(confined(folder, fname, what)))
+        for key, span in spans.items():
+            region = Region((0,) * len(span.shape), span.shape)
+            tensors[key] = TensorEntry(key, span.shape, span.dtype, "", [ShardEntry(fname, key, region, 0, ())])
+    return tensors
+
+
+def _index(tensors: dict[str, TensorEntry], config: dict) -> Index:
+    return Index(step=0, world_size=1, config=config, state={}, rank_states={}, tensors=tensors)
+
+
+def _read_json(folder: Path, name: str) -> object:
+    path = confined(folder, name, name)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: no {name}; not a Hugging Face model folder") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({type(exc).__name__}: {exc})") from None
+
+
+def import_hf(folder: str | Path, dst_root: str | Path, target=None) -> Path:
+    """Write Hugging Face weights as an ms_llm checkpoint laid out for `target` (a ModelPlan;
+    default one rank holding full tensors)."""
+    dst_root = Path(dst_root)
+    dst_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".hf-stacked-", dir=dst_root) as staging:
+        source = hf_source(folder, Path(staging))
+        target = target or layout_plan(source.model_config(), ParallelStrategy(dp=1), 1)
+        return reshard(source, dst_root, target, backend="hf")

@@ -1,0 +1,1 @@
+"""DeepSpeed: its JSON config, read and written (json_config.py)."""

@@ -1,0 +1,269 @@
+"""What convert-strategy writes is read by the peers' own config code, one subprocess per peer
+(PYTHONPATH=.oracles: megatron-core 0.16.1, deepspeed 0.19.8, torchtitan 0.3.0, mindformers 2.1.0):
+
+- Megatron-LM arguments -> megatron-core's TransformerConfig (its __post_init__ checks them);
+- DeepSpeed JSON -> DeepSpeedConfig with the job's data-parallel size (the batch triple, ZeRO);
+- torchtitan 0.3 jobs -> ConfigManager.parse_args (the registered config, then our overrides);
+- MindFormers 2.x YAML -> MindFormerConfig, MindSpore's set_auto_parallel_context, MindFormers'
+  TransformerConfig and LayerSetting with the real degrees, and its model built (small models).
+
+Each peer must accept every file and read back the degrees, batch and layer placement we meant.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ms_llm.convert import ReadOptions, dump, from_job, load
+from ms_llm.convert.megatron.read import parse_args
+from ms_llm.convert.shell import launch_command
+from ms_llm.job import job_from_dict, load_job, load_section
+
+ROOT = Path(__file__).resolve().parents[2]
+ORACLES = ROOT / ".oracles"
+FIXTURES = Path(__file__).resolve().parents[2] / "configs" / "examples"    # the peers' configs users convert
+EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml"))
+SOURCES = {"megatron_gpt3_175b.sh": ReadOptions(), "megatron_llama3_8b.sh": ReadOptions(),
+           "mindformers_r1_llama2_70b.yaml": ReadOptions(), "torchtitan_llama3_8b.toml": ReadOptions(world_size=64),
+           "deepspeed_zero3_offload.json": ReadOptions(model=load_section("model", "llama2_7b"))}
+
+
+def _jobs() -> dict:
+    """Converted jobs: the peer fixtures, the shipped train configs and MindFormers examples."""
+    out = {name: load(FIXTURES / name, options=opts) for name, opts in SOURCES.items()}
+    for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
+        job = load_job(path)
+        out[path.stem] = from_job(job, None if job.strategy.dp > 0 else 1024, str(path))
+    out.update({path.stem: load(path) for path in EXAMPLES})
+    out["mindformers_qwen3_32b"] = load(ORACLES / "configs" / "qwen3" / "pretrain_qwen3_32b_4k.yaml")
+    out["moe_cp_ulysses"] = _moe_cp_job()
+    return out
+
+
+def _moe_cp_job():
+    """Every model.moe field the peers hold, on a dp2 x cp2 x ep2 Ulysses job."""
+    moe = {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32, "shared_experts": 2, "normalize_top_k": False,
+           "capacity_factor": 1.5, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001, "layer_freq": 2}
+    job = job_from_dict({"name": "moe_cp", "model": {**vars(load_section("model", "tiny")), "moe": moe},
+                         "strategy": {"dp": 2, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ulysses"}},
+                         "train": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 64, "steps": 10}},
+                        ROOT / "configs")
+    return from_job(job, 4, "moe_cp")
+
+
+JOBS = _jobs()
+# Small jobs MindFormers builds: (strategy, world size)
+TINY = {"dp2_tp2_pp2_sp_zero3_uneven": ({"dp": 2, "tp": 2, "pp": 2, "sequence_parallel": True, "zero": {"stage": 3},
+                                         "recompute": {"policy": "full", "num_layers": 1},
+                                         "pipeline": {"layer_split": [1, 3]}}, 8),
+        "tp2_pp2_vpp2_zero2": ({"dp": 1, "tp": 2, "pp": 2, "zero": {"stage": 2},
+                                "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}, 4),
+        "dp2_cp2_flash_zero1": ({"dp": 2, "cp": 2, "zero": {"stage": 1}}, 4),
+        "qwen3_tp2_bias_head_dim": ({"dp": 1, "tp": 2}, 2),
+        "qwen3_moe_dp2_cp2_ep2_ring": ({"dp": 2, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ring"}}, 4)}
+# Qwen3's q/k norms, Qwen2's q/k/v biases and a head_dim apart from hidden / heads, on the tiny model.
+QWEN = {"qk_norm": True, "qkv_bias": True, "head_dim": 64}
+# Fine-grained routed experts, a shared one, capacity, z-loss and raw top-k weights (Qwen3-MoE has q/k norms).
+MOE = {"qk_norm": True, "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 32, "shared_experts": 1,
+                                "normalize_top_k": False, "capacity_factor": 1.5, "z_loss_coeff": 0.001}}
+
+
+def _tiny(name: str):
+    strategy, world = TINY[name]
+    flash = strategy.get("cp", 1) > 1
+    extra = MOE if "moe" in name else QWEN if "qwen" in name else {}
+    model = {**vars(load_section("model", "tiny")), "flash_attention": flash, **extra}
+    job = job_from_dict({"name": name, "model": model,
+                         "device": "910b", "backend": "mindspore", "strategy": strategy,
+                         "train": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 64, "steps": 10,
+                                   "data": {"paths": ["/data/a", "/data/b"], "weights": [0.3, 0.7]}}}, ROOT / "configs")
+    return from_job(job, world, name)
+
+
+def _run(cmd: list[str], cwd: Path, env: dict | None = None) -> None:
+    if not (ORACLES / "megatron").is_dir():
+        pytest.fail(".oracles/ is missing: run `make oracles` (installs the peers beside .venv)")
+    env = {**os.environ, "PYTHONPATH": str(ORACLES), "GLOG_v": "3", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+
+
+def _probe(script: str, cases: dict, tmp: Path) -> dict:
+    (tmp / "in.json").write_text(json.dumps(cases))
+    _run([sys.executable, str(Path(__file__).parents[1] / "helpers" / script), str(tmp / "in.json"), str(tmp / "out.json")], tmp)
+    return json.loads((tmp / "out.json").read_text())
+
+
+# ---- Megatron-LM: megatron-core's TransformerConfig -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory) -> dict:
+    cases = {name: parse_args(launch_command(dump(conv, "megatron").text, "out.sh").args, "out.sh")
+             for name, conv in JOBS.items()}
+    return _probe("megatron_config_probe.py", cases, tmp_path_factory.mktemp("megatron"))
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_megatron_core_reads_our_arguments(name, megatron):
+    result = megatron[name]
+    assert "error" not in result, result
+    c, s, m = result["ok"], JOBS[name].job.strategy, JOBS[name].job.model
+    assert (c["tensor_model_parallel_size"], c["pipeline_model_parallel_size"], c["context_parallel_size"]) == \
+        (s.tp, s.pp, s.cp)
+    assert c["sequence_parallel"] == (s.sequence_parallel and s.tp > 1)
+    assert (c["virtual_pipeline_model_parallel_size"] or 1) == s.pipeline.virtual_stages
+    assert (c["num_layers"], c["hidden_size"], c["ffn_hidden_size"], c["kv_channels"]) == \
+        (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.head_dim)
+    assert (c["num_query_groups"] or m.num_heads) == m.num_kv_heads
+    assert (c["qk_layernorm"], c["add_qkv_bias"]) == (m.qk_norm, m.qkv_bias)
+    assert c["gated_linear_unit"] and not c["add_bias_linear"] and c["normalization"] == "RMSNorm"
+    assert c["recompute_granularity"] == {"none": None, "selective": "selective", "full": "full"}[s.recompute.policy]
+    assert c["cp_comm_type"] == {"ring": "p2p", "ulysses": "a2a", "allgather": "all_gather"}.get(
+        s.context_parallel.algorithm) if s.cp > 1 else c["cp_comm_type"] is None
+    if m.moe is not None:
+        shared = m.moe.shared_experts * m.expert_ffn_size or None
+        assert (c["num_moe_experts"], c["moe_router_topk"], c["moe_ffn_hidden_size"],
+                c["moe_shared_expert_intermediate_size"], not c["moe_router_pre_softmax"], c["moe_aux_loss_coeff"],
+                c["moe_z_loss_coeff"], c["moe_expert_capacity_factor"], c["moe_layer_freq"],
+                c["expert_model_parallel_size"]) == \
+            (m.moe.num_experts, m.moe.top_k, m.expert_ffn_size, shared, m.moe.normalize_top_k, m.moe.aux_loss_coeff,
+             m.moe.z_loss_coeff, m.moe.capacity_factor, m.moe.layer_freq, s.ep)
+
+
+# ---- DeepSpeed: DeepSpeedConfig with the job's data-parallel size ------------------------------------
+
+@pytest.fixture(scope="module")
+def deepspeed(tmp_path_factory) -> dict:
+    cases = {name: {"config": json.loads(dump(conv, "deepspeed").text), "dp": conv.job.strategy.dp}
+             for name, conv in JOBS.items()}
+    return _probe("deepspeed_config_probe.py", cases, tmp_path_factory.mktemp("deepspeed"))
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_deepspeed_reads_our_json(name, deepspeed):
+    result = deepspeed[name]
+    assert "error" not in result, result
+    c, s, t = result["ok"], JOBS[name].job.strategy, JOBS[name].job.train
+    assert (c["world_size"], c["train_batch_size"], c["micro_batch"]) == (s.dp, t.global_batch_size, t.micro_batch_size)
+    assert c["gradient_accumulation_steps"] == t.global_batch_size // (t.micro_batch_size * s.dp)
+    assert c["zero_stage"] == s.zero.stage and c["gradient_clipping"] == t.optimizer.grad_clip
+    assert c["offload_optimizer"] == s.offload.optimizer
+
+
+# ---- torchtitan 0.3: ConfigManager (the registered config plus our overrides) ----------------------
+
+REGISTERED = {name: conv for name, conv in JOBS.items() if "--config llama3_" in dump(conv, "torchtitan").text
+              or "--config qwen3_" in dump(conv, "torchtitan").text}
+
+
+@pytest.fixture(scope="module")
+def torchtitan(tmp_path_factory) -> dict:
+    cases = {name: launch_command(dump(conv, "torchtitan").text, "job.sh").args for name, conv in REGISTERED.items()}
+    return _probe("torchtitan_config_probe.py", cases, tmp_path_factory.mktemp("torchtitan"))
+
+
+def test_torchtitan_jobs_cover_registered_configs():
+    assert {"torchtitan_llama3_8b.toml", "mindformers_qwen3_32b"} <= set(REGISTERED)
+
+
+@pytest.mark.parametrize("name", REGISTERED)
+def test_torchtitan_config_manager_reads_our_job(name, torchtitan):
+    result = torchtitan[name]
+    assert "error" not in result, result
+    c, conv = result["ok"], REGISTERED[name]
+    s, t = conv.job.strategy, conv.job.train
+    shard = c["dp_shard"] if c["dp_shard"] > 0 else conv.world_size // (c["dp_replicate"] * s.tp * s.pp * s.cp)
+    assert (c["dp_replicate"] * shard, c["tp"], c["pp"], c["cp"]) == (s.dp, s.tp, s.pp, s.cp)
+    assert (c["global_batch_size"], c["seq_len"], c["steps"], c["seed"]) == \
+        (t.global_batch_size, t.seq_len, t.steps, t.seed)
+    assert (c["lr"], c["betas"]) == (t.optimizer.lr, [t.optimizer.beta1, t.optimizer.beta2])
+    assert c["activation_checkpoint"] == {"none": "NoneType", "full": "FullAC", "selective": "SelectiveAC"}[
+        s.recompute.policy]
+
+
+# ---- MindFormers 2.x: MindFormerConfig, MindSpore's context, TransformerConfig, LayerSetting, model ----
+
+@pytest.fixture(scope="module")
+def mindformers(tmp_path_factory) -> dict:
+    """One msrun worker (MindFormers' mcore models need mindspore.communication.init())."""
+    tmp = tmp_path_factory.mktemp("mindformers")
+    cases = []
+    for name in TINY:
+        (tmp / f"{name}.yaml").write_text(dump(_tiny(name), "mindformers2").text)
+        cases.append({"path": str(tmp / f"{name}.yaml"), "build": True})
+    (tmp / "r1.yaml").write_text(dump(_tiny("dp2_tp2_pp2_sp_zero3_uneven"), "mindformers").text)
+    cases += [{"path": str(tmp / "r1.yaml"), "build": False}] + [{"path": str(p), "build": False} for p in EXAMPLES]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    venv_bin = str(Path(sys.executable).parent)
+    _run([str(Path(venv_bin) / "msrun"), "--worker_num=1", "--local_worker_num=1", f"--master_port={port}",
+          f"--log_dir={tmp / 'log'}", "--join=True", str(Path(__file__).parents[1] / "helpers" / "ms_mcore_probe.py"),
+          json.dumps(cases), str(tmp / "out.json")], tmp, {"PATH": venv_bin + os.pathsep + os.environ["PATH"]})
+    result = json.loads((tmp / "out.json").read_text())
+    assert result["mindformers"].startswith("2.1."), result["mindformers"]
+    return {Path(p).stem: v for p, v in result["yamls"].items()}
+
+
+def _expected_parameters(m) -> dict:
+    """MindFormers' mcore GPTModel parameters for our model: fused qkv (and its bias) and gate/up,
+    per-head q/k norms."""
+    h, v, f, q, kv = m.hidden_size, m.vocab_size, m.ffn_hidden_size, m.q_dim, m.kv_dim
+    out = {"model.embedding.word_embeddings.weight": [v, h], "model.decoder.final_layernorm.weight": [h],
+           "model.output_layer.weight": [v, h]}
+    for i in range(m.num_layers):
+        p = f"model.decoder.layers.{i}."
+        out.update({p + "input_layernorm.weight": [h], p + "self_attention.linear_qkv.weight": [q + 2 * kv, h],
+                    p + "self_attention.linear_proj.weight": [h, q], p + "pre_mlp_layernorm.weight": [h],
+                    p + "mlp.linear_fc1.weight": [2 * f, h], p + "mlp.linear_fc2.weight": [h, f]})
+        if m.qkv_bias:
+            out[p + "self_attention.linear_qkv.bias"] = [q + 2 * kv]
+        if m.qk_norm:
+            out.update({p + "self_attention.q_layernorm.weight": [m.head_dim],
+                        p + "self_attention.k_layernorm.weight": [m.head_dim]})
+        if m.moe is not None:        # grouped-GEMM experts: gate/up of every expert in weight1, down in weight2
+            e, fe, shared = m.moe.num_experts, m.expert_ffn_size, m.moe.shared_experts * m.expert_ffn_size
+            del out[p + "mlp.linear_fc1.weight"], out[p + "mlp.linear_fc2.weight"]
+            out.update({p + "mlp.router.weight": [e, h], p + "mlp.router.fi_accu": [e],
+                        p + "mlp.experts.weight1": [e * h, 2 * fe], p + "mlp.experts.weight2": [e * fe, h],
+                        p + "mlp.shared_experts.linear_fc1.weight": [2 * shared, h],
+                        p + "mlp.shared_experts.linear_fc2.weight": [h, shared]})
+    return out
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_mindformers_builds_the_2x_yaml_we_write(name, mindformers):
+    result, conv = mindformers[name], _tiny(name)
+    s, m = conv.job.strategy, conv.job.model
+    arch = "TrainingQwen3MoeForCausalLM" if m.moe else "TrainingQwen3ForCausalLM" if m.qk_norm else \
+        "TrainingTeleChat3ForCausalLM"
+    assert result["use_legacy"] is False and result["model"] == arch
+    assert result["degrees"] == [s.dp, s.tp, s.pp, s.cp]
+    algorithm = {"ring": ("colossalai_cp", True), "allgather": ("colossalai_cp", False),
+                 "ulysses": ("ulysses_cp", False)}.get(s.context_parallel.algorithm, ("colossalai_cp", False))
+    moe = result["moe"]
+    assert (moe["context_parallel_algo"], moe["use_ring_attention"]) == algorithm
+    if m.moe is not None:           # MindFormers' TransformerConfig holds every model.moe field we write
+        shared = m.moe.shared_experts * m.expert_ffn_size or None
+        assert (moe["num_moe_experts"], moe["moe_router_topk"], moe["moe_ffn_hidden_size"],
+                moe["moe_shared_expert_intermediate_size"], moe["norm_topk_prob"], moe["moe_aux_loss_coeff"],
+                moe["moe_z_loss_coeff"], moe["moe_expert_capacity_factor"], moe["expert_model_parallel_size"]) == \
+            (m.moe.num_experts, m.moe.top_k, m.expert_ffn_size, shared, m.moe.normalize_top_k, m.moe.aux_loss_coeff,
+             m.moe.z_loss_coeff, m.moe.capacity_factor, s.ep)
+    chunks = s.pp * s.pipeline.virtual_stages
+    split = list(s.pipeline.layer_split or [m.num_layers // chunks] * chunks)
+    assert result["layers_per_stage"] == [split[v * s.pp:(v + 1) * s.pp] for v in range(s.pipeline.virtual_stages)]
+    assert result["parameters"] == _expected_parameters(m)
+
+
+def test_mindformers_loads_the_examples_and_the_r1_layout(mindformers):
+    assert mindformers["r1"]["use_legacy"] is True
+    assert mindformers["mindformers_r1_llama2_7b"]["use_legacy"] is True
+    two = mindformers["mindformers2_llama2_7b"]
+    assert (two["use_legacy"], two["degrees"], two["layers_per_stage"]) == (False, [2, 2, 2, 1], [[15, 17]])

@@ -1,0 +1,78 @@
+"""Two nodes on one machine, over 127.0.0.1: `ms-llm train --nnodes 2` started twice (node
+ranks 0 and 1, one data-parallel worker each) trains exactly as one node running both workers,
+under torchrun and under msrun.
+
+OMP_NUM_THREADS=1 in every run: torchrun sets it only for several processes per node, and the
+number of threads a CPU matmul splits its reductions over changes the last bits of the loss.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ms_llm.nodes import free_port
+from ms_llm.processes import descendants
+from ms_llm.run.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600                     # a bound on each wait, not a speed requirement
+NODE = ["--nnodes", "2", "--master-addr", "127.0.0.1"]
+
+
+def start(config: str, run: Path, name: str, *flags: str) -> subprocess.Popen:
+    """One launcher, its output in <name>.out beside the run folder (no pipe to fill up)."""
+    with open(run.parent / f"{name}.out", "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "ms_llm", "train", config, "--steps", "3", "--run-dir", str(run),
+                                 *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def finish(procs: list[subprocess.Popen]) -> list[int]:
+    """Exit statuses of the launchers; past the bound, they and everything they started are
+    killed by PID and the test fails."""
+    try:
+        return [p.wait(timeout=TIMEOUT_S) for p in procs]
+    except subprocess.TimeoutExpired:
+        pids = [q for p in procs for q in [p.pid, *descendants(p.pid)]]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait()
+        pytest.fail(f"launchers still running after {TIMEOUT_S} s; killed {pids}")
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+
+def outputs(tmp: Path) -> str:
+    return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp.glob("*.out")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    pytest.param("configs/train/tiny_torch_dp2.yaml", id="torchrun"),
+    pytest.param("configs/train/tiny_ms_dp2.yaml", id="msrun", marks=pytest.mark.mindspore),
+])
+def test_two_nodes_train_like_one(tmp_path, config):
+    if "ms_dp2" in config:
+        pytest.importorskip("mindspore")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert finish([start(config, one, "one")]) == [0], outputs(tmp_path)
+    port = str(free_port())
+    nodes = [start(config, two, f"node{r}", *NODE, "--node-rank", str(r), "--master-port", port) for r in (0, 1)]
+    assert finish(nodes) == [0, 0], outputs(tmp_path)
+
+    assert len(losses(one)) == 3 and losses(two) == losses(one)
+    # Both nodes resolved the YAML to the job the single node wrote, but for the run folder.
+    assert (two / "config.yaml").read_text().replace(str(two), "RUN") == \
+        (one / "config.yaml").read_text().replace(str(one), "RUN")
+    assert not (two / "tmp").exists() and not list(two.glob(".config.yaml.*"))

@@ -1,0 +1,110 @@
+"""Expert-parallel matrix worker, run under torchrun by tests/torch/test_torch_moe_matrix.py.
+
+    torchrun --nproc-per-node W tests/helpers/torch_moe_worker.py TOKENS OUT case [case ...]
+
+Like tests/helpers/torch_matrix_worker.py, on tiny_moe (dropless router, so the result does not depend
+on how tokens are split; z-loss on, the load-balancing loss off, since it is not additive over
+ranks): each case writes its losses and its parameters after the last step, experts gathered
+from their ep and tp slices to full tensors.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from safetensors.torch import save_file
+
+from ms_llm.data import GlobalBatchSampler
+from ms_llm.job import job_from_dict
+from ms_llm.machine import Machine
+from ms_llm.strategy.plan import plan as make_plan
+from torch_backend.apply import apply
+from torch_backend.lower import lower
+from torch_backend.mesh import build_meshes
+from torch_backend.step import TrainStep
+from torch_backend.weights import canonical_name
+from torch_matrix_worker import FP32, FencedSteps, full, main
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = yaml.safe_load((ROOT / "configs" / "models" / "tiny_moe.yaml").read_text())
+MODEL["moe"] |= {"aux_loss_coeff": 0.0, "z_loss_coeff": 1e-3}
+STEPS = 3
+
+# name -> (world size, strategy); SGD throughout, so parameters compare at 1e-5.
+CASES: dict[str, tuple[int, dict]] = {
+    "ref": (1, {}),
+    "ep2": (2, {"dp": 2, "ep": 2}),
+    "ep2_cp2": (2, {"dp": 1, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ring"}}),   # experts over dp*cp
+    "ep2_dp2_zero1": (4, {"dp": 4, "ep": 2, "zero": {"stage": 1}}),
+    "ep2_dp2_zero3": (4, {"dp": 4, "ep": 2, "zero": {"stage": 3}}),
+    "ep2_tp2": (4, {"dp": 2, "ep": 2, "tp": 2}),
+    "ep2_pp2": (4, {"dp": 2, "ep": 2, "pp": 2, "pipeline": {"schedule": "1f1b"}}),
+}
+
+
+def job_for(case: str):
+    _, strategy = CASES[case]
+    return job_from_dict({
+        "name": case, "device": "cpu", "model": MODEL, "strategy": {**strategy, "precision": FP32},
+        "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "steps": STEPS, "seed": 7,
+                  "optimizer": {"name": "sgd", "lr": 0.5, "weight_decay": 0.01, "grad_clip": 1.0},
+                  "schedule": {"warmup_steps": 1}},
+    })
+
+
+def full_params(parts, plan, meshes) -> dict[str, torch.Tensor]:
+    """Full tensors of this rank's parameters; experts all-gathered over ep (dim 0) and tp."""
+    out = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            name = canonical_name(name)
+            t = full(p)
+            if plan.params[name].kind.startswith("expert"):
+                for axis in ("ep", "tp"):
+                    dim = plan.params[name].layout.placements[plan.params[name].layout.mesh.names.index(axis)]
+                    if getattr(plan.strategy, axis) > 1:
+                        pieces = [torch.empty_like(t) for _ in range(getattr(plan.strategy, axis))]
+                        dist.all_gather(pieces, t, group=meshes.expert_group(axis))
+                        t = torch.cat(pieces, dim=dim.dim)
+            out[f"param/{name}"] = t
+    return out
+
+
+def expert_state(dp) -> float:
+    """Elements the experts' optimizer keeps states for, over the local expert elements (1 =
+    whole on every edp rank; 1/edp under ZeRO-1 over edp)."""
+    experts = getattr(dp, "experts", None)
+    if experts is None:
+        return 1.0
+    held = sum(p.numel() for g in experts.optimizer.param_groups for p in g["params"])
+    return held / sum(p.numel() for p in experts.params.values())
+
+
+def run_case(case: str, tokens, out: Path) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = job_for(case)
+    tc = job.train
+    plan = make_plan(job.model, job.strategy, tc, world)
+    low = lower(plan, Machine("cpu"))
+    meshes = build_meshes(plan.mesh, "cpu", low.expert_mesh)
+    lowered = apply(low, plan, meshes, torch.device("cpu"), rank)
+    step_fn = TrainStep(lowered)
+    sampler = GlobalBatchSampler(tokens, tc.seq_len, tc.global_batch_size, tc.seed)
+    dp_rank, dp_size = meshes.coord("dp"), meshes.size("dp")
+    steps = FencedSteps(step_fn, plan, rank)
+    losses = [steps(k, torch.from_numpy(sampler.local_batch(k, dp_rank, dp_size))) for k in range(tc.steps)]
+    lowered.dp.gather_params()
+    tensors = full_params(lowered.parts, plan, meshes)
+    if dp_rank == 0 and meshes.coord("tp") == 0:
+        save_file(tensors, out / f"{case}-rank{rank}.safetensors")
+    if rank == 0:
+        (out / f"{case}.json").write_text(json.dumps({"losses": losses, "expert_state": expert_state(lowered.dp)}))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:], run_case)

@@ -1,0 +1,116 @@
+"""Strategy search: what it returns is valid and priced like a full plan, its pruning loses nothing,
+and published configurations (read from their own formats) validate and rank near the top."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ms_llm.config.train import TrainConfig
+from ms_llm.convert import ReadOptions, load
+from ms_llm.errors import ConfigError
+from ms_llm.job import load_section
+from ms_llm.strategy.cost import estimate
+from ms_llm.strategy.devices import get_device
+from ms_llm.strategy.ir import RecomputeSpec
+from ms_llm.strategy.plan import plan
+from ms_llm.strategy.search import SearchSpace, price, search
+
+FIXTURES = Path(__file__).resolve().parents[2] / "configs" / "examples"    # the peers' configs users convert
+
+
+def test_every_ranked_strategy_plans_and_fits():
+    model = load_section("model", "llama2_13b")
+    train = TrainConfig(global_batch_size=64, seq_len=4096)
+    device = get_device("a100")
+    result = search(model, train, 32, device)
+    assert result.ranked and result.enumerated == result.invalid + result.too_big + len(result.ranked)
+    steps = [c.estimate.step_s for c in result.ranked]
+    assert steps == sorted(steps)
+    for c in result.ranked[:5] + result.ranked[-3:]:
+        p = plan(model, c.strategy, c.train, 32)          # the full plan accepts it ...
+        assert estimate(p, device) == c.estimate           # ... and prices it the same
+        assert c.estimate.fits and p.world_size == 32
+        assert c.train.global_batch_size == 64
+
+
+def test_more_recompute_is_never_faster():
+    """The search keeps only the first recompute policy that fits; that is exact if each step of
+    none -> selective -> full only adds time."""
+    model = load_section("model", "llama2_70b")
+    train = TrainConfig(global_batch_size=256, seq_len=4096)
+    device = get_device("h100")
+    result = search(model, train, 64, device, space=SearchSpace(recompute=("none",)))
+    roomy = dataclasses.replace(device, memory_bytes=1e15)
+    for c in result.ranked[::40]:
+        times = [price(model, dataclasses.replace(c.strategy, recompute=RecomputeSpec(policy=p)), c.train,
+                       roomy).estimate.step_s for p in ("none", "selective", "full")]
+        assert times[0] <= times[1] <= times[2]
+
+
+def test_pruned_search_matches_trying_every_policy():
+    model = load_section("model", "llama2_7b")
+    train = TrainConfig(global_batch_size=32, seq_len=4096)
+    device = get_device("910b")
+    best = search(model, train, 16, device).ranked[0]
+    exhaustive = []
+    for policy in ("none", "selective", "full"):
+        exhaustive += search(model, train, 16, device, space=SearchSpace(recompute=(policy,))).ranked
+    assert best.estimate.step_s == min(c.estimate.step_s for c in exhaustive)
+
+
+def test_70b_on_1024_devices():
+    model = load_section("model", "llama2_70b")
+    result = search(model, TrainConfig(global_batch_size=1024, seq_len=4096), 1024, get_device("h100"))
+    assert len(result.ranked) > 1000
+    top = result.ranked[0].strategy
+    assert top.dp * top.tp * top.pp * top.cp == 1024
+
+
+def _rank_published(path, **options):
+    conv = load(FIXTURES / path, None, ReadOptions(**options))
+    job = conv.job
+    device = get_device(job.device)
+    published = price(job.model, job.strategy, job.train, device, conv.world_size)
+    result = search(job.model, job.train, conv.world_size, device, base=job.strategy)
+    return published, result
+
+
+def test_mindformers_llama2_70b_on_64_910b_ranks_near_the_top():
+    published, result = _rank_published("mindformers_r1_llama2_70b.yaml")
+    s = published.strategy
+    assert (s.dp, s.tp, s.pp, s.sequence_parallel, s.zero.stage, s.pipeline.micro_batches) == (2, 4, 8, True, 1, 128)
+    assert published.estimate.fits
+    rank = result.rank_of(published)
+    assert rank <= 0.15 * len(result.ranked)
+    assert published.estimate.step_s <= 1.15 * result.ranked[0].estimate.step_s
+
+
+def test_megatron_gpt3_175b_on_1024_h100_ranks_near_the_top():
+    published, result = _rank_published("megatron_gpt3_175b.sh")
+    s = published.strategy
+    assert (s.dp, s.tp, s.pp, s.pipeline.micro_batches) == (8, 8, 16, 192)
+    assert published.estimate.fits
+    rank = result.rank_of(published)
+    assert rank <= 0.15 * len(result.ranked)
+    assert published.estimate.step_s <= 1.3 * result.ranked[0].estimate.step_s
+
+
+def test_no_strategy_fits_and_bad_world_size():
+    model = load_section("model", "llama2_70b")
+    result = search(model, TrainConfig(global_batch_size=8, seq_len=4096), 8, get_device("cpu"))
+    assert result.ranked == () and result.too_big > 0
+    with pytest.raises(ConfigError, match="--world-size"):
+        search(model, TrainConfig(), 0, get_device("h100"))
+
+
+def test_moe_search_varies_expert_parallel():
+    """Mixtral on 64 H100s: ep is a searched degree (dividing dp*cp and the 8 experts), every
+    candidate plans, and at least one ranked strategy splits the experts."""
+    model = load_section("model", "mixtral_8x7b")
+    train = TrainConfig(global_batch_size=256, seq_len=4096)
+    space = SearchSpace(micro_batch_sizes=(1,), zero_stages=(1,), schedules=("1f1b",), recompute=("full",))
+    result = search(model, train, 64, get_device("h100"), space=space)
+    eps = {c.strategy.ep for c in result.ranked}
+    assert eps <= {1, 2, 4, 8} and max(eps) > 1
+    best = result.ranked[0]
+    plan(model, best.strategy, best.train, 64)

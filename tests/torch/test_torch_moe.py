@@ -1,0 +1,153 @@
+"""The torch MoE layer: logits equal transformers' MixtralForCausalLM, the Hub checkpoint layout
+round-trips through export, and the router's losses equal a hand computation."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from ckpt_helpers import plan_for
+from ms_llm.checkpoint import Checkpoint, CheckpointWriter, SaveItem, param_pieces, run_config
+from ms_llm.checkpoint.interop.hf import export_hf
+from ms_llm.checkpoint.interop.hf_moe import mixtral_names
+from ms_llm.cli import main as cli
+from ms_llm.config.model import ModelConfig, MoEConfig
+from torch_backend.model import Transformer
+from torch_backend.moe import MoE
+
+transformers = pytest.importorskip("transformers")
+
+MIXTRAL = ModelConfig(name="tiny_mixtral", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=96, max_seq_len=32, rope_theta=10000.0, norm_eps=1e-6, dtype="float32",
+                      moe=MoEConfig(num_experts=4, top_k=2))
+
+
+def hf_mixtral(cfg: ModelConfig):
+    hf_cfg = transformers.MixtralConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+        num_local_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.top_k, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(hf_cfg).eval()
+
+
+def from_hub(hub: dict[str, np.ndarray], model: Transformer) -> dict[str, torch.Tensor]:
+    """Our state dict from the Hub's tensors, through the name table under test."""
+    out = {}
+    for name in model.state_dict():
+        names = mixtral_names(name, model.cfg.moe.num_experts) or [name]
+        arrays = [hub[n] for n in names]
+        out[name] = torch.from_numpy(np.stack(arrays) if "experts" in name else arrays[0])
+    return out
+
+
+def test_logits_match_transformers_mixtral(tmp_path):
+    hf = hf_mixtral(MIXTRAL)
+    hf.save_pretrained(tmp_path / "hub")          # the Hub layout: block_sparse_moe.experts.E.w1.weight, ...
+    hub = load_file(str(tmp_path / "hub" / "model.safetensors"))
+    ours = Transformer(MIXTRAL).eval()
+    ours.load_state_dict(from_hub(hub, ours))
+    tokens = torch.randint(0, MIXTRAL.vocab_size, (3, 17))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_hub_mixtral_imports_and_exports_back_bit_equal(tmp_path):
+    """`convert-checkpoint --from hf` of a save_pretrained MixtralForCausalLM: the per-expert Hub
+    tensors are stacked into ours, the model computes transformers' logits, and exporting the
+    import gives back the Hub's tensors bit for bit."""
+    hf = hf_mixtral(MIXTRAL)
+    hf.save_pretrained(tmp_path / "hub")
+    assert cli(["convert-checkpoint", str(tmp_path / "hub"), str(tmp_path / "ckpt"), "--from", "hf"]) == 0
+    with Checkpoint.open(tmp_path / "ckpt") as ckpt:
+        model = ckpt.model_config()
+        assert model.moe == MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=hf.config.router_aux_loss_coef)
+        ours = Transformer(model).eval()
+        ours.load_state_dict({n: torch.from_numpy(ckpt.read_full(n)) for n in ours.state_dict()})
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".hf-stacked")]    # staging removed
+    tokens = torch.randint(0, MIXTRAL.vocab_size, (3, 17))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+    export_hf(tmp_path / "ckpt", tmp_path / "back")
+    hub, back = load_file(str(tmp_path / "hub" / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(hub)
+    assert all(np.array_equal(back[n], hub[n]) for n in hub)
+
+
+def test_export_is_the_hub_layout_transformers_loads(tmp_path):
+    plan = plan_for({"dp": 2, "ep": 2}, 2, MIXTRAL)
+    ref = {n: np.random.default_rng(len(n)).standard_normal(p.shape).astype(np.float32) * 0.05
+           for n, p in plan.params.items()}
+    for rank in reversed(range(2)):              # each rank writes its own experts
+        w = CheckpointWriter(tmp_path / "ckpt", rank, 2)
+        items = [SaveItem(p, np.ascontiguousarray(ref[n][tuple(slice(o, o + s) for o, s in
+                                                                zip(p.region.offsets, p.region.sizes))]))
+                 for n, p in param_pieces(plan, rank).items() if p.primary]
+        w.save(1, items, state={"step": 1}, config=run_config(plan, "torch"))
+        w.close()
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = Transformer(MIXTRAL).eval()
+    ours.load_state_dict({n: torch.from_numpy(a) for n, a in ref.items()})
+    tokens = torch.randint(0, MIXTRAL.vocab_size, (2, 16))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def moe_layer(**moe) -> MoE:
+    cfg = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=12,
+                      dtype="float32", moe=MoEConfig(**{"num_experts": 4, "top_k": 2, **moe}))
+    torch.manual_seed(1)
+    layer = MoE(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return layer
+
+
+def test_router_losses_equal_a_hand_computation():
+    layer = moe_layer(aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    x = torch.randn(2, 5, 8)
+    layer(x)
+    logits = (x.reshape(-1, 8) @ layer.gate.weight.t()).detach().double().numpy()      # (10, 4)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=1)[:, :2]
+    share = np.array([(chosen == e).sum() for e in range(4)]) / chosen.size       # f_e over the 20 copies
+    balance = 4 * sum(share[e] * probs[:, e].mean() for e in range(4))
+    zl = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
+    assert layer.last_aux.item() == pytest.approx(0.1 * balance + 0.01 * zl, rel=1e-5)
+
+
+def test_aux_loss_gradient_reaches_the_router():
+    """Backward of the output alone carries d(aux)/d(router) (scaled by aux_scale)."""
+    layer = moe_layer(aux_loss_coeff=1.0)
+    x = torch.randn(2, 5, 8)
+    layer(x).sum().backward()
+    with_aux = layer.gate.weight.grad.clone()
+    layer.zero_grad()
+    layer.aux_coeff = 0.0
+    layer(x).sum().backward()
+    without = layer.gate.weight.grad.clone()
+    layer.zero_grad()
+    layer.aux_coeff = 1.0
+    probs = torch.softmax(x.reshape(-1, 8) @ layer.gate.weight.t(), -1)
+    top = torch.topk(probs, 2).indices
+    f = torch.bincount(top.flatten(), minlength=4).float() / top.numel()
+    (4 * (f * probs.mean(0)).sum()).backward()
+    torch.testing.assert_close(with_aux - without, layer.gate.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_drops_the_latest_copies_of_a_full_expert():
+    dropless, capped = moe_layer(), moe_layer(capacity_factor=0.5)
+    x = torch.randn(1, 8, 8)
+    flat = torch.topk(dropless.route(x.reshape(-1, 8))[1], 2).indices.flatten()
+    order = torch.argsort(flat, stable=True)
+    keep = capped.capacity_mask(flat, order)
+    capacity = 2                                  # ceil(0.5 * 16 copies / 4 experts)
+    for e in range(4):
+        kept = keep[flat[order] == e]
+        assert kept.sum() == min(capacity, kept.numel()) and kept[:capacity].all()
+    assert not torch.allclose(dropless(x), capped(x))
