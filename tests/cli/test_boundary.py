@@ -1,16 +1,25 @@
-"""Import boundaries, each module checked in a fresh interpreter:
+"""Import boundaries.
+
+Frameworks, each module checked in a fresh interpreter (one interpreter forks a pristine child
+per module, so nothing one import loads is seen by the next):
 - ms_llm minus ms_llm/mindspore imports neither torch nor mindspore;
 - the core (that, minus the CLI layer) imports no backend either, not even inside a function;
 - each backend's support, launch, lower and dry_run modules import no framework: the launcher
-  asks, prints and starts with them before any worker imports torch or MindSpore."""
+  asks, prints and starts with them before any worker imports torch or MindSpore.
+
+Layers, read from the source of every module (function bodies too): the rooms of LAYERS, bottom
+up, and an import only ever points at a room on a lower line. That rules out a package cycle
+and an arrow running back up; a new package fails here until it is given its line."""
 import ast
 import importlib.util
+import json
 import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
 import ms_llm
+import torch_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("torch", "mindspore")
@@ -19,8 +28,47 @@ BACKENDS = ("torch_backend", "ms_llm.mindspore")
 CLI_LAYER = ("ms_llm.__main__", "ms_llm.cli", "ms_llm.commands", "ms_llm.backends", "ms_llm.launch")
 SUPPORT = ("torch_backend.support", "ms_llm.mindspore.support", "torch_backend.launch", "ms_llm.mindspore.launch",
            "torch_backend.lower", "torch_backend.dry_run", "ms_llm.mindspore.lower", "ms_llm.mindspore.dry_run")
-CHECK = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
-         "print(','.join(m for m in sys.argv[2:] if m in sys.modules))")
+# Runs as `python -c CHECK watched,... module ...`: forks once per module, so each import starts
+# from the same pristine interpreter; prints {module: "loaded,watched"} ("!error" if it failed).
+CHECK = """
+import importlib, json, os, sys
+watched, found = sys.argv[1].split(","), {}
+for module in sys.argv[2:]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            importlib.import_module(module)
+            msg = ",".join(m for m in watched if m in sys.modules)
+        except BaseException as exc:
+            msg = "!" + repr(exc)
+        os.write(w, msg.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        found[module] = f.read()
+    os.waitpid(pid, 0)
+print(json.dumps(found))
+"""
+# Bottom up. A room is a package or a top-level module; checkpoint's engine and interop are rooms
+# of their own (the API sits between them).
+LAYERS = (
+    ("ms_llm.errors", "ms_llm.durable", "ms_llm.processes", "ms_llm.init"),
+    ("ms_llm.config", "ms_llm.data"),
+    ("ms_llm.rope", "ms_llm.strategy"),
+    ("ms_llm.job", "ms_llm.zero", "ms_llm.machine", "ms_llm.checkpoint.storage"),
+    ("ms_llm.checkpoint", "ms_llm.convert"),
+    ("ms_llm.checkpoint.interop", "ms_llm.run"),
+    ("ms_llm.nodes",),
+    ("ms_llm.elastic", "ms_llm.mindspore", "torch_backend"),
+    ("ms_llm.backends",),
+    ("ms_llm.launch",),
+    ("ms_llm.commands",),
+    ("ms_llm.cli",),
+    ("ms_llm.__main__",),
+)
+LEVEL = {room: level for level, rooms in enumerate(LAYERS) for room in rooms}
 
 
 def _within(name: str, packages: tuple[str, ...]) -> bool:
@@ -39,10 +87,18 @@ def core_modules() -> list[str]:
     return [m for m in framework_free_modules() if not _within(m, CLI_LAYER)]
 
 
-def loaded_by(module: str, watched: tuple[str, ...]) -> str:
-    out = subprocess.run([sys.executable, "-c", CHECK, module, *watched], capture_output=True, text=True, cwd=ROOT)
+def loaded_by_each(modules: list[str], watched: tuple[str, ...]) -> dict[str, str]:
+    """{module: the watched modules importing it loads, comma-joined}, each in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", CHECK, ",".join(watched), *modules], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+    found = json.loads(out.stdout)
+    assert {m: v for m, v in found.items() if v.startswith("!")} == {}
+    return found
+
+
+def loaded_by(module: str, watched: tuple[str, ...]) -> str:
+    return loaded_by_each([module], watched)[module]
 
 
 def imports_anywhere(module: str) -> set[str]:
@@ -61,25 +117,89 @@ def imports_anywhere(module: str) -> set[str]:
 def test_ms_llm_imports_no_framework():
     mods = framework_free_modules()
     assert {"ms_llm.strategy.plan", "ms_llm.data.sampler", "ms_llm.cli", "ms_llm.backends"} <= set(mods)
-    offenders = {m: hit for m in mods if (hit := loaded_by(m, FRAMEWORKS))}
-    assert offenders == {}
+    assert {m: hit for m, hit in loaded_by_each(mods, FRAMEWORKS).items() if hit} == {}
 
 
 def test_core_imports_no_backend():
     mods = core_modules()
     assert "ms_llm.strategy.layout" in mods and "ms_llm.machine" in mods
     assert not any(_within(m, CLI_LAYER) for m in mods)
-    offenders = {m: hit for m in mods if (hit := loaded_by(m, BACKENDS))}
-    assert offenders == {}
+    assert {m: hit for m, hit in loaded_by_each(mods, BACKENDS).items() if hit} == {}
     lazy = {m: sorted(n for n in imports_anywhere(m) if _within(n, BACKENDS + FRAMEWORKS)) for m in mods}
     assert {m: names for m, names in lazy.items() if names} == {}
 
 
 def test_support_modules_import_no_framework():
-    assert {m: loaded_by(m, FRAMEWORKS) for m in SUPPORT} == {m: "" for m in SUPPORT}
+    assert loaded_by_each(list(SUPPORT), FRAMEWORKS) == {m: "" for m in SUPPORT}
 
 
 def test_boundary_check_can_fail():
     assert loaded_by("torch_backend.model", FRAMEWORKS) == "torch"
     assert loaded_by("ms_llm.backends", BACKENDS) == ",".join(BACKENDS)
     assert "torch_backend.checkpoint" in imports_anywhere("ms_llm.commands.checkpoint")
+
+
+def room_of(module: str) -> str:
+    """The innermost room of LAYERS holding `module` (KeyError: a module no line places)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LEVEL:
+            return ".".join(parts[:n])
+    raise KeyError(module)
+
+
+def all_modules() -> list[str]:
+    """Every module of ms_llm and torch_backend (ms_llm/__init__.py is empty: no room needed)."""
+    names = ["torch_backend"]
+    for package in (ms_llm, torch_backend):
+        names += [info.name for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+    return names
+
+
+def arrows(modules: list[str]) -> set[tuple[str, str, str]]:
+    """(importing module, imported name, its room) for every import of our own code between rooms."""
+    found = set()
+    for module in modules:
+        for name in imports_anywhere(module):
+            if name.split(".")[0] in ("ms_llm", "torch_backend") and importlib.util.find_spec(
+                    name.rsplit(".", 1)[0] if name.count(".") else name) is not None:
+                target = name if _is_module(name) else name.rsplit(".", 1)[0]
+                if room_of(target) != room_of(module):
+                    found.add((module, target, room_of(target)))
+    return found
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def upward(edges: set[tuple[str, str, str]]) -> list[str]:
+    """The arrows that do not point down a line: into the same line or above."""
+    return sorted(f"{m} -> {t}" for m, t, room in edges if LEVEL[room] >= LEVEL[room_of(m)])
+
+
+def test_every_module_has_a_room():
+    unplaced = []
+    for m in all_modules():
+        try:
+            room_of(m)
+        except KeyError:
+            unplaced.append(m)
+    assert unplaced == [], "give each new package or top-level module its line in LAYERS"
+
+
+def test_imports_point_down_the_layers():
+    edges = arrows(all_modules())
+    assert ("ms_llm.run.checkpoints", "ms_llm.checkpoint.reader", "ms_llm.checkpoint") in edges
+    assert upward(edges) == []
+
+
+def test_layer_check_can_fail():
+    # checkpoint/ importing the run layer (as its trainer glue once did), and a cycle between two rooms
+    assert upward({("ms_llm.checkpoint.reader", "ms_llm.run.folder", "ms_llm.run")}) == [
+        "ms_llm.checkpoint.reader -> ms_llm.run.folder"]
+    assert upward({("ms_llm.config.model", "ms_llm.data.sampler", "ms_llm.data"),
+                   ("ms_llm.data.sampler", "ms_llm.config.model", "ms_llm.config")}) != []
