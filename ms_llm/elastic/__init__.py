@@ -1,8 +1,8 @@
 """Restarting failed workers, the same for both backends.
 
 `--elastic` runs the supervisor (supervisor.py: watch.py detects, classify.py decides whether
-to retry, world.py re-plans dp, members.py tracks the nodes, procs.py stops processes). Without
-it, `--max-restarts N` is the plain relaunch below:
+to retry, world.py re-plans dp, members.py tracks the nodes; ms_llm/processes.py stops
+processes). Without it, `--max-restarts N` is the plain relaunch below:
 
 A launch that fails is started again (a fresh rendezvous, the same run folder), a bounded
 number of times. Workers resume from the run folder's newest checkpoint that every rank can

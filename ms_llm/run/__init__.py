@@ -1,5 +1,7 @@
-"""What every training run shares across backends: its folder, progress/metrics output, LR schedule,
-fp16 loss scaling."""
+"""What every training run shares across backends: the loop (loop.py), its folder, progress and
+metrics output, LR schedule, fp16 loss scaling, and checkpointing inside the loop (checkpoints.py:
+resume, cadence, the 'auto' interval of interval.py, the /dev/shm tier of memory_tier.py and
+its keeper process), built on the checkpoint library."""
 from ms_llm.run.folder import RunFolder
 from ms_llm.run.loss_scale import LossScaler
 from ms_llm.run.lr import lr_at

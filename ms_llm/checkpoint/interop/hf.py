@@ -2,7 +2,7 @@
 
 Canonical tensor names are Hugging Face names, so export is a copy: full tensors
 into model-0000i-of-0000n.safetensors + model.safetensors.index.json, and a config.json
-that transformers 5 reads (hf_config.py). Import wraps the HF files as a checkpoint
+that transformers 5 reads (ms_llm/config/hf.py). Import wraps the HF files as a checkpoint
 source (no copy; Mixtral's per-expert tensors are stacked into one staged file first) that
 `reshard` lays out for any strategy.
 """

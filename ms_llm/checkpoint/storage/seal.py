@@ -1,6 +1,6 @@
 """The memory tier keeper's seal: "I verified these files and nobody has written them since".
 
-After a checkpoint is committed to the memory tier, the keeper (keeper.py) checks every
+After a checkpoint is committed to the memory tier, the keeper (ms_llm/run/keeper.py) checks every
 checksum of it once and writes <step folder>/sealed.json holding, per shard file, the
 inode, size, mtime and ctime it had while being checked. A restore that opens a file whose
 fstat still shows those four values reads it without a second checksum pass: any write,
