@@ -8,12 +8,19 @@
 
 A string section is a path relative to the YAML file, else a name under configs/<section>s/.
 Everything is read with yaml.safe_load; every error names the file and the key path.
+Command-line overrides (`--set train.steps=100`, `--model NAME`) are set in the mapping before
+it is validated, so a bad one gets the error the same line in the YAML would.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import shlex
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import yaml
 
@@ -79,14 +86,20 @@ def find_section_file(section: str, ref: str, base: Path | None) -> Path:
                       f"(known: {', '.join(known)})")
 
 
+def read_section(section: str, ref: str, base: Path | None) -> tuple[Path, Any]:
+    """The file a section reference names, and its mapping (a file may wrap it in `section:`)."""
+    path = find_section_file(section, ref, base)
+    data = read_yaml(path)
+    if isinstance(data, dict) and set(data) == {section}:
+        data = data[section]
+    return path, data
+
+
 def load_section(section: str, value: Any, base: Path | None = None, where: str = "") -> Any:
     """Parse one section given inline (mapping) or by reference (string)."""
     cls = SECTIONS[section]
     if isinstance(value, str):
-        path = find_section_file(section, value, base)
-        data = read_yaml(path)
-        if isinstance(data, dict) and set(data) == {section}:
-            data = data[section]
+        path, data = read_section(section, value, base)
         try:
             return from_dict(cls, data, section)
         except MsLlmError as exc:
@@ -109,9 +122,89 @@ def job_from_dict(data: Any, base: Path | None = None, where: str = "") -> JobCo
         raise ConfigError(f"{where}{exc}") from None
 
 
-def load_job(path: str | Path) -> JobConfig:
+def load_job(path: str | Path, overrides: Sequence[Override] = ()) -> JobConfig:
+    """The job in `path` with `overrides` set; errors name the file and the overrides, if any."""
     path = Path(path)
-    return job_from_dict(read_yaml(path), path.parent, f"{path}: ")
+    data = apply_overrides(read_yaml(path), overrides, path.parent)
+    where = f"{path} with {flags(overrides)}: " if overrides else f"{path}: "
+    return job_from_dict(data, path.parent, where)
+
+
+@dataclass(frozen=True)
+class Override:
+    """One command-line change to a job: a dotted key path and the value to set there."""
+    path: tuple[str, ...]
+    value: Any
+    flag: str            # as the user would type it, for messages and the run's config.yaml
+
+
+def parse_overrides(sets: Sequence[str] = (), model: str | None = None) -> tuple[Override, ...]:
+    """`--model NAME` (first, so `--set model.KEY=...` changes that model) and each `--set
+    PATH=VALUE`, the value read as YAML: 2 an integer, 2.0 a number, true a bool, [1, 2] a list."""
+    out = [Override(("model",), model, f"--model {shlex.quote(model)}")] if model is not None else []
+    for text in sets:
+        key, eq, value = text.partition("=")
+        flag = f"--set {shlex.quote(text)}"
+        if not eq:
+            raise ConfigError(f"{flag}: no '='; write PATH=VALUE, e.g. --set train.steps=100")
+        path = tuple(key.strip().split("."))
+        if not all(path):
+            raise ConfigError(f"{flag}: {key!r} is not a dotted key path such as strategy.zero.stage")
+        out.append(Override(path, parse_yaml(value, flag), flag))
+    return tuple(out)
+
+
+def flags(overrides: Sequence[Override]) -> str:
+    """The overrides as a command line gives them, for messages and the run's config.yaml."""
+    return " ".join(o.flag for o in overrides)
+
+
+def apply_overrides(data: Any, overrides: Sequence[Override], base: Path | None) -> Any:
+    """A copy of the job mapping with each override set, unchecked: job_from_dict then checks
+    it as it checks a file. A section the job gives by reference is read (relative to `base`)
+    before a key in it is set; one the command line names is read relative to the working
+    directory, as `--model` is everywhere."""
+    if not overrides or not isinstance(data, dict):
+        return data                  # job_from_dict names what a non-mapping job lacks
+    data = copy.deepcopy(data)
+    for o in overrides:
+        try:
+            _set(data, o, base)
+        except ConfigError as exc:
+            raise ConfigError(f"{o.flag}: {exc}") from None
+    return data
+
+
+def _set(data: dict, o: Override, base: Path | None) -> None:
+    """Set one override in `data`; the sections on its path become mappings of their own."""
+    node, cls = data, JobConfig
+    for depth, key in enumerate(o.path[:-1]):
+        path = ".".join(o.path[:depth + 1])
+        cls = _section_type(cls, key, path)
+        child = node.get(key)
+        if depth == 0 and key in SECTIONS and isinstance(child, str):
+            child = read_section(key, child, base)[1]
+        if child is not None and not isinstance(child, dict) and cls is not None:
+            raise ConfigError(f"{path}: got {child!r}; expected a mapping of {cls.__name__} fields")
+        node[key] = child if isinstance(child, dict) else {}
+        node = node[key]
+    value = o.value
+    if len(o.path) == 1 and o.path[0] in SECTIONS and isinstance(value, str):
+        value = read_section(o.path[0], value, None)[1]
+    node[o.path[-1]] = copy.deepcopy(value)         # a later override may set a key inside it
+
+
+def _section_type(cls: type | None, key: str, path: str) -> type | None:
+    """The dataclass a key path goes on into; None past an unknown key (from_dict names it with
+    the known keys, as for a file)."""
+    hint = typing.get_type_hints(cls).get(key) if cls is not None else None
+    if hint is None:
+        return None
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    section = next((t for t in options if dataclasses.is_dataclass(t)), None)
+    if section is None:
+        raise ConfigError(f"{path}: a value, not a section with keys; set it whole: --set {path}=VALUE")
+    return section
 
 
 def job_to_dict(job: JobConfig) -> dict:

@@ -37,7 +37,7 @@ from ms_llm.data import IndexedDataset, build_stdlib_corpus, samples
 from ms_llm.elastic import check_restarts, with_restarts
 from ms_llm.elastic.supervisor import ElasticOptions
 from ms_llm.errors import ConfigError, RunFolderError, StrategyError
-from ms_llm.job import JobConfig, dump_yaml, job_to_dict, load_job
+from ms_llm.job import JobConfig, Override, dump_yaml, flags, job_to_dict, load_job
 from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
 from ms_llm.run.heartbeat import read_heartbeats
@@ -57,6 +57,7 @@ class TrainRequest:
     max_restarts: int = 0              # start failed workers again, resuming from the newest checkpoint
     nodes: Nodes = Nodes()             # this machine's place among several
     elastic: Optional[ElasticOptions] = None   # --elastic: the supervisor owns the job (ms_llm.elastic)
+    overrides: tuple[Override, ...] = ()       # --model, --set: set in the job before it is checked
 
 
 def world_size(job: JobConfig, nproc: Optional[int]) -> int:
@@ -142,7 +143,7 @@ def resolve(req: TrainRequest) -> tuple[JobConfig, ModelPlan]:
     if req.nodes.count > 1 and req.run_dir is None:
         raise ConfigError(f"--run-dir: required with --nnodes {req.nodes.count}: give every node the same run "
                           "folder (shared storage, or the same path on each machine)")
-    job = load_job(req.config)
+    job = load_job(req.config, req.overrides)
     if req.steps is not None:
         if req.steps < 0:
             raise ConfigError(f"--steps: got {req.steps}; give the number of optimizer steps, 0 or more")
@@ -192,12 +193,14 @@ def with_corpus(job: JobConfig, run: RunFolder) -> JobConfig:
     return with_train(job, data=dataclasses.replace(job.train.data, source=str(build_stdlib_corpus(run.data))))
 
 
-def write_config(job: JobConfig, run: RunFolder) -> None:
+def write_config(job: JobConfig, run: RunFolder, overrides: tuple[Override, ...] = ()) -> None:
     """<run>/config.yaml, atomically: a worker, or another node sharing the folder, reads the whole
-    old file or the whole new one, never a part."""
+    old file or the whole new one, never a part. A comment names the command-line overrides, whose
+    values the job below already holds."""
     tmp = run.config.with_name(f".config.yaml.{socket.gethostname()}.{os.getpid()}")
+    head = f"# overrides, applied below: {flags(overrides)}\n" if overrides else ""
     try:
-        tmp.write_text(dump_yaml(job_to_dict(job)))
+        tmp.write_text(head + dump_yaml(job_to_dict(job)))
         os.replace(tmp, run.config)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -210,7 +213,7 @@ def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, RunFolder]:
     check(job.backend, p)
     run = RunFolder.create(job.name, req.run_dir)
     job = with_corpus(job, run)
-    write_config(job, run)
+    write_config(job, run, req.overrides)
     return job, p, run
 
 
@@ -256,7 +259,8 @@ def train(req: TrainRequest) -> int:
     try:
         if req.elastic is not None:
             from ms_llm.elastic.supervisor import Supervisor
-            rc = Supervisor(job, load_job(req.config).strategy, p, run, nodes, spawner(job.backend), write_config,
+            rc = Supervisor(job, load_job(req.config, req.overrides).strategy, p, run, nodes, spawner(job.backend),
+                            functools.partial(write_config, overrides=req.overrides),
                             functools.partial(check, job.backend),
                             req.elastic, warm_standby=nodes.count == 1).run_job()
         else:

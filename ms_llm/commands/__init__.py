@@ -24,6 +24,24 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="h100, h200, a100, 910b or cpu; default: the input's device")
 
 
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The job YAML and the command-line changes to it that `plan` and `train` take alike, so a
+    change is checked with `plan` exactly as `train` will run it."""
+    parser.add_argument("config", help="job YAML (model + strategy + train)")
+    parser.add_argument("--set", dest="set", action="append", default=[], metavar="PATH=VALUE",
+                        help="change one key of the job before it is checked, e.g. train.steps=100 or "
+                             "strategy.zero.stage=2 (VALUE read as YAML: 2, 0.5, true, [1, 2]); repeatable")
+    parser.add_argument("--model", default=None, metavar="NAME",
+                        help="model shape (a name in configs/models, e.g. llama2_7b, or a model YAML) for a job "
+                             "that names none, or in place of its own")
+
+
+def job_overrides(args: argparse.Namespace):
+    """The Overrides that add_job_arguments' flags ask for, checked."""
+    from ms_llm.job import parse_overrides
+    return parse_overrides(args.set, args.model)
+
+
 def read_options(args: argparse.Namespace):
     from ms_llm.job import load_section
     from ms_llm.convert import ReadOptions

@@ -12,14 +12,14 @@ from typing import Any
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import SCALAR_NAMES, scalar
-from ms_llm.errors import MsLlmError
+from ms_llm.errors import InputError, MsLlmError
 from ms_llm.job import JobConfig, job_from_dict
 
 MISSING = object()
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConversionError(MsLlmError):
+class ConversionError(InputError):
     """A strategy file that cannot be read or contradicts itself, or a --strict conversion that
     would lose something."""
 

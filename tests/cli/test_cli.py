@@ -21,7 +21,7 @@ def test_plan_table_for_llama2_70b():
     assert "(fits)" in text and "MFU" in text and "all-gather + reduce-scatter (sequence parallel)" in text
 
 
-def test_plan_json_and_overrides():
+def test_plan_json_world_size_and_device():
     out = ms_llm("plan", "configs/train/llama2_7b_dp8_zero1.yaml", "--json", "--device", "h100")
     data = json.loads(out.stdout)
     assert data["world_size"] == 8 and data["strategy"]["zero"]["stage"] == 1
