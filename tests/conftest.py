@@ -14,3 +14,19 @@ sys.path[:0] = [str(ROOT), str(HELPERS)]
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HELPERS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 os.environ.setdefault("TMPDIR", str(ROOT / ".tmp"))
 (ROOT / ".tmp").mkdir(exist_ok=True)
+
+# The files that start several processes, longest first (`pytest --durations`): run in this order
+# they keep both workers of `make test` (pytest-xdist, one file per worker at a time) busy until
+# the end instead of leaving one long file to run alone.
+LONGEST_FIRST = (
+    "checkpoint/test_checkpoint_resume.py", "elastic/test_elastic_faults.py", "mindspore/test_zero_mindspore.py",
+    "torch/test_torch_matrix.py", "mindspore/test_ms_worker.py", "elastic/test_multinode.py",
+    "torch/test_torch_fp16.py", "mindspore/test_ms_train.py", "cli/test_readme.py", "torch/test_torch_moe_matrix.py",
+    "torch/test_zero_torch.py", "convert/test_convert_peers.py", "data/test_data_train.py", "cli/test_boundary.py",
+    "cli/test_fuzz.py", "torch/test_torch_cp_long.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(ROOT / "tests").as_posix(), len(rank)))

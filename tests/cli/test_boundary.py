@@ -11,15 +11,12 @@ Layers, read from the source of every module (function bodies too): the rooms of
 up, and an import only ever points at a room on a lower line. That rules out a package cycle
 and an arrow running back up; a new package fails here until it is given its line."""
 import ast
-import importlib.util
 import json
-import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
-import ms_llm
-import torch_backend
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("torch", "mindspore")
@@ -30,9 +27,13 @@ SUPPORT = ("torch_backend.support", "ms_llm.mindspore.support", "torch_backend.l
            "torch_backend.lower", "torch_backend.dry_run", "ms_llm.mindspore.lower", "ms_llm.mindspore.dry_run")
 # Runs as `python -c CHECK watched,... module ...`: forks once per module, so each import starts
 # from the same pristine interpreter; prints {module: "loaded,watched"} ("!error" if it failed).
+# numpy and yaml, which every core module loads and which load no framework, are imported once
+# before the forks; the parent checks that nothing watched is loaded yet.
 CHECK = """
 import importlib, json, os, sys
+import numpy, yaml
 watched, found = sys.argv[1].split(","), {}
+assert not [m for m in watched if m in sys.modules], watched
 for module in sys.argv[2:]:
     r, w = os.pipe()
     pid = os.fork()
@@ -75,12 +76,17 @@ def _within(name: str, packages: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
-def framework_free_modules() -> list[str]:
-    names = ["ms_llm"]
-    for info in pkgutil.walk_packages(ms_llm.__path__, "ms_llm."):
-        if not _within(info.name, ("ms_llm.mindspore", "ms_llm.__main__")):
-            names.append(info.name)
+def checkout_modules(package: str) -> list[str]:
+    """Every module of `package` in the checkout, read from disk (walk_packages would import them)."""
+    names = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
+
+
+def framework_free_modules() -> list[str]:
+    return [m for m in checkout_modules("ms_llm") if not _within(m, ("ms_llm.mindspore", "ms_llm.__main__"))]
 
 
 def core_modules() -> list[str]:
@@ -103,7 +109,8 @@ def loaded_by(module: str, watched: tuple[str, ...]) -> str:
 
 def imports_anywhere(module: str) -> set[str]:
     """Every module an import statement of `module`'s source names, function bodies included."""
-    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    path = ROOT.joinpath(*module.split("."))
+    tree = ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -114,17 +121,23 @@ def imports_anywhere(module: str) -> set[str]:
     return names
 
 
-def test_ms_llm_imports_no_framework():
-    mods = framework_free_modules()
-    assert {"ms_llm.strategy.plan", "ms_llm.data.sampler", "ms_llm.cli", "ms_llm.backends"} <= set(mods)
-    assert {m: hit for m, hit in loaded_by_each(mods, FRAMEWORKS).items() if hit} == {}
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, set[str]]:
+    """{framework-free module: the frameworks and backends importing it loads}, one pass."""
+    return {m: set(filter(None, hit.split(","))) for m, hit in
+            loaded_by_each(framework_free_modules(), FRAMEWORKS + BACKENDS).items()}
 
 
-def test_core_imports_no_backend():
+def test_ms_llm_imports_no_framework(loaded):
+    assert {"ms_llm.strategy.plan", "ms_llm.data.sampler", "ms_llm.cli", "ms_llm.backends"} <= set(loaded)
+    assert {m: hit for m, hit in loaded.items() if hit & set(FRAMEWORKS)} == {}
+
+
+def test_core_imports_no_backend(loaded):
     mods = core_modules()
     assert "ms_llm.strategy.layout" in mods and "ms_llm.machine" in mods
     assert not any(_within(m, CLI_LAYER) for m in mods)
-    assert {m: hit for m, hit in loaded_by_each(mods, BACKENDS).items() if hit} == {}
+    assert {m: loaded[m] for m in mods if loaded[m] & set(BACKENDS)} == {}
     lazy = {m: sorted(n for n in imports_anywhere(m) if _within(n, BACKENDS + FRAMEWORKS)) for m in mods}
     assert {m: names for m, names in lazy.items() if names} == {}
 
@@ -150,30 +163,27 @@ def room_of(module: str) -> str:
 
 def all_modules() -> list[str]:
     """Every module of ms_llm and torch_backend (ms_llm/__init__.py is empty: no room needed)."""
-    names = ["torch_backend"]
-    for package in (ms_llm, torch_backend):
-        names += [info.name for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
-    return names
+    return [m for m in checkout_modules("ms_llm") + checkout_modules("torch_backend") if m != "ms_llm"]
 
 
 def arrows(modules: list[str]) -> set[tuple[str, str, str]]:
-    """(importing module, imported name, its room) for every import of our own code between rooms."""
+    """(importing module, imported module, its room) for every import of our own code between
+    rooms; `from a.b import name` counts as an import of a.b unless a.b.name is a module."""
     found = set()
     for module in modules:
         for name in imports_anywhere(module):
-            if name.split(".")[0] in ("ms_llm", "torch_backend") and importlib.util.find_spec(
-                    name.rsplit(".", 1)[0] if name.count(".") else name) is not None:
-                target = name if _is_module(name) else name.rsplit(".", 1)[0]
-                if room_of(target) != room_of(module):
-                    found.add((module, target, room_of(target)))
+            if name.split(".")[0] not in ("ms_llm", "torch_backend"):
+                continue
+            target = name if _is_module(name) else name.rsplit(".", 1)[0]
+            if _is_module(target) and room_of(target) != room_of(module):
+                found.add((module, target, room_of(target)))
     return found
 
 
 def _is_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
+    """A module or package file of the checkout (read from disk: nothing is imported)."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def upward(edges: set[tuple[str, str, str]]) -> list[str]:
