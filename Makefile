@@ -42,11 +42,18 @@ $(ORACLE_STAMP): | $(STAMP)
 demo: install
 	$(PY) -m ms_llm demo
 
+# Tests run in parallel, one file to a worker at a time so that module fixtures run once
+# (pytest-xdist; tests/conftest.py hands out the longest files first). The multi-process tests
+# wait much of their time on launchers, rendezvous and MindSpore's cluster start, so more
+# workers than cores keeps the cores busy.
+TEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: install oracles
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: install oracles
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # Every bench/ script (bench/_*.py are helpers), each one's output appended to the results file under
 # the machine and the date; the file replaces bench/results/latest.md only when every bench ran.

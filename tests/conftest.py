@@ -15,9 +15,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HELPERS)] + [p for p 
 os.environ.setdefault("TMPDIR", str(ROOT / ".tmp"))
 (ROOT / ".tmp").mkdir(exist_ok=True)
 
-# The files that start several processes, longest first (`pytest --durations`): run in this order
-# they keep both workers of `make test` (pytest-xdist, one file per worker at a time) busy until
-# the end instead of leaving one long file to run alone.
+# The files that start several processes, longest first (`pytest --durations`): handed out in this
+# order, they keep the workers of `make test` (pytest-xdist, one file to a worker at a time) busy
+# until the end instead of leaving one long file to run alone.
 LONGEST_FIRST = (
     "checkpoint/test_checkpoint_resume.py", "elastic/test_elastic_faults.py", "mindspore/test_zero_mindspore.py",
     "torch/test_torch_matrix.py", "mindspore/test_ms_worker.py", "elastic/test_multinode.py",
