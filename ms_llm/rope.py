@@ -32,12 +32,20 @@ def _llama3(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(F32)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature m(factor) = 0.1 x mscale x ln(factor) + 1 (1 when not extending)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _yarn(cfg: ModelConfig, dim: int) -> tuple[np.ndarray, float]:
     r = cfg.rope_scaling
     base, factor = cfg.rope_theta, r.factor
     attention_factor = r.attention_factor
     if attention_factor is None:
-        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        if r.mscale and r.mscale_all_dim:
+            attention_factor = yarn_mscale(factor, r.mscale) / yarn_mscale(factor, r.mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(r.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -57,8 +65,8 @@ def _yarn(cfg: ModelConfig, dim: int) -> tuple[np.ndarray, float]:
 
 
 def inv_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inv_freq float32 (head_dim / 2,), attention_factor) for cfg.rope_scaling."""
-    dim, kind = cfg.head_dim, cfg.rope_scaling.type
+    """(inv_freq float32 (rope_dim / 2,), attention_factor) for cfg.rope_scaling."""
+    dim, kind = cfg.rope_dim, cfg.rope_scaling.type
     if kind == "yarn":
         return _yarn(cfg, dim)
     inv_freq = _plain(cfg.rope_theta, dim)
