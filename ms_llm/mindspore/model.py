@@ -1,4 +1,6 @@
-"""LLaMA in MindSpore, parameter for parameter the torch backend's (Hugging Face names).
+"""LLaMA, Qwen3(-MoE) and DeepSeek-V3-class models in MindSpore, parameter for parameter the
+torch backend's (Hugging Face names): grouped-query or multi-latent attention (mla.py), dense or
+MoE feed-forward (moe.py), optional multi-token prediction modules (mtp.py).
 
 Every computation is a Primitive held as an attribute (self.matmul, self.softmax, ...), so
 the lowering (lower.py) can give each one a shard strategy from the ModelPlan: the model
@@ -7,6 +9,7 @@ the weight [out, in] with transpose_b, as MindFormers does, so the op-level stra
 are MindFormers' own. Attention is BatchMatMul + softmax, which runs everywhere; with
 `model.flash_attention` on an Ascend target it is FlashAttentionScore (BNSD, MindFormers'
 causal uint8 mask; no mask as ring attention), which has no CPU kernel. Both paths hold the same parameters.
+Multi-latent attention always takes the BatchMatMul path.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.init import init_param
-from ms_llm.mindspore.layers import MLP, Linear
+from ms_llm.mindspore.layers import MLP, Linear, RMSNorm, Rotary
+from ms_llm.mindspore.mla import MLAttention
 from ms_llm.mindspore.moe import MoE
+from ms_llm.mindspore.mtp import MTPModule
 from ms_llm.rope import inv_frequencies
 
 MASK_VALUE = -1e4     # additive causal mask (MindFormers' value): exp() is exactly 0 in fp32, and fp16 holds it
@@ -27,8 +32,9 @@ FLASH_TARGETS = ("Ascend",)    # device targets with a FlashAttentionScore kerne
 
 def uses_flash_attention(cfg: ModelConfig) -> bool:
     """Flash attention when the config asks for it and the device target has the kernel; elsewhere
-    (CPU) the BatchMatMul path computes the same attention, so a config runs on both."""
-    return cfg.flash_attention and ms.get_context("device_target") in FLASH_TARGETS
+    (CPU) the BatchMatMul path computes the same attention, so a config runs on both. Not under
+    MLA, whose keys and values differ in width."""
+    return cfg.flash_attention and cfg.mla is None and ms.get_context("device_target") in FLASH_TARGETS
 
 
 class Embedding(nn.Cell):
@@ -41,25 +47,6 @@ class Embedding(nn.Cell):
         return self.gather(self.weight, tokens, 0)     # (B, T) -> (B, T, H)
 
 
-class RMSNorm(nn.Cell):
-    """x * rsqrt(mean(x^2) + eps) * weight, built from primitives MindFormers shards one by one."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = Parameter(Tensor(np.ones((dim,), np.float32)), name="weight")
-        self.square = ops.Square()
-        self.mean = ops.ReduceMean(keep_dims=True)
-        self.add = ops.Add()
-        self.rsqrt = ops.Rsqrt()
-        self.mul = ops.Mul()
-        self.mul2 = ops.Mul()
-
-    def construct(self, x):
-        factor = self.rsqrt(self.add(self.mean(self.square(x), -1), self.eps))
-        return self.mul2(self.mul(x, factor), self.weight)
-
-
 def rotary_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin (max_seq_len, head_dim), HF layout (frequencies repeated twice), fp32 as torch computes them,
     scaled by the rope scaling's attention factor (YaRN)."""
@@ -69,24 +56,6 @@ def rotary_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     emb = np.concatenate([freqs, freqs], axis=-1)
     return ((np.cos(emb) * np.float32(attention_factor)).astype(np.float32),
             (np.sin(emb) * np.float32(attention_factor)).astype(np.float32))
-
-
-class Rotary(nn.Cell):
-    """x * cos + rotate_half(x) * sin on (B, heads, T, head_dim)."""
-
-    def __init__(self):
-        super().__init__()
-        self.split = ops.Split(axis=-1, output_num=2)
-        self.neg = ops.Neg()
-        self.concat = ops.Concat(axis=-1)
-        self.mul_cos = ops.Mul()
-        self.mul_sin = ops.Mul()
-        self.add = ops.Add()
-
-    def construct(self, x, cos, sin):
-        x1, x2 = self.split(x)
-        rotated = self.concat((self.neg(x2), x1))
-        return self.add(self.mul_cos(x, cos), self.mul_sin(rotated, sin))
 
 
 class Attention(nn.Cell):
@@ -164,7 +133,7 @@ class DecoderLayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.mla is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg)
@@ -176,22 +145,29 @@ class DecoderLayer(nn.Cell):
 
     def with_aux(self, x, cos, sin, mask):
         """(output, this layer's MoE router losses; 0 for a dense layer)."""
-        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, mask))
-        h = self.post_attention_layernorm(x)
         if self.is_moe:
-            y, aux = self.mlp.route(h)
-            return self.add(x, y), aux
-        return self.add(x, self.mlp(h)), self.no_aux
+            return self.routed(x, cos, sin, mask)[:2]
+        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return self.add(x, self.mlp(self.post_attention_layernorm(x))), self.no_aux
+
+    def routed(self, x, cos, sin, mask):
+        """An MoE layer's (output, router losses, token copies routed to each expert (E,))."""
+        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        y, aux, load = self.mlp.route(self.post_attention_layernorm(x))
+        return self.add(x, y), aux, load
 
 
 class Backbone(nn.Cell):
-    """HF's `model.` prefix: embeddings, layers, final norm."""
+    """HF's `model.` prefix: embeddings, layers, final norm (and the MTP modules, model.mtp.{d})."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.CellList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if cfg.mtp_layers:
+            self.mtp = nn.CellList([MTPModule(cfg, d + 1, DecoderLayer(cfg, cfg.num_layers + d))
+                                    for d in range(cfg.mtp_layers)])
 
 
 class Transformer(nn.Cell):
@@ -211,8 +187,12 @@ class Transformer(nn.Cell):
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
         self.mask = Tensor(np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), MASK_VALUE, np.float32), 1))
         self.no_aux = Tensor(0.0, ms.float32)
+        self.mtp_layers = cfg.mtp_layers
+        self.track_loads = cfg.moe is not None and cfg.moe.expert_bias
+        if self.track_loads:
+            self.stack_loads = ops.Stack()
         self.use_flash = uses_flash_attention(cfg)
-        if cfg.flash_attention:
+        if self.use_flash or (cfg.flash_attention and cfg.mla is None):
             # MindFormers' flash mask: (B, 1, T, T) uint8, 1 above the diagonal; tiled over the batch
             # so its batch dim splits like the queries'.
             causal = np.triu(np.ones((cfg.max_seq_len, cfg.max_seq_len), np.uint8), 1)
@@ -223,7 +203,13 @@ class Transformer(nn.Cell):
         return self.with_aux(tokens)[0]
 
     def with_aux(self, tokens):
-        """(logits, the MoE layers' router losses summed)."""
+        """(logits, the MoE layers' router losses summed, MTP layers' included)."""
+        logits, aux, _, _ = self.outputs(tokens)
+        return logits, aux
+
+    def outputs(self, tokens):
+        """(logits (B, T, V), router losses summed, expert loads (moe layers with an expert bias,
+        main then MTP, E) fp32 (0 without), MTP logits: one (B, T, V) per depth)."""
         b, t = tokens.shape
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         if self.use_flash and self.ring_attention:
@@ -232,21 +218,36 @@ class Transformer(nn.Cell):
             mask = self.mask_tile(self.flash_mask[:, :, :t, :t], (b, 1, 1, 1))
         else:
             mask = self.mask[:t, :t]
-        x, aux = self.model.embed_tokens(tokens), self.no_aux
+        embedded = self.model.embed_tokens(tokens)
+        x, aux, loads = embedded, self.no_aux, ()
         for layer in self.model.layers:
-            # Dense layers are called as cells: the shared ZeRO-3 engine gathers a layer's
-            # parameters in the cell's forward hook, which a method call would skip.
-            if layer.is_moe:
-                x, layer_aux = layer.with_aux(x, cos, sin, mask)
-                aux = aux + layer_aux
-            else:
-                x = layer(x, cos, sin, mask)
-        return self.lm_head(self.model.norm(x)), aux
+            x, aux, loads = self._layer(layer, x, aux, loads, cos, sin, mask)
+        hidden = self.model.norm(x)                   # h_0 of the MTP modules
+        logits, mtp_logits = self.lm_head(hidden), ()
+        if self.mtp_layers:
+            for module in self.model.mtp:             # depth k: from h_{k-1} and the embedding of token i + k
+                hidden, aux, loads = self._layer(module.layer, module(embedded, hidden), aux, loads, cos, sin, mask)
+                mtp_logits = mtp_logits + (self.lm_head(module.norm(hidden)),)
+        loads = self.stack_loads(loads) if self.track_loads else self.no_aux
+        return logits, aux, loads, mtp_logits
+
+    def _layer(self, layer, x, aux, loads, cos, sin, mask):
+        """One decoder layer, its router losses added to `aux` and its loads to `loads`. Dense layers
+        are called as cells: the shared ZeRO-3 engine gathers a layer's parameters in the cell's
+        forward hook, which a method call would skip."""
+        if layer.is_moe:
+            x, layer_aux, load = layer.routed(x, cos, sin, mask)
+            if self.track_loads:
+                loads = loads + (load,)
+            return x, aux + layer_aux, loads
+        return layer(x, cos, sin, mask), aux, loads
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """Same values as the torch backend for the same seed (ms_llm.init)."""
+        """Same values as the torch backend for the same seed (ms_llm.init); the expert biases
+        (not trained) start at 0."""
         for name, p in self.parameters_and_names():
-            p.set_data(Tensor(init_param(name, tuple(p.shape), seed, std)))
+            value = init_param(name, tuple(p.shape), seed, std) if p.requires_grad else np.zeros(p.shape, np.float32)
+            p.set_data(Tensor(value))
 
     def load_numpy(self, state: dict[str, np.ndarray]) -> None:
         """Set every parameter from a {HF name: array} mapping (e.g. a torch state dict)."""
@@ -283,18 +284,36 @@ class CrossEntropy(nn.Cell):
 
 class LossCell(nn.Cell):
     """(inputs, labels) (B, T) -> mean token cross-entropy, plus in training the MoE router losses
-    (their gradient reaches the routers through this sum, scaled with the loss), so the loss
-    reported is torch's TrainStep's; validation (router_losses False) is cross-entropy alone, as
-    torch's evaluate."""
+    (their gradient reaches the routers through this sum, scaled with the loss) and the MTP loss,
+    so the loss reported is torch's TrainStep's; validation (training False) is cross-entropy
+    alone, as torch's evaluate. With loads, (loss, the expert loads of Transformer.outputs): the
+    training step sums them over its micro-batches for the expert-bias update."""
 
-    def __init__(self, net: Transformer, router_losses: bool = True):
+    def __init__(self, net: Transformer, training: bool = True, loads: bool = False):
         super().__init__(auto_prefix=False)      # keep the HF parameter names
-        self.net, self.router_losses = net, router_losses
+        self.net, self.with_losses, self.with_loads = net, training, loads
+        self.mtp_layers, self.mtp_factor = net.cfg.mtp_layers, net.cfg.mtp_loss_factor
         self.loss = CrossEntropy()
         self.reshape = ops.Reshape()
 
     def construct(self, inputs, labels):
-        logits, aux = self.net.with_aux(inputs)
-        v = logits.shape[-1]
-        loss = self.loss(self.reshape(logits, (-1, v)), self.reshape(labels, (-1,)))
-        return loss + aux if self.router_losses else loss
+        logits, aux, loads, mtp_logits = self.net.outputs(inputs)
+        loss = self.loss(self.reshape(logits, (-1, logits.shape[-1])), self.reshape(labels, (-1,)))
+        if self.with_losses:
+            loss = loss + aux
+            if self.mtp_layers:
+                loss = loss + self.mtp_loss(mtp_logits, labels)
+        if self.with_loads:
+            return loss, loads
+        return loss
+
+    def mtp_loss(self, mtp_logits, labels):
+        """mtp_loss_factor x the mean over depths k of the cross-entropy of logits_k[:, i] against
+        labels[:, i + k] (token i + 1 + k), over the T - k positions that have one (a depth
+        without any, k >= T, adds 0)."""
+        t, total = labels.shape[1], self.net.no_aux
+        for k, logits in enumerate(mtp_logits, 1):
+            if k < t:
+                total = total + self.loss(self.reshape(logits[:, :t - k], (-1, logits.shape[-1])),
+                                          self.reshape(labels[:, k:], (-1,)))
+        return total * (self.mtp_factor / self.mtp_layers)

@@ -2,17 +2,22 @@
 router `mlp.gate.weight` (E, H), routed experts stacked as `mlp.experts.{gate,up,down}_proj.weight`
 (E, F, H) / (E, H, F), optional shared experts `mlp.shared_experts.*`.
 
-Routing is the same (softmax in fp32, top_k, optional renormalisation, GShard capacity in token
-order). Graph mode wants static shapes, so instead of sorting token copies by expert this layer
+Routing is the spec's (transformers' DeepseekV3TopkRouter, Megatron's topk router): logits in
+fp32, softmax or sigmoid scores; the choice is the scores plus, with expert_bias, the fp32
+`mlp.gate.e_score_correction_bias` (a non-trainable Parameter that only steers selection; the
+training step moves it after each update, ExpertBiasUpdate); group-limited top-k keeps the best
+group_top_k of num_groups groups; the weights are the scores at the top_k, optionally
+renormalised, times routed_scaling_factor; GShard capacity in token order. Graph mode wants static shapes, so instead of sorting token copies by expert this layer
 builds the (tokens, experts) combine matrix, zero outside each token's kept top-k, runs every
 expert over the tokens as one BatchMatMul over the expert dimension (E, N, H) and sums the
 weighted outputs: the same result as the sorted dispatch, at E / top_k times its expert FLOPs.
 Under semi_auto_parallel (lower.py) E splits over ep and the tokens over edp, so each rank runs
 its own experts over its expert-data-parallel group's tokens (an all-gather dispatch over ep) and
 the sum over experts is an all-reduce over ep. Every computation is a Primitive attribute, so
-the lowering shards each one. The router losses are returned beside the output and added to the
-loss (model.LossCell), as MindFormers adds its MoE extra_loss: their gradient is then scaled with
-the loss (loss scale, micro-batch mean) like every other.
+the lowering shards each one. The router losses (Switch load balancing, z-loss, DeepSeek-V3's
+sequence-wise loss) are returned beside the output and added to the loss (model.LossCell), as
+MindFormers adds its MoE extra_loss: their gradient is then scaled with the loss (loss scale,
+micro-batch mean) like every other. So is each expert's load, which the bias update reads.
 """
 from __future__ import annotations
 
@@ -82,6 +87,65 @@ class RouterLosses(nn.Cell):
         return self.aux_coeff * balance + self.z_coeff * self.mean(self.square(lse), 0)
 
 
+class SequenceAuxLoss(nn.Cell):
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20): per sequence of T tokens f_e = E / (k T)
+    x #{t: e chosen at t}, P_e = mean_t s'_{t,e}; coeff x the mean over sequences of sum_e f_e P_e."""
+
+    def __init__(self, experts: int, top_k: int, coeff: float):
+        super().__init__()
+        self.experts, self.top_k, self.coeff = experts, top_k, coeff
+        self.sum_copies = ops.ReduceSum(keep_dims=False)     # (B, T, k, E) -> (B, T, E)
+        self.sum_tokens = ops.ReduceSum(keep_dims=False)     # (B, T, E) -> (B, E)
+        self.mean_tokens = ops.ReduceMean(keep_dims=False)   # (B, T, E) -> (B, E)
+        self.mul = ops.Mul()
+        self.sum_experts = ops.ReduceSum(keep_dims=False)    # (B, E) -> (B,)
+        self.mean = ops.ReduceMean(keep_dims=False)
+
+    def construct(self, probs, chosen):
+        """probs (B, T, E) normalised scores, chosen (B, T, k, E) one-hot choices."""
+        t = probs.shape[1]
+        share = self.sum_tokens(self.sum_copies(chosen, 2), 1) * (self.experts / (self.top_k * t))
+        return self.coeff * self.mean(self.sum_experts(self.mul(share, self.mean_tokens(probs, 1)), 1), 0)
+
+
+class GroupLimit(nn.Cell):
+    """Group-limited routing: a group scores the sum of its best `per_group_top` choices; the experts
+    outside the best `keep` groups are masked to -inf. (N, E) -> (N, E)."""
+
+    def __init__(self, experts: int, groups: int, keep: int, per_group_top: int):
+        super().__init__()
+        self.experts, self.groups, self.keep, self.per_group_top = experts, groups, keep, per_group_top
+        self.topk = ops.TopK(sorted=True)                    # (N, G, E/G) -> (N, G, per_group_top)
+        self.sum = ops.ReduceSum(keep_dims=False)            # -> (N, G) group scores
+        self.topk_groups = ops.TopK(sorted=True)             # -> (N, keep) group ids
+        self.one_hot = ops.OneHot()                          # -> (N, keep, G)
+        self.sum_kept = ops.ReduceSum(keep_dims=False)       # -> (N, G) 1 for a kept group
+        self.tile = ops.Tile()                               # -> (N, G, E/G)
+        self.greater = ops.Greater()
+        self.select = ops.Select()
+        self.on, self.off = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
+        self.neg_inf = Tensor(float("-inf"), ms.float32)
+
+    def construct(self, choice):
+        n, per_group = choice.shape[0], self.experts // self.groups
+        best, _ = self.topk(choice.reshape((n, self.groups, per_group)), self.per_group_top)
+        _, groups = self.topk_groups(self.sum(best, -1), self.keep)
+        kept = self.sum_kept(self.one_hot(groups, self.groups, self.on, self.off), 1)
+        kept = self.tile(kept.reshape((n, self.groups, 1)), (1, 1, per_group)).reshape((n, self.experts))
+        return self.select(self.greater(kept, self.off), choice, self.neg_inf.broadcast_to(choice.shape))
+
+
+class Router(Linear):
+    """`mlp.gate`: the router's Linear (E, H) and, with expert_bias, its fp32
+    `e_score_correction_bias` (E,), a Parameter outside the optimizer (requires_grad False)."""
+
+    def __init__(self, hidden: int, experts: int, expert_bias: bool):
+        super().__init__(hidden, experts)
+        if expert_bias:
+            self.e_score_correction_bias = Parameter(Tensor(np.zeros((experts,), np.float32)),
+                                                     name="e_score_correction_bias", requires_grad=False)
+
+
 class MoE(nn.Cell):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -90,16 +154,33 @@ class MoE(nn.Cell):
             m.normalize_top_k
         self.capacity_factor = m.capacity_factor
         self.has_losses = m.aux_loss_coeff > 0 or m.z_loss_coeff > 0
-        self.gate = Linear(cfg.hidden_size, m.num_experts)
+        self.has_seq_loss = m.seq_aux_loss_coeff > 0
+        self.sigmoid_scores, self.expert_bias = m.score_function == "sigmoid", m.expert_bias
+        self.num_groups, self.group_top_k, self.scaling = m.num_groups, m.group_top_k, m.routed_scaling_factor
+        self.gate = Router(cfg.hidden_size, m.num_experts, m.expert_bias)
         self.experts = Experts(m.num_experts, cfg.hidden_size, cfg.expert_ffn_size)
         self.has_shared = m.shared_experts > 0
         if self.has_shared:
             self.shared_experts = MLP(cfg, width=m.shared_experts * cfg.expert_ffn_size)
             self.add = ops.Add()
         self.softmax = ops.Softmax(axis=-1)
+        if self.sigmoid_scores:
+            self.sigmoid = ops.Sigmoid()
+            self.sum_scores = ops.ReduceSum(keep_dims=True)  # s' = scores / sum: what the losses average
+            self.div_scores = ops.RealDiv()
+        if m.expert_bias:
+            self.add_bias = ops.Add()                        # (N, E) + (E,): the choice
+            self.sum_load = ops.ReduceSum(keep_dims=False)   # (N, k, E) -> (E,): copies per expert
+        if m.num_groups > 1:
+            self.limit_groups = GroupLimit(m.num_experts, m.num_groups, m.group_top_k, m.top_k // m.group_top_k)
+        self.choice_apart = m.expert_bias or m.num_groups > 1
         self.topk = ops.TopK(sorted=True)
+        if self.choice_apart:
+            self.gather = ops.GatherD()                      # the scores (not the choice) at the top_k
         self.sum_top = ops.ReduceSum(keep_dims=True)         # renormalisation: (N, k) -> (N, 1)
         self.div = ops.RealDiv()
+        if self.scaling != 1.0:
+            self.mul_scaling = ops.Mul()
         self.one_hot = ops.OneHot()                          # (N, k) -> (N, k, E)
         self.cumsum = ops.CumSum()                           # capacity: queue positions in token order
         self.less_equal = ops.LessEqual()
@@ -111,21 +192,39 @@ class MoE(nn.Cell):
         self.mul_combine = ops.Mul()
         self.sum_experts = ops.ReduceSum(keep_dims=False)    # (E, N, H) -> (N, H)
         self.router_losses = RouterLosses(m.num_experts, m.top_k, m.aux_loss_coeff, m.z_loss_coeff)
+        if self.has_seq_loss:
+            self.seq_aux_loss = SequenceAuxLoss(m.num_experts, m.top_k, m.seq_aux_loss_coeff)
         self.on, self.off = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
 
     def construct(self, x):
         return self.route(x)[0]
 
     def route(self, x):
-        """(output, router losses): model.LossCell adds the losses to the training loss."""
+        """(output, router losses, copies routed to each expert (E,) fp32): model.LossCell adds the
+        losses to the training loss; the training step sums the loads for the bias update."""
         b, t, h = x.shape
         n = b * t
         tokens = x.reshape((n, h))
         logits = self.gate(tokens).astype(ms.float32)                           # (N, E)
-        probs = self.softmax(logits)
-        weights, top = self.topk(probs, self.top_k)                              # (N, k)
+        if self.sigmoid_scores:
+            scores = self.sigmoid(logits)
+            probs = self.div_scores(scores, self.sum_scores(scores, -1) + 1e-20)     # s': sums to 1, for the losses
+        else:
+            scores = probs = self.softmax(logits)
+        if self.choice_apart:
+            choice = scores
+            if self.expert_bias:
+                choice = self.add_bias(scores, self.gate.e_score_correction_bias)
+            if self.num_groups > 1:
+                choice = self.limit_groups(choice)
+            _, top = self.topk(choice, self.top_k)                               # (N, k)
+            weights = self.gather(scores, 1, top)
+        else:
+            weights, top = self.topk(scores, self.top_k)
         if self.normalize:
-            weights = self.div(weights, self.sum_top(weights, -1))
+            weights = self.div(weights, self.sum_top(weights, -1) + 1e-20)
+        if self.scaling != 1.0:
+            weights = self.mul_scaling(weights, self.scaling)
         chosen = self.one_hot(top, self.num_experts, self.on, self.off)          # (N, k, E)
         kept = chosen
         if self.capacity_factor > 0:
@@ -139,6 +238,13 @@ class MoE(nn.Cell):
         y = self.sum_experts(self.mul_combine(out, weight), 0).reshape((b, t, h))
         if self.has_shared:
             y = self.add(y, self.shared_experts(x))
+        losses = self.off
         if self.has_losses:
-            return y, self.router_losses(logits, probs, chosen)
-        return y, self.off
+            losses = losses + self.router_losses(logits, probs, chosen)
+        if self.has_seq_loss:
+            losses = losses + self.seq_aux_loss(probs.reshape((b, t, self.num_experts)),
+                                                chosen.reshape((b, t, self.top_k, self.num_experts)))
+        load = self.off
+        if self.expert_bias:
+            load = ops.stop_gradient(self.sum_load(chosen, (0, 1)))
+        return y, losses, load

@@ -75,7 +75,7 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     cell = TrainCell(body, AdamW(params, job.train.optimizer), p.micro_batches, job.train.optimizer.grad_clip,
                      reducer, mean, pipeline)
     # Validation is cross-entropy alone; MoE has no lowering, so its body is never a PipelineCell.
-    eval_body = LossCell(net, router_losses=False) if job.model.moe is not None else body
+    eval_body = LossCell(net, training=False) if job.model.moe is not None or job.model.mtp_layers else body
     evaluator = EvalCell(eval_body, p.micro_batches, mean, pipeline)
     return GraphStep(cell, evaluator, job, p, LossScaler.from_precision(p.strategy.precision))
 
