@@ -1,8 +1,10 @@
-"""LLaMA in PyTorch, parameter for parameter the Hugging Face LlamaForCausalLM.
+"""LLaMA in PyTorch, parameter for parameter the Hugging Face LlamaForCausalLM (and Qwen2/3,
+Mixtral, Qwen3-MoE; with multi-latent attention (mla.py), DeepSeekMoE routing (moe.py) and
+multi-token prediction (mtp.py), DeepseekV3ForCausalLM).
 
-Names and shapes match transformers' (model.layers.N.self_attn.q_proj.weight, ...), and so
-does the rotary convention (rotate_half over the two halves of each head), so a state dict
-moves between the two unchanged. No parallelism here: torch_backend/parallelize applies it
+Names and shapes match transformers' (model.layers.N.self_attn.q_proj.weight, ...) except the
+routed experts, stacked per layer (moe.py), and so does the rotary convention (rotate_half over
+the two halves of each head), so a state dict moves between the two by a table. No parallelism here: torch_backend/parallelize applies it
 from the ModelPlan. Layers live in a ModuleDict keyed by index, and forward skips modules
 that are None, so a pipeline stage is this model with the other stages' parts removed.
 """
@@ -15,21 +17,10 @@ from torch import nn
 from ms_llm.config.model import ModelConfig
 from ms_llm.init import init_param
 from ms_llm.rope import inv_frequencies
-from torch_backend.layers import MLP
-from torch_backend.moe import MoE
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)   # normalise in fp32
-        return self.weight * x.to(dtype)
+from torch_backend.layers import MLP, RMSNorm, apply_rotary, rotate_half  # noqa: F401 (re-exported)
+from torch_backend.mla import MLAttention
+from torch_backend.moe import AuxLoss, MoE
+from torch_backend.mtp import MTP
 
 
 def rotary_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,16 +31,6 @@ def rotary_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Te
     freqs = torch.outer(t, torch.from_numpy(inv_freq).to(t.device))   # t.device: also under a meta-device context
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * attention_factor, emb.sin() * attention_factor
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, nh, T, hs); cos/sin: (T, hs)
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -94,7 +75,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.mla is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
 
@@ -104,13 +85,14 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    """HF's `model.` prefix: embeddings, layers, final norm."""
+    """HF's `model.` prefix: embeddings, layers, final norm (and the multi-token prediction modules)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mtp = MTP(cfg, lambda i: DecoderLayer(cfg, i)) if cfg.mtp_layers else None
 
 
 class Transformer(nn.Module):
@@ -125,21 +107,29 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens (B, T) -> logits (B, T, V); a pipeline stage takes / returns hidden states
-        (B, T, H) when it has no embedding / no head."""
+        (B, T, H) when it has no embedding / no head. `targets` (B, T), when training a model with
+        multi-token prediction: its loss trains with the logits (mtp.MTP, moe.AuxLoss)."""
         if positions is None:
             cos, sin = self.rope_cos, self.rope_sin                 # each attention takes its first T rows
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        emb = None
         if self.model.embed_tokens is not None:
-            x = self.model.embed_tokens(x)
+            x = emb = self.model.embed_tokens(x)
         for layer in self.model.layers.values():
             x = layer(x, cos, sin)
         if self.model.norm is not None:
             x = self.model.norm(x)
+        mtp = None
+        if targets is not None and self.model.mtp is not None and torch.is_grad_enabled():
+            mtp = self.model.mtp.loss(emb, x, targets, self.lm_head, cos, sin)
         if self.lm_head is not None:
             x = self.lm_head(x)
+        if mtp is not None:
+            x = AuxLoss.apply(x, mtp, self.model.mtp)
         return x
 
     @torch.no_grad()

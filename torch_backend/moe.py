@@ -1,9 +1,14 @@
-"""Sparse mixture-of-experts feed-forward (Mixtral, DeepSeekMoE), parameter for parameter the
-plan's MoE layer: router `mlp.gate.weight` (E, H), routed experts stacked as
+"""Sparse mixture-of-experts feed-forward (Mixtral, DeepSeekMoE, Qwen3-MoE), parameter for parameter
+the plan's MoE layer: router `mlp.gate.weight` (E, H) (with DeepSeek's aux-loss-free balancing, the
+fp32 buffer `mlp.gate.e_score_correction_bias` (E,)), routed experts stacked as
 `mlp.experts.{gate,up,down}_proj.weight` (E, F, H) / (E, H, F), and optional shared experts
 `mlp.shared_experts.*` (a SwiGLU MLP of shared_experts x F, DeepSeek's layout).
 
-Routing is Mixtral's: softmax over the router logits in fp32, top_k, optionally renormalised.
+Routing is Mixtral's (softmax over the router logits in fp32, top_k, optionally renormalised)
+or DeepSeek-V3's (transformers' DeepseekV3TopkRouter, Megatron's topk router): sigmoid scores of
+fp32 logits; experts chosen by score + expert bias, only from the best group_top_k of num_groups
+groups; weighted by their scores (not the bias), renormalised, times routed_scaling_factor. The
+expert bias moves after every optimizer step (TrainStep), by the loads this layer records.
 Dispatch sorts the token copies by expert, runs each local expert on its contiguous rows and
 scatters the weighted outputs back (dropless, or capped at capacity_factor). Under expert
 parallelism (an `ep` group) the experts are split over the group, and the sorted rows travel
@@ -11,10 +16,11 @@ to the rank holding their expert by all-to-all and back (Megatron's all-to-all t
 dispatcher); under the experts' own tensor parallelism each rank holds a slice of every local
 expert's width and the combined output is summed over `tp`.
 
-The auxiliary losses (load balancing, router z-loss) do not travel with the output: a
-pass-through autograd function adds their gradient in backward (Megatron's
-MoEAuxLossAutoScaler), so every schedule (micro-batches, pipeline, recompute) trains on
-them unchanged; the last values are kept on the module for reporting.
+The auxiliary losses (load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) do
+not travel with the output: a pass-through autograd function adds their gradient in backward
+(Megatron's MoEAuxLossAutoScaler), so every schedule (micro-batches, pipeline, recompute) trains
+on them unchanged; the last values are kept on the module for reporting. The same backward
+records the expert loads of each trained micro-batch, however often recompute ran the forward.
 """
 from __future__ import annotations
 
@@ -57,22 +63,26 @@ class Experts(nn.Module):
 
 
 class AuxLoss(torch.autograd.Function):
-    """Identity on `output`; backward also sends `moe.aux_scale` into `aux` (the loss is not in the
+    """Identity on `output`; backward also sends `owner.aux_scale` into `aux` (the loss is not in the
     graph of the model's output, so this is how its gradient reaches the router), and records
-    the value in `moe.aux_trained`: once per backpropagated micro-batch, however often recompute
-    ran the forward."""
+    the value in `owner.aux_trained` (and `load`, the expert loads, in `owner.load_trained`):
+    once per backpropagated micro-batch, however often recompute ran the forward. `owner`: an
+    MoE layer, or the multi-token prediction modules (torch_backend.mtp) for their loss."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, moe: "MoE") -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, owner: nn.Module,
+                load: Optional[torch.Tensor] = None) -> torch.Tensor:
         ctx.save_for_backward(aux)
-        ctx.moe = moe
+        ctx.owner, ctx.load = owner, load
         return output
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
-        ctx.moe.aux_trained.append(aux.detach().float())
-        return grad, torch.full_like(aux, ctx.moe.aux_scale), None
+        ctx.owner.aux_trained.append(aux.detach().float())
+        if ctx.load is not None:
+            ctx.owner.load_trained.append(ctx.load)
+        return grad, torch.full_like(aux, ctx.owner.aux_scale), None, None
 
 
 def load_balancing_loss(probs: torch.Tensor, top: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -81,6 +91,19 @@ def load_balancing_loss(probs: torch.Tensor, top: torch.Tensor, num_experts: int
     probs (N, E) fp32, top (N, k) expert ids."""
     f = torch.bincount(top.flatten(), minlength=num_experts).float() / top.numel()
     return num_experts * (f * probs.mean(0)).sum()
+
+
+def seq_aux_loss(scores: torch.Tensor, top: torch.Tensor, sequences: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20, Megatron's seq_aux_loss): per sequence
+    of T tokens, f_e = E / (k T) x #{t: e in top_k(t)} and P_e = mean_t of the scores normalised
+    to sum 1 per token; the mean over sequences of sum_e f_e P_e. scores (N, E) fp32, top (N, k)."""
+    (n, e), k = scores.shape, top.shape[1]
+    t = n // sequences
+    normalised = (scores / (scores.sum(-1, keepdim=True) + 1e-20)).view(sequences, t, e)
+    chosen = torch.zeros(sequences, e, device=scores.device).scatter_add_(
+        1, top.view(sequences, t * k), torch.ones(sequences, t * k, device=scores.device))
+    f = chosen * (e / (k * t))
+    return (f * normalised.mean(1)).sum(-1).mean()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -146,7 +169,12 @@ class MoE(nn.Module):
         m = cfg.moe
         self.num_experts, self.top_k, self.normalize = m.num_experts, m.top_k, m.normalize_top_k
         self.capacity_factor, self.aux_coeff, self.z_coeff = m.capacity_factor, m.aux_loss_coeff, m.z_loss_coeff
+        self.sigmoid, self.scaling = m.score_function == "sigmoid", m.routed_scaling_factor
+        self.num_groups, self.group_top_k, self.seq_coeff = m.num_groups, m.group_top_k, m.seq_aux_loss_coeff
+        self.bias_update_rate = m.bias_update_rate
         self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)
+        if m.expert_bias:      # selection only; fp32 and checkpointed, as transformers names it
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(m.num_experts, dtype=torch.float32))
         self.experts = Experts(m.num_experts, cfg.hidden_size, cfg.expert_ffn_size)
         self.shared_experts = (MLP(cfg, width=m.shared_experts * cfg.expert_ffn_size)
                                if m.shared_experts else None)
@@ -155,20 +183,48 @@ class MoE(nn.Module):
         self.aux_scale = 1.0                   # gradient weight of the aux losses (TrainStep: loss scale / micro-batches)
         self.last_aux = torch.zeros((), device="cpu")        # coefficient-weighted aux losses of the last forward
         self.aux_trained: list[torch.Tensor] = []     # their values, per micro-batch backpropagated since taken
+        self.load_trained: list[torch.Tensor] = []    # routed copies per expert (E,), likewise (expert bias only)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, H) -> router logits (N, E), weights (N, k) in x's dtype, expert ids (N, k)."""
-        logits = self.gate(x)
-        probs = F.softmax(logits.float(), dim=-1)
-        weights, top = torch.topk(probs, self.top_k, dim=-1)
+    @property
+    def expert_bias(self) -> Optional[torch.Tensor]:
+        return getattr(self.gate, "e_score_correction_bias", None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, H) -> router logits (N, E), scores (N, E) fp32, weights (N, k) in x's dtype, expert ids (N, k)."""
+        if self.sigmoid:            # DeepSeek-V3: fp32 logits, whatever the compute dtype
+            with torch.autocast(x.device.type, enabled=False):
+                logits = F.linear(x.float(), self.gate.weight.float())
+            scores = torch.sigmoid(logits)
+        else:
+            logits = self.gate(x)
+            scores = F.softmax(logits.float(), dim=-1)
+        bias = self.expert_bias
+        if bias is None and self.num_groups == 1:
+            weights, top = torch.topk(scores, self.top_k, dim=-1)
+        else:                       # the bias and the group limit steer the choice, not the weights
+            choice = scores if bias is None else scores + bias
+            top = torch.topk(self.limit_groups(choice), self.top_k, dim=-1)[1]
+            weights = scores.gather(1, top)
         if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return logits, probs, weights.to(x.dtype), top
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, scores, (weights * self.scaling).to(x.dtype), top
+
+    def limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Mask to -inf every expert outside the token's best group_top_k groups, a group scoring the
+        sum of its best top_k / group_top_k choice scores. choice (N, E); unchanged with one group."""
+        if self.num_groups == 1:
+            return choice
+        n, e = choice.shape
+        grouped = choice.view(n, self.num_groups, e // self.num_groups)
+        group_scores = grouped.topk(self.top_k // self.group_top_k, dim=-1)[0].sum(-1)        # (N, G)
+        best = torch.topk(group_scores, self.group_top_k, dim=-1)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         tokens = x.reshape(-1, H)                                              # (N, H)
-        logits, probs, weights, top = self.route(tokens)
+        logits, scores, weights, top = self.route(tokens)
         flat = top.flatten()                                                   # (N*k,) expert of each copy
         order = torch.argsort(flat, stable=True)                               # copies grouped by expert
         keep = self.capacity_mask(flat, order)
@@ -181,10 +237,17 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         y = y.view(B, T, H)
+        # Megatron balances sigmoid scores normalised per token, as softmax probabilities are.
+        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20) if self.sigmoid else scores
         aux = self.aux_coeff * load_balancing_loss(probs, top, self.num_experts) + self.z_coeff * z_loss(logits)
+        if self.seq_coeff:
+            aux = aux + self.seq_coeff * seq_aux_loss(scores, top, B)
         self.last_aux = aux.detach()
-        if torch.is_grad_enabled() and (self.aux_coeff or self.z_coeff):
-            y = AuxLoss.apply(y, aux, self)
+        load = None
+        if self.expert_bias is not None:
+            load = torch.bincount(flat, minlength=self.num_experts).float()
+        if torch.is_grad_enabled() and (self.aux_coeff or self.z_coeff or self.seq_coeff or load is not None):
+            y = AuxLoss.apply(y, aux, self, load)
         return y
 
     def take_aux(self, micro_batches: int) -> torch.Tensor:
@@ -193,6 +256,18 @@ class MoE(nn.Module):
         gradient shapes, in their first step.)"""
         taken, self.aux_trained = self.aux_trained[-micro_batches:], []
         return torch.stack(taken).sum() if taken else torch.zeros(())
+
+    def take_load(self, micro_batches: int) -> torch.Tensor:
+        """Routed token copies per expert (E,) of the step's last `micro_batches` backward passes; resets."""
+        taken, self.load_trained = self.load_trained[-micro_batches:], []
+        return torch.stack(taken).sum(0) if taken else torch.zeros(self.num_experts)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): bias += rate x sign(mean load - load), in fp32.
+        `load`: this layer's loads summed over every rank that routes different tokens."""
+        bias = self.expert_bias
+        bias += self.bias_update_rate * torch.sign(load.mean() - load).to(bias)
 
     def capacity_mask(self, flat: torch.Tensor, order: torch.Tensor) -> Optional[torch.Tensor]:
         """Which sorted copies an expert takes: all (None) when dropless, else the first

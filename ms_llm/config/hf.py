@@ -1,5 +1,5 @@
-"""Hugging Face config.json <-> ModelConfig for LLaMA, Qwen2 and Qwen3 (and Mixtral on import;
-mixtral_config writes its export).
+"""Hugging Face config.json <-> ModelConfig for LLaMA, Qwen2, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3
+(multi-latent attention, DeepSeekMoE routing, multi-token prediction), both ways.
 
 Import reads every field that changes the math, in both the transformers 4 spelling
 (`rope_theta`, `rope_scaling`, `torch_dtype`) and the transformers 5 one (`rope_parameters`,
@@ -10,27 +10,32 @@ writes the transformers 5 spelling.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.model import MAX_LAYERS, ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.errors import CheckpointError, MsLlmError
 
-MIXTRAL = "mixtral"           # config.json model_type
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-IMPORTABLE = (*ARCHITECTURES, MIXTRAL)
+MIXTRAL, QWEN3_MOE, DEEPSEEK_V3 = "mixtral", "qwen3_moe", "deepseek_v3"          # config.json model_type
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 MIXTRAL: "MixtralForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM",
+                 DEEPSEEK_V3: "DeepseekV3ForCausalLM"}
+IMPORTABLE = tuple(ARCHITECTURES)
 # Fields whose transformers default differs between the classes.
 CLASS_DEFAULTS = {"llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
                   "qwen2": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 32},
                   "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
                   MIXTRAL: {"max_position_embeddings": 131072, "head_dim": None, "num_key_value_heads": 8,
-                            "rope_theta": 1e6}}
+                            "rope_theta": 1e6},
+                  QWEN3_MOE: {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 4},
+                  DEEPSEEK_V3: {"max_position_embeddings": 4096, "head_dim": None, "num_key_value_heads": None}}
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
              "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-                      "truncate")}
+                      "mscale", "mscale_all_dim", "truncate")}
 ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("original_max_position_embeddings",),
                  "llama3": ROPE_KEYS["llama3"]}
 RENAMES = {"original_max_position_embeddings": "original_max_seq_len"}     # theirs -> RopeScaling's
@@ -38,6 +43,11 @@ RENAMES = {"original_max_position_embeddings": "original_max_seq_len"}     # the
 
 def model_type_of(model: ModelConfig) -> str:
     """The transformers class that computes `model`, or CheckpointError naming what none has."""
+    if model.mla is not None:
+        _check_deepseek_v3(model)
+        return DEEPSEEK_V3
+    if model.moe is not None:
+        return _moe_type(model)
     if model.qk_norm and model.qkv_bias:
         raise CheckpointError("model: qk_norm with qkv_bias has no transformers class (Qwen3's attention_bias "
                               "also biases o_proj); export covers LLaMA, Qwen2 (qkv_bias) and Qwen3 (qk_norm)")
@@ -47,19 +57,61 @@ def model_type_of(model: ModelConfig) -> str:
     return "qwen3" if model.qk_norm else "qwen2" if model.qkv_bias else "llama"
 
 
+def _moe_type(model: ModelConfig) -> str:
+    """Qwen3-MoE (q/k norms) or Mixtral: softmax routers without DeepSeek's bias, groups or scaling."""
+    m, kind = model.moe, QWEN3_MOE if model.qk_norm else MIXTRAL
+    wrong = [f for f, bad in (("score_function", m.score_function != "softmax"), ("expert_bias", m.expert_bias),
+                              ("num_groups", m.num_groups != 1), ("routed_scaling_factor", m.routed_scaling_factor != 1),
+                              ("shared_experts", m.shared_experts), ("qkv_bias", model.qkv_bias)) if bad]
+    if kind == MIXTRAL and not is_mixtral(model):
+        wrong.append("first_dense_layers / layer_freq / dense_layers / normalize_top_k / expert_ffn_hidden_size")
+    if wrong:
+        raise CheckpointError(f"model.moe: {wrong[0]} has no transformers class without multi-latent attention; "
+                              f"export covers Mixtral, Qwen3-MoE (qk_norm) and DeepSeek-V3 (model.mla) models")
+    return kind
+
+
+def _check_deepseek_v3(model: ModelConfig) -> None:
+    """What transformers' DeepseekV3ForCausalLM computes: sigmoid routing with the expert bias buffer,
+    every layer past the leading dense ones MoE, shared experts, each group scored by its best 2."""
+    m = model.moe
+    if m is None:
+        return
+    wrong = [(f, why) for f, bad, why in (
+        ("score_function", m.score_function != "sigmoid", "its router scores with a sigmoid"),
+        ("layer_freq", m.layer_freq != 1 or any(i >= m.first_dense_layers for i in m.dense_layers),
+         "every layer from first_k_dense_replace on is MoE"),
+        ("shared_experts", m.shared_experts == 0, "it always runs n_shared_experts >= 1"),
+        ("group_top_k", m.num_groups > 1 and m.top_k // m.group_top_k != 2,
+         "a group scores the sum of its best 2 experts (top_k / group_top_k must be 2)"))
+        if bad]
+    if wrong:
+        field, why = wrong[0]
+        raise CheckpointError(f"model.moe.{field}: not DeepseekV3ForCausalLM's routing ({why}); Hugging Face "
+                              "export of multi-latent attention models covers DeepSeek-V3")
+
+
 def _rope_parameters(model: ModelConfig) -> dict:
     r = model.rope_scaling
     values = {"factor": r.factor, "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
               "original_max_position_embeddings": r.original_max_seq_len, "beta_fast": r.beta_fast,
-              "beta_slow": r.beta_slow, "attention_factor": r.attention_factor, "truncate": r.truncate}
+              "beta_slow": r.beta_slow, "attention_factor": r.attention_factor, "mscale": r.mscale,
+              "mscale_all_dim": r.mscale_all_dim, "truncate": r.truncate}
     out = {"rope_type": r.type, "rope_theta": model.rope_theta}
     out.update({k: values[k] for k in ROPE_KEYS[r.type] if values[k] is not None})
     return out
 
 
-def hf_config(model: ModelConfig, dtype: str) -> dict:
-    """config.json that transformers 5 reads as the class model_type_of names."""
+def hf_config(model: ModelConfig, dtype: str, mtp: bool = True) -> dict:
+    """config.json that transformers 5 reads as the class model_type_of names. `mtp` False: the
+    multi-token prediction modules are left out of the export (num_nextn_predict_layers 0)."""
     kind = model_type_of(model)
+    if kind == DEEPSEEK_V3:
+        return deepseek_v3_config(model, dtype, mtp)
+    if kind == MIXTRAL:
+        return mixtral_config(model, dtype, hf_config(dataclasses.replace(model, moe=None), dtype))
+    if kind == QWEN3_MOE:
+        return qwen3_moe_config(model, dtype, hf_config(dataclasses.replace(model, moe=None), dtype))
     # dynamic NTK takes max_position_embeddings as its pretraining context.
     max_pos = model.rope_scaling.original_max_seq_len if model.rope_scaling.type == "dynamic" else model.max_seq_len
     cfg = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
@@ -188,6 +240,10 @@ def model_from_hf_config(cfg: object, where: str, weights_dtype: Optional[str] =
         fields.pop("head_dim")              # Qwen2 has no head_dim field: hidden_size / heads
     if kind == MIXTRAL:
         fields["moe"] = mixtral_moe(cfg)
+    if kind == QWEN3_MOE:
+        fields.update(qk_norm=True, moe=qwen3_moe(cfg, where))
+    if kind == DEEPSEEK_V3:
+        _deepseek_v3_fields(cfg, where, fields)
     try:
         return from_dict(ModelConfig, fields, "model")
     except MsLlmError as exc:
@@ -198,13 +254,110 @@ def is_mixtral(model: ModelConfig) -> bool:
     """A model Mixtral's layout holds: MoE in every layer, no shared experts, normalised top-k."""
     m = model.moe
     return (m is not None and m.shared_experts == 0 and m.layer_freq == 1 and m.first_dense_layers == 0
-            and m.normalize_top_k and model.expert_ffn_size == model.ffn_hidden_size)
+            and not m.dense_layers and m.normalize_top_k and model.expert_ffn_size == model.ffn_hidden_size)
 
 
 def mixtral_moe(cfg: dict) -> dict:
     """model.moe of a Mixtral config.json (transformers' MixtralConfig defaults for absent keys)."""
     return {"num_experts": cfg.get("num_local_experts", 8), "top_k": cfg.get("num_experts_per_tok", 2),
             "aux_loss_coeff": cfg.get("router_aux_loss_coef", 0.001)}
+
+
+def qwen3_moe(cfg: dict, where: str) -> Optional[dict]:
+    """model.moe of a Qwen3-MoE config.json: layer i is MoE unless listed in mlp_only_layers or
+    (i + 1) % decoder_sparse_step != 0 (transformers' Qwen3MoeDecoderLayer); None without experts."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+    step, only = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise _refuse(where, "decoder_sparse_step", step, "use a positive integer")
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise _refuse(where, "mlp_only_layers", only, "use a list of layer indices")
+    if experts == 0:
+        return None
+    layers = cfg["num_hidden_layers"]
+    if step > 1 and (not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS):
+        raise _refuse(where, "num_hidden_layers", layers, f"use a layer count from 1 to {MAX_LAYERS}")
+    dense = sorted(set(only) | {i for i in range(layers if step > 1 else 0) if (i + 1) % step})
+    return {"num_experts": experts, "top_k": cfg.get("num_experts_per_tok", 8),
+            "expert_ffn_hidden_size": cfg.get("moe_intermediate_size", 768),
+            "normalize_top_k": cfg.get("norm_topk_prob", False),
+            "aux_loss_coeff": cfg.get("router_aux_loss_coef", 0.001), "dense_layers": dense}
+
+
+def qwen3_moe_config(model: ModelConfig, dtype: str, qwen3: dict) -> dict:
+    """config.json for transformers' Qwen3MoeForCausalLM, from the Qwen3 one: every dense layer
+    in mlp_only_layers (whatever rule made it dense), decoder_sparse_step 1."""
+    m = model.moe
+    dense = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
+    return {**qwen3, "architectures": [ARCHITECTURES[QWEN3_MOE]], "model_type": QWEN3_MOE,
+            "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": model.expert_ffn_size, "norm_topk_prob": m.normalize_top_k,
+            "decoder_sparse_step": 1, "mlp_only_layers": dense, "router_aux_loss_coef": m.aux_loss_coeff}
+
+
+def _deepseek_v3_fields(cfg: dict, where: str, fields: dict) -> None:
+    """ModelConfig fields of a DeepSeek-V3 config.json (transformers' DeepseekV3Config defaults, and
+    DeepSeek's own keys scoring_func, topk_method, moe_layer_freq, aux_loss_alpha, seq_aux where set)."""
+    heads = cfg["num_attention_heads"]
+    if cfg.get("num_key_value_heads") not in (None, heads):
+        raise _refuse(where, "num_key_value_heads", cfg["num_key_value_heads"],
+                      f"multi-latent attention has one key/value head per query head ({heads})")
+    for key, value, why in (("scoring_func", "sigmoid", "DeepseekV3ForCausalLM scores experts with a sigmoid"),
+                            ("topk_method", "noaux_tc", "DeepseekV3ForCausalLM routes by noaux_tc (score + bias, "
+                                                        "group-limited)"),
+                            ("moe_layer_freq", 1, "every layer from first_k_dense_replace on is MoE")):
+        if cfg.get(key, value) != value:
+            raise _refuse(where, key, cfg[key], why)
+    groups, group_top_k, top_k = cfg.get("n_group") or 1, cfg.get("topk_group") or 1, cfg.get("num_experts_per_tok", 8)
+    if groups > 1 and (not isinstance(top_k, int) or not isinstance(group_top_k, int) or group_top_k < 1
+                       or top_k % group_top_k or top_k // group_top_k != 2):
+        raise _refuse(where, "topk_group", group_top_k, f"DeepseekV3ForCausalLM scores a group by its best 2 "
+                      f"experts, which ms_llm does for num_experts_per_tok / topk_group = 2 (num_experts_per_tok "
+                      f"is {top_k})")
+    fields.pop("num_kv_heads")
+    fields.pop("head_dim")              # transformers writes qk_rope_head_dim there; MLA sets its own
+    fields["mla"] = {"q_lora_rank": cfg.get("q_lora_rank", 1536), "kv_lora_rank": cfg.get("kv_lora_rank", 512),
+                     "qk_nope_head_dim": cfg.get("qk_nope_head_dim", 128),
+                     "qk_rope_head_dim": cfg.get("qk_rope_head_dim", 64), "v_head_dim": cfg.get("v_head_dim", 128),
+                     "rope_interleave": cfg.get("rope_interleave", True)}
+    layers = cfg["num_hidden_layers"]
+    first_dense = cfg.get("first_k_dense_replace", 3)
+    fields["mtp_layers"] = cfg.get("num_nextn_predict_layers", 1)
+    if isinstance(first_dense, int) and first_dense >= layers:
+        return                          # every layer dense: no router to describe
+    seq_aux = cfg.get("aux_loss_alpha", 0.0) if cfg.get("seq_aux", False) else 0.0
+    fields["moe"] = {"num_experts": cfg.get("n_routed_experts", 256), "top_k": top_k,
+                     "expert_ffn_hidden_size": cfg.get("moe_intermediate_size", 2048),
+                     "shared_experts": cfg.get("n_shared_experts", 1), "normalize_top_k": cfg.get("norm_topk_prob", True),
+                     "first_dense_layers": first_dense, "score_function": "sigmoid",
+                     "routed_scaling_factor": cfg.get("routed_scaling_factor", 2.5), "num_groups": groups,
+                     "group_top_k": group_top_k, "expert_bias": True, "aux_loss_coeff": 0.0,
+                     "seq_aux_loss_coeff": seq_aux}
+
+
+def deepseek_v3_config(model: ModelConfig, dtype: str, mtp: bool = True) -> dict:
+    """config.json for transformers' DeepseekV3ForCausalLM (with DeepSeek's own routing keys, which
+    transformers keeps as attributes). A dense model has first_k_dense_replace = num_layers."""
+    a, m = model.mla, model.moe
+    max_pos = model.rope_scaling.original_max_seq_len if model.rope_scaling.type == "dynamic" else model.max_seq_len
+    cfg = {"architectures": [ARCHITECTURES[DEEPSEEK_V3]], "model_type": DEEPSEEK_V3,
+           "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+           "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
+           "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_heads,
+           "q_lora_rank": a.q_lora_rank, "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_head_dim,
+           "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim, "rope_interleave": a.rope_interleave,
+           "max_position_embeddings": max_pos, "rope_parameters": _rope_parameters(model),
+           "rms_norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu",
+           "attention_bias": False, "attention_dropout": 0.0, "dtype": dtype,
+           "num_nextn_predict_layers": model.mtp_layers if mtp else 0}
+    if m is None:
+        return {**cfg, "first_k_dense_replace": model.num_layers}
+    return {**cfg, "n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": model.expert_ffn_size, "n_shared_experts": m.shared_experts,
+            "norm_topk_prob": m.normalize_top_k, "first_k_dense_replace": m.first_dense_layers,
+            "routed_scaling_factor": m.routed_scaling_factor, "n_group": m.num_groups, "topk_group": m.group_top_k,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+            "aux_loss_alpha": m.seq_aux_loss_coeff, "seq_aux": m.seq_aux_loss_coeff > 0}
 
 
 def mixtral_config(model: ModelConfig, dtype: str, llama: dict) -> dict:

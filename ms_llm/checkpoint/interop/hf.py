@@ -1,13 +1,16 @@
-"""Hugging Face LLaMA / Qwen2 / Qwen3 / Mixtral export and import.
+"""Hugging Face LLaMA / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3 export and import.
 
 Canonical tensor names are Hugging Face names, so export is a copy: full tensors
 into model-0000i-of-0000n.safetensors + model.safetensors.index.json, and a config.json
-that transformers 5 reads (ms_llm/config/hf.py). Import wraps the HF files as a checkpoint
-source (no copy; Mixtral's per-expert tensors are stacked into one staged file first) that
+that transformers 5 reads (ms_llm/config/hf.py); routed experts are written one tensor per
+expert and DeepSeek's multi-token prediction modules as model.layers.{num_layers + d}.*, or left
+out (hf_moe). Import wraps the HF files as a checkpoint source (no copy; the per-expert or fused
+expert tensors and the MTP layers are first staged into one file under canonical names) that
 `reshard` lays out for any strategy.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tempfile
@@ -16,14 +19,15 @@ from typing import Optional
 
 import numpy as np
 
-from ms_llm.checkpoint.interop.hf_moe import mixtral_names, stack_experts
+from ms_llm.checkpoint.interop.hf_moe import export_names, import_sources, mtp_depths, stage_canonical
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import layout_plan, reshard
 from ms_llm.checkpoint.storage.boxes import Region
 from ms_llm.checkpoint.storage.format import Index, ShardEntry, TensorEntry, split_optim_name
 from ms_llm.checkpoint.storage.safetensors_io import bf16_to_f32, f32_to_bf16, read_header, storage_dtype, write_file
 from ms_llm.checkpoint.storage.untrusted import confined
-from ms_llm.config.hf import hf_config, is_mixtral, mixtral_config, model_from_hf_config
+from ms_llm.config.hf import MIXTRAL, hf_config, model_from_hf_config, model_type_of
+from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import to_dict
 from ms_llm.errors import CheckpointError
 from ms_llm.strategy.ir import ParallelStrategy
@@ -41,17 +45,18 @@ def convert_dtype(array: np.ndarray, src: str, dst: str) -> np.ndarray:
 
 
 def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
-              max_shard_bytes: int = 5 << 30) -> Path:
-    """Write the model weights of checkpoint `src` as a Hugging Face folder `out`."""
+              max_shard_bytes: int = 5 << 30, mtp: bool = True) -> Path:
+    """Write the model weights of checkpoint `src` as a Hugging Face folder `out`; `mtp` False
+    leaves the multi-token prediction modules out (config.json then says none)."""
     ckpt = Checkpoint.open(src)
     model = ckpt.model_config()
-    if model.moe is not None and not is_mixtral(model):
-        raise CheckpointError(f"{ckpt.folder}: this mixture-of-experts model (shared or leading dense experts) has no "
-                              "MixtralForCausalLM layout; Hugging Face export covers LLaMA and Mixtral models")
-    hf_config(model, "float32")                  # refuses a model no transformers class computes, before writing
+    try:
+        hf_config(model, "float32")              # refuses a model no transformers class computes, before writing
+    except CheckpointError as exc:
+        raise CheckpointError(f"{ckpt.folder}: {exc}") from None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    sources = hf_tensors(ckpt, model)
+    sources = hf_tensors(ckpt, model, mtp)
     names = list(sources)
     out_dtype = dtype or ckpt.entry(sources[names[0]][0]).dtype
     groups: list[list[str]] = [[]]
@@ -74,25 +79,19 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
     if len(groups) > 1:
         confined(out, INDEX_NAME, "an export file").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = hf_config(model, out_dtype)
-    if model.moe is not None:
-        config = mixtral_config(model, out_dtype, config)
+    config = hf_config(model, out_dtype, mtp)
     confined(out, "config.json", "an export file").write_text(json.dumps(config, indent=2))
     ckpt.close()
     return out
 
 
-def hf_tensors(ckpt: Checkpoint, model: ModelConfig) -> dict[str, tuple[str, Optional[int]]]:
+def hf_tensors(ckpt: Checkpoint, model: ModelConfig, mtp: bool = True) -> dict[str, tuple[str, Optional[int]]]:
     """Hub name -> (canonical tensor, expert index or None) of every model weight."""
+    mixtral = model_type_of(model) == MIXTRAL
     out: dict[str, tuple[str, Optional[int]]] = {}
     for name in ckpt.names():
-        if split_optim_name(name) is not None:
-            continue
-        hub = mixtral_names(name, model.moe.num_experts) if model.moe is not None else None
-        if hub is None or len(hub) == 1:
-            out[(hub or [name])[0]] = (name, None)
-        else:
-            out.update({h: (name, e) for e, h in enumerate(hub)})
+        if split_optim_name(name) is None:
+            out.update({hub: (name, e) for hub, e in export_names(name, model, mixtral, mtp)})
     return out
 
 
@@ -111,8 +110,10 @@ def hf_read(ckpt: Checkpoint, name: str, expert: Optional[int]) -> np.ndarray:
 
 def hf_source(folder: str | Path, staging: Optional[Path] = None) -> Checkpoint:
     """A Hugging Face folder opened as a (read-only, checksum-less) checkpoint of full tensors.
-    Mixtral keeps one tensor per expert where ms_llm stacks them: its weights are first written
-    to `staging` under canonical names, experts stacked (hf_moe.stack_experts)."""
+    MoE checkpoints keep one tensor per expert (or transformers 5's fused gate_up_proj) where
+    ms_llm stacks them, and DeepSeek's MTP layers have other names: such weights are first written
+    to `staging` under canonical names (hf_moe.stage_canonical). The model's mtp_layers is the
+    number of MTP layers the weights hold (transformers' save_pretrained drops them)."""
     folder = Path(folder)
     config = _read_json(folder, "config.json")
     if (folder / INDEX_NAME).is_file():
@@ -128,18 +129,31 @@ def hf_source(folder: str | Path, staging: Optional[Path] = None) -> Checkpoint:
     tensors = _file_tensors(folder, files, f"a file in {INDEX_NAME} 'weight_map'")
     stored = {t.dtype for t in tensors.values()}
     model = model_from_hf_config(config, str(folder / "config.json"), stored.pop() if len(stored) == 1 else None)
-    if model.moe is not None:
+    depths = mtp_depths(list(tensors), model.num_layers)
+    if depths != model.mtp_layers:
+        model = _with_mtp(model, depths, folder)
+    if model.moe is not None or depths:
         if staging is None:
-            raise CheckpointError(f"{folder}: Mixtral keeps one tensor per expert; import it with "
-                                  "`ms-llm convert-checkpoint HF_DIR DST --from hf`, which stacks them")
+            raise CheckpointError(f"{folder}: its experts are one tensor each (or its MTP layers named apart); import "
+                                  "it with `ms-llm convert-checkpoint HF_DIR DST --from hf`, which stacks them")
         hub = Checkpoint(folder, _index(tensors, {}))
-        stack_experts(hub, layout_plan(model, ParallelStrategy(dp=1), 1).params, model.moe.num_experts,
-                      str(confined(staging, SINGLE_NAME, "the stacked experts")))
+        experts = model.moe.num_experts if model.moe is not None else 0
+        stage_canonical(hub, import_sources(list(tensors), model.num_layers, experts, folder),
+                        str(confined(staging, SINGLE_NAME, "the stacked experts")))
         hub.close()
         folder, tensors = staging, _file_tensors(staging, [SINGLE_NAME], "the stacked experts")
     if model.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     return Checkpoint(folder, _index(tensors, {"backend": "hf", "model": to_dict(model, full=True)}))
+
+
+def _with_mtp(model: ModelConfig, depths: int, folder: Path) -> ModelConfig:
+    """`model` with the MTP layers its weights hold: fewer than config.json names (none, from
+    save_pretrained), or refused when config.json names fewer."""
+    if depths > model.mtp_layers:
+        raise CheckpointError(f"{folder}: holds {depths} layers past num_hidden_layers={model.num_layers}, but "
+                              f"config.json's num_nextn_predict_layers is {model.mtp_layers}")
+    return dataclasses.replace(model, mtp_layers=depths)
 
 
 def _file_tensors(folder: Path, files: list[str], what: str) -> dict[str, TensorEntry]:
