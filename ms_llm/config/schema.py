@@ -171,7 +171,7 @@ def to_dict(obj: Any, *, full: bool = False) -> dict:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             sub = to_dict(value, full=full)
-            if sub or full:
+            if sub or full or f.default is None:         # an optional section, present with its defaults
                 out[f.name] = sub
             continue
         if not full:

@@ -187,6 +187,30 @@ def annotate(problem: str, sources: dict[str, str]) -> str:
     return problem
 
 
+def moe_pattern(model: ModelConfig) -> list[int]:
+    """The 0/1 flag per layer (1 = MoE) that Megatron's --moe-layer-freq and MindFormers'
+    moe_layer_freq lists take."""
+    return [int(model.is_moe_layer(i)) for i in range(model.num_layers)]
+
+
+def moe_layers(pattern: list[int]) -> dict:
+    """model.moe's first_dense_layers / layer_freq / dense_layers for a 0/1 flag per layer: the
+    form with the fewest fields off their defaults, then the fewest listed dense layers (a leading
+    dense block reads as first_dense_layers, every N-th layer as layer_freq)."""
+    moe = {i for i, flag in enumerate(pattern) if flag}
+    best = None
+    for first in sorted({0, min(moe)}):
+        for freq in range(1, len(pattern) + 1):
+            regular = {i for i in range(first, len(pattern)) if i % freq == 0}
+            if not moe <= regular:
+                continue
+            dense = sorted(regular - moe)
+            key = ((first != 0) + (freq != 1) + len(dense), len(dense), first, freq)
+            if best is None or key < best[0]:
+                best = (key, {"first_dense_layers": first, "layer_freq": freq, "dense_layers": dense})
+    return best[1]
+
+
 def cp_algorithm(job: JobConfig, target: str, warnings: list[str]) -> str:
     """The context-parallel algorithm a writer names: the job's, or for 'auto' (with cp > 1) the cost
     model's pick on the job's device, said in a warning since the target file has no 'auto'."""

@@ -9,6 +9,7 @@ from ms_llm.config.model import MoEConfig
 from ms_llm.convert import ConversionError, ReadOptions, dump, from_job, load, read
 from ms_llm.convert.mindformers.read import mindformers_ffn
 from ms_llm.errors import ConfigError
+from ms_llm.job import load_section
 
 FIXTURES = Path(__file__).resolve().parents[2] / "configs" / "examples"    # the peers' configs users convert
 SEVEN_B = (FIXTURES / "mindformers_r1_llama2_7b.yaml").read_text()
@@ -178,8 +179,12 @@ SHIPPED_OPTIONS = {"pretrain_deepseek3_1b_8p_pynative": ReadOptions(world_size=8
                    "pretrain_deepseek4_flash_reduction": ReadOptions(world_size=8),
                    "pretrain_deepseek4_pro": ReadOptions(world_size=8),
                    "pretrain_deepseek4_pro_reduction": ReadOptions(world_size=8)}
-# MindFormers' own LayerSetting refuses it: 45 layers over 8 stages with offset 0
-REFUSED = {"pretrain_telechat3_105b_a4b_4k": "model.model_config.offset: 0, but 45 layers over 8 pipeline chunks"}
+# MindFormers' own LayerSetting refuses the first: 45 layers over 8 stages with offset 0; DeepSeek-V4's
+# attention (compressed sparse attention, grouped low-rank output, hyper-connections) has no ms_llm form.
+DSV4 = "model.experimental_attention_variant: 'dsv4_hybrid'"
+REFUSED = {"pretrain_telechat3_105b_a4b_4k": "model.model_config.offset: 0, but 45 layers over 8 pipeline chunks",
+           "pretrain_deepseek4_flash": DSV4, "pretrain_deepseek4_flash_reduction": DSV4,
+           "pretrain_deepseek4_pro": DSV4, "pretrain_deepseek4_pro_reduction": DSV4}
 
 
 def _shipped_options(path: Path) -> ReadOptions:
@@ -234,12 +239,13 @@ def test_qwen3_moe_reads_model_moe_and_names_the_routing_it_cannot_express():
     m, s = conv.job.model, conv.job.strategy
     assert (m.ffn_hidden_size, s.ep) == (6144, 1)
     assert m.moe == MoEConfig(num_experts=128, top_k=8, expert_ffn_hidden_size=768, normalize_top_k=False,
-                              aux_loss_coeff=0.001)
+                              aux_loss_coeff=0.001, routed_scaling_factor=1.5)
     text = "\n".join(conv.warnings)
     assert "parallel_config.expert_parallel = 4: experts spread over tensor-parallel ranks" in text
-    unread = next(w for w in conv.warnings if w.startswith("model.model_config:"))
-    assert "routed_scaling_factor = 1.5" in unread and "moe_router_load_balancing_type = 'gbs_aux_loss'" in unread
+    assert "model.model_config.moe_router_load_balancing_type = gbs_aux_loss (the balance loss over the global " \
+           "batch): not expressible" in text
     assert "norm_topk_prob" not in text and "router_aux_loss_coef" not in text     # read, or the same value
+    assert "routed_scaling_factor" not in text
     assert (m.head_dim, m.qk_norm) == (128, True)                                  # not 2048 / 32 = 64
 
 
@@ -264,11 +270,15 @@ def test_gradient_accumulation_shard_is_level2_and_conflicts_name_the_key():
 
 
 def test_pynative_layout_needs_the_world_size():
+    path = SHIPPED / "deepseek3" / "pretrain_deepseek3_1b_8p_pynative.yaml"
     with pytest.raises(ConversionError, match=r"parallelism.data_parallel_shard: -1 .* --world-size"):
-        load(SHIPPED / "deepseek4" / "pretrain_deepseek4_flash.yaml", "mindformers")
-    s = load(SHIPPED / "deepseek4" / "pretrain_deepseek4_flash.yaml", "mindformers",
-             ReadOptions(world_size=8)).job.strategy
-    assert (s.dp, s.ep, s.zero.stage) == (8, 8, 3)                # FSDP-shaped: optim_grads_params
+        load(path, "mindformers")
+    s = load(path, "mindformers", ReadOptions(world_size=8)).job.strategy
+    assert (s.dp, s.ep, s.zero.stage) == (8, 1, 3)                # FSDP-shaped: optim_grads_params
+    # DeepSeek-V4's attention has no ms_llm form: its parallel layout converts with a model given
+    flash = SHIPPED / "deepseek4" / "pretrain_deepseek4_flash.yaml"
+    s = load(flash, "mindformers", ReadOptions(world_size=8, model=load_section("model", "mixtral_8x7b"))).job.strategy
+    assert (s.dp, s.ep, s.zero.stage) == (8, 8, 3)                # expert_parallel 8
 
 
 def test_qwen_math_in_both_layouts():

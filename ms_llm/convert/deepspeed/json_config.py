@@ -61,6 +61,8 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if pp > 1 and f.get("pipeline.partition", str, "best") != "uniform":
         warnings.append(f"pipeline.partition = {f.get('pipeline.partition', str, 'best')!r}: read as an "
                         "even split of the layers (uniform)")
+    if pp > 1 and model.num_layers % pp:
+        strategy["pipeline"] = {"layer_split": uniform_split(model.num_layers, pp)}
     model_dict = {**to_dict(model, full=True), "dtype": strategy["precision"]["param_dtype"]}
     train = {"global_batch_size": gbs, "micro_batch_size": mbs, "seq_len": model.max_seq_len,
              "log_every": f.get("steps_per_print", int, 10, ir="train.log_every"),
@@ -94,6 +96,13 @@ def _batch_value(f: Fields, key: str, warnings: list[str]) -> int | None:
     if value is not None and value < 1:
         raise f.error(key, f"got {value}; must be >= 1")
     return value
+
+
+def uniform_split(layers: int, parts: int) -> list[int]:
+    """Layers per stage as DeepSpeed's partition_uniform cuts them: the first layers % parts stages
+    take one more."""
+    each, extra = divmod(layers, parts)
+    return [each + (i < extra) for i in range(parts)]
 
 
 def _batch(f: Fields, dp: int | None, warnings: list[str]) -> tuple[int, int, int]:
@@ -272,7 +281,7 @@ def write(job: JobConfig, world_size: int) -> Written:
         if s.pipeline.schedule != "1f1b" or s.pipeline.virtual_stages > 1:
             warnings.append(f"strategy.pipeline.schedule = {s.pipeline.schedule} x{s.pipeline.virtual_stages}: "
                             "DeepSpeed's pipeline engine runs 1F1B with one chunk per stage")
-        if s.pipeline.layer_split is not None:
+        if s.pipeline.layer_split not in (None, tuple(uniform_split(m.num_layers, s.pp))):
             warnings.append(f"strategy.pipeline.layer_split = {list(s.pipeline.layer_split)}: DeepSpeed partitions "
                             "by method (uniform written)")
     rc = s.recompute

@@ -9,20 +9,16 @@ padded to a multiple of make-vocab-size-divisible-by * tp, embeddings tied unles
 """
 from __future__ import annotations
 
-import ast
-import math
 import shlex
 from pathlib import Path
 
 from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOptions, make_job
+from ms_llm.convert.megatron.model import read_model
 from ms_llm.convert.shell import launch_command
 
-GPT2_BPE_VOCAB = 50257          # Megatron's GPT2BPETokenizer (the GPT-3 examples' --vocab-file/--merge-file)
 # --cp-comm-type (megatron-core TransformerConfig.cp_comm_type) <-> strategy.context_parallel.algorithm;
 # a2a+p2p (hierarchical: a2a inside --hierarchical-context-parallel-sizes groups, p2p across) has no IR name.
 CP_COMM_TYPES = {"p2p": "ring", "a2a": "ulysses", "all_gather": "allgather"}
-# megatron-core's RotaryEmbedding._apply_scaling: Llama-3.1's bands fixed, only the factor is an argument.
-MEGATRON_LLAMA3 = {"type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_seq_len": 8192}
 DECAY_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant"}
 
 
@@ -87,7 +83,7 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
         raise ConversionError(f"{source}: world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} "
                               f"(Megatron computes dp = world / (tp*pp*cp)); pass --world-size N with a multiple "
                               f"of {tp * pp * cp}")
-    model, tie_note = _model(f, tp, pp, warnings)
+    model, tie_note = read_model(f, tp, pp, warnings)
     strategy = {"dp": dp or -1, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
                 "context_parallel": {"algorithm": _cp_algorithm(f, cp, warnings)}}
     sp = f.get("--sequence-parallel", bool, False, ir="strategy.sequence_parallel")
@@ -109,60 +105,6 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     return Converted(job, world, warnings + f.unused(), f.sources)
 
 
-def _model(f: Fields, tp: int, pp: int, warnings: list[str]) -> tuple[dict, str]:
-    layers = f.get("--num-layers", int, ir="model.num_layers")
-    hidden = f.get("--hidden-size", int, ir="model.hidden_size")
-    heads = f.get("--num-attention-heads", int, ir="model.num_heads")
-    kv = heads
-    if f.get("--group-query-attention", bool, False):
-        kv = f.get("--num-query-groups", int, 1, ir="model.num_kv_heads")
-    swiglu = f.get("--swiglu", bool, False)
-    default_ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
-    ffn = f.get("--ffn-hidden-size", int, default_ffn, ir="model.ffn_hidden_size")
-    if not swiglu:
-        if (2 * ffn) % 3:
-            raise f.error("--ffn-hidden-size", f"a {ffn}-wide GELU MLP has no SwiGLU equivalent of equal size "
-                                               "(2*ffn/3 is not an integer); ms_llm models are SwiGLU")
-        warnings.append(f"no --swiglu: the {ffn}-wide GELU MLP is read as a SwiGLU MLP of width {2 * ffn // 3} "
-                        "(same parameter count)")
-        ffn = 2 * ffn // 3
-    vocab = _vocab(f, tp, warnings)
-    position = f.get("--position-embedding-type", str, "learned_absolute")
-    if position != "rope":
-        warnings.append(f"--position-embedding-type {position}: read as rotary embeddings (ms_llm models use RoPE)")
-    if f.get("--rotary-percent", float, 1.0) != 1.0:
-        warnings.append("--rotary-percent < 1 is not modelled; full rotary embeddings are used")
-    norm = f.get("--normalization", str, "LayerNorm")
-    if norm != "RMSNorm":
-        warnings.append(f"--normalization {norm}: read as RMSNorm")
-    if not f.get("--disable-bias-linear", bool, False):
-        warnings.append("linear-layer biases (Megatron's default without --disable-bias-linear) are not modelled; "
-                        "only q/k/v biases are (--disable-bias-linear --add-qkv-bias)")
-    dropout = (f.get("--attention-dropout", float, 0.1), f.get("--hidden-dropout", float, 0.1))
-    if any(dropout):
-        warnings.append(f"dropout (attention {dropout[0]}, hidden {dropout[1]}; Megatron's default is 0.1) "
-                        "is not modelled")
-    tie = not f.get("--untie-embeddings-and-output-weights", bool, False, ir="model.tie_embeddings")
-    note = ""
-    if tie and pp > 1:
-        tie = False
-        note = ("embeddings are tied (no --untie-embeddings-and-output-weights) across pipeline stages; "
-                "ms_llm has no embedding group, so they are untied")
-    seq = f.get("--seq-length", int, ir="train.seq_len")
-    model = {"name": Path(f.source).stem, "vocab_size": vocab, "hidden_size": hidden, "num_layers": layers,
-             "num_heads": heads, "num_kv_heads": kv, "ffn_hidden_size": ffn,
-             "max_seq_len": f.get("--max-position-embeddings", int, seq, ir="model.max_seq_len"),
-             "rope_theta": f.get("--rotary-base", float, 10000.0, ir="model.rope_theta"),
-             "norm_eps": f.get("--norm-epsilon", float, 1e-5, ir="model.norm_eps"), "tie_embeddings": tie,
-             "flash_attention": _flash_attention(f, warnings), "moe": _moe(f, layers, ffn, warnings),
-             "qkv_bias": f.get("--add-qkv-bias", bool, False, ir="model.qkv_bias"),
-             "qk_norm": f.get("--qk-layernorm", bool, False, ir="model.qk_norm"),
-             "rope_scaling": _rope_scaling(f)}
-    if f.has("--kv-channels"):
-        model["head_dim"] = f.get("--kv-channels", int, ir="model.head_dim")
-    return model, note
-
-
 def _cp_algorithm(f: Fields, cp: int, warnings: list[str]) -> str:
     """--cp-comm-type (one value, or one per layer); Megatron's default is p2p, i.e. ring."""
     given = f.raw("--cp-comm-type", ir="strategy.context_parallel.algorithm")
@@ -180,120 +122,6 @@ def _cp_algorithm(f: Fields, cp: int, warnings: list[str]) -> str:
     if kind not in CP_COMM_TYPES:
         raise f.error("--cp-comm-type", f"got {kind!r}; expected one of p2p, a2a, all_gather, a2a+p2p")
     return CP_COMM_TYPES[kind]
-
-
-def _moe(f: Fields, layers: int, ffn: int, warnings: list[str]) -> dict | None:
-    """--num-experts and the --moe-* flags -> model.moe. Megatron's router (softmax after top-k, or
-    --moe-router-pre-softmax: softmax over all experts, top-k weights kept raw) is ms_llm's with
-    normalize_top_k true / false; its aux-loss coefficient defaults to 0."""
-    experts = f.get("--num-experts", int, 0, ir="model.moe.num_experts")
-    if not experts:
-        return None
-    width = f.get("--moe-ffn-hidden-size", int, ffn, ir="model.moe.expert_ffn_hidden_size")
-    moe: dict = {"num_experts": experts, "top_k": f.get("--moe-router-topk", int, 2, ir="model.moe.top_k"),
-                 "expert_ffn_hidden_size": -1 if width == ffn else width,
-                 "normalize_top_k": not f.get("--moe-router-pre-softmax", bool, False, ir="model.moe.normalize_top_k"),
-                 "aux_loss_coeff": f.get("--moe-aux-loss-coeff", float, 0.0, ir="model.moe.aux_loss_coeff"),
-                 "z_loss_coeff": f.get("--moe-z-loss-coeff", float, 0.0, ir="model.moe.z_loss_coeff")}
-    shared = f.get("--moe-shared-expert-intermediate-size", int, 0, ir="model.moe.shared_experts")
-    if shared % width:
-        raise f.error("--moe-shared-expert-intermediate-size", f"{shared} is not a multiple of the expert width "
-                                                               f"{width}; ms_llm's shared experts are expert-wide")
-    moe["shared_experts"] = shared // width
-    capacity = f.get("--moe-expert-capacity-factor", float, -1.0, ir="model.moe.capacity_factor")
-    moe["capacity_factor"] = capacity if capacity > 0 else -1.0
-    policy = f.get("--moe-token-drop-policy", ("probs", "position"), "probs")
-    if capacity > 0 and policy == "probs":
-        warnings.append("--moe-token-drop-policy probs: an over-full expert drops its lowest-weight tokens in "
-                        "Megatron; ms_llm drops the latest ones (position)")
-    scaling = f.get("--moe-router-topk-scaling-factor", float, 1.0)
-    if scaling != 1.0:
-        warnings.append(f"--moe-router-topk-scaling-factor {scaling}: routing weights are not scaled in ms_llm")
-    f.accept_usual({"--moe-grouped-gemm": None, "--moe-token-dispatcher-type": None,
-                    "--moe-router-load-balancing-type": ("aux_loss",), "--moe-router-score-function": ("softmax",)})
-    if f.has("--moe-layer-freq"):
-        moe.update(_moe_layer_pattern(f, layers))
-    return moe
-
-
-def _moe_layer_pattern(f: Fields, layers: int) -> dict:
-    """--moe-layer-freq N, or a pattern such as "([0]*3+[1]*29)" -> layer_freq + first_dense_layers."""
-    text = f.get("--moe-layer-freq", str, ir="model.moe.layer_freq")
-    if "[" not in text:
-        return {"layer_freq": f.get("--moe-layer-freq", int)}
-    pattern = _list_expression(f, text)
-    if len(pattern) != layers or set(pattern) - {0, 1} or 1 not in pattern:
-        raise f.error("--moe-layer-freq", f"{text!r} is not a 0/1 flag for each of the {layers} layers "
-                                          "with at least one MoE layer")
-    first = pattern.index(1)
-    for freq in range(1, layers + 1):
-        if pattern == [int(i >= first and i % freq == 0) for i in range(layers)]:
-            return {"layer_freq": freq, "first_dense_layers": first}
-    raise f.error("--moe-layer-freq", f"{text!r}: ms_llm places MoE layers as leading dense layers, then every "
-                                      "N-th layer; this pattern is neither")
-
-
-def _list_expression(f: Fields, text: str) -> list:
-    """Megatron evaluates the pattern as Python; here only lists of ints, + and * are accepted."""
-    def value(node):
-        if isinstance(node, ast.List):
-            return [value(e) for e in node.elts]
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int) \
-                    and 0 <= right <= 1 << 16:
-                return left * right
-            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
-                return left + right
-        raise ValueError
-    try:
-        out = value(ast.parse(text.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, RecursionError):
-        raise f.error("--moe-layer-freq", f"{text!r}: expected an integer or a list expression such as "
-                                          "[0]*3+[1]*29") from None
-    if not isinstance(out, list):
-        raise f.error("--moe-layer-freq", f"{text!r}: expected a list of 0/1 flags")
-    return out
-
-
-def _rope_scaling(f: Fields) -> dict:
-    """--use-rope-scaling is Llama-3.1's scaling with Megatron's fixed bands (MEGATRON_LLAMA3) and
-    --rope-scaling-factor; --rotary-seq-len-interpolation-factor divides positions (linear)."""
-    if f.get("--use-rope-scaling", bool, False, ir="model.rope_scaling"):
-        return {**MEGATRON_LLAMA3, "factor": f.get("--rope-scaling-factor", float, 8.0, ir="model.rope_scaling")}
-    linear = f.get("--rotary-seq-len-interpolation-factor", int, 0, ir="model.rope_scaling")
-    return {"type": "linear", "factor": linear} if linear else {}
-
-
-def _flash_attention(f: Fields, warnings: list[str]) -> bool:
-    """--attention-backend flash (or the legacy --use-flash-attn) is model.flash_attention."""
-    backend = f.get("--attention-backend", ("flash", "fused", "unfused", "local", "auto"), "auto",
-                    ir="model.flash_attention")
-    if backend in ("fused", "auto") and f.has("--attention-backend"):
-        what = "Megatron's pick among Transformer Engine's kernels" if backend == "auto" else "cuDNN fused attention"
-        warnings.append(f"--attention-backend {backend} ({what}): read as plain attention "
-                        "(model.flash_attention false)")
-    legacy = f.get("--use-flash-attn", bool, False, ir="model.flash_attention")
-    return backend == "flash" or legacy
-
-
-def _vocab(f: Fields, tp: int, warnings: list[str]) -> int:
-    if f.has("--vocab-size"):
-        vocab = f.get("--vocab-size", int, ir="model.vocab_size")
-    elif f.has("--merge-file") or f.get("--tokenizer-type", str, "") == "GPT2BPETokenizer":
-        vocab = GPT2_BPE_VOCAB
-        warnings.append(f"vocabulary: the GPT-2 BPE tokenizer's {GPT2_BPE_VOCAB} tokens")
-    else:
-        raise f.error("--vocab-size", "missing, and the tokenizer cannot be read offline; add --vocab-size N "
-                                      "(the tokenizer's vocabulary size)")
-    multiple = f.get("--make-vocab-size-divisible-by", int, 128) * tp
-    padded = math.ceil(vocab / multiple) * multiple
-    if padded != vocab:
-        warnings.append(f"vocabulary padded from {vocab} to {padded} (a multiple of "
-                        f"make-vocab-size-divisible-by * tp = {multiple}), as Megatron does")
-    return padded
 
 
 def _pipeline(f: Fields, layers: int, pp: int) -> dict:

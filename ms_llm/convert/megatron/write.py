@@ -6,18 +6,13 @@ from __future__ import annotations
 import shlex
 
 from ms_llm.convert.common import ConversionError, Written, cp_algorithm
-from ms_llm.convert.megatron.read import CP_COMM_TYPES, MEGATRON_LLAMA3
+from ms_llm.convert.megatron.model import num, write_model
+from ms_llm.convert.megatron.read import CP_COMM_TYPES
 from ms_llm.job import JobConfig
 from ms_llm.strategy.devices import get_device
 
 
 COMM_TYPES = {algorithm: kind for kind, algorithm in CP_COMM_TYPES.items()}
-
-
-def num(x: float) -> str:
-    """A number as the shortest text that reads back to the same value."""
-    text = repr(float(x))
-    return text[:-2] if text.endswith(".0") else text
 
 
 def _divisible_by(vocab: int, tp: int) -> int:
@@ -43,27 +38,7 @@ def write(job: JobConfig, world_size: int) -> Written:
                  "strategy.pipeline.schedule", "strategy.recompute.num_layers", "strategy.pipeline.layer_split",
                  "strategy.zero.shard_size", "train.data.paths", "train.data.weights", "train.data.split",
                  "train.data.tokenizer", "strategy.context_parallel"}
-    model = [f"--num-layers {m.num_layers}", f"--hidden-size {m.hidden_size}",
-             f"--ffn-hidden-size {m.ffn_hidden_size}", f"--num-attention-heads {m.num_heads}"]
-    if m.num_kv_heads != m.num_heads:
-        model += ["--group-query-attention", f"--num-query-groups {m.num_kv_heads}"]
-    model += [f"--seq-length {t.seq_len}", f"--max-position-embeddings {m.max_seq_len}",
-              "--position-embedding-type rope", f"--rotary-base {num(m.rope_theta)}",
-              "--normalization RMSNorm", f"--norm-epsilon {num(m.norm_eps)}", "--swiglu", "--disable-bias-linear",
-              "--attention-dropout 0.0", "--hidden-dropout 0.0",
-              f"--vocab-size {m.vocab_size}", f"--make-vocab-size-divisible-by {_divisible_by(m.vocab_size, s.tp)}"]
-    if not m.tie_embeddings:
-        model.append("--untie-embeddings-and-output-weights")
-    if m.head_dim * m.num_heads != m.hidden_size:
-        model.append(f"--kv-channels {m.head_dim}")
-    if m.qkv_bias:
-        model.append("--add-qkv-bias")
-    if m.qk_norm:
-        model.append("--qk-layernorm")
-    model += _write_rope_scaling(m.rope_scaling, warnings)
-    model += _write_moe(m)
-    if m.flash_attention:
-        model.append("--attention-backend flash")
+    model = write_model(m, t.seq_len, _divisible_by(m.vocab_size, s.tp), warnings)
 
     o, sch, ck, p = t.optimizer, t.schedule, t.checkpoint, s.precision
     training = [f"--micro-batch-size {t.micro_batch_size}", f"--global-batch-size {t.global_batch_size}",
@@ -120,31 +95,6 @@ def write(job: JobConfig, world_size: int) -> Written:
     return Written("\n".join(lines) + "\n", expressed, warnings)
 
 
-def _write_moe(m) -> list[str]:
-    """model.moe as megatron.read's _moe reads it back (every field has a flag)."""
-    moe = m.moe
-    if moe is None:
-        return []
-    out = [f"--num-experts {moe.num_experts}", f"--moe-router-topk {moe.top_k}",
-           f"--moe-ffn-hidden-size {m.expert_ffn_size}", f"--moe-aux-loss-coeff {num(moe.aux_loss_coeff)}"]
-    if moe.z_loss_coeff:
-        out.append(f"--moe-z-loss-coeff {num(moe.z_loss_coeff)}")
-    if moe.shared_experts:
-        out.append(f"--moe-shared-expert-intermediate-size {moe.shared_experts * m.expert_ffn_size}")
-    if not moe.normalize_top_k:
-        out.append("--moe-router-pre-softmax")
-    if moe.capacity_factor > 0:
-        out += [f"--moe-expert-capacity-factor {num(moe.capacity_factor)}", "--moe-token-drop-policy position"]
-    if moe.first_dense_layers:
-        pattern = [int(m.is_moe_layer(i)) for i in range(m.num_layers)]
-        text = f"[0]*{moe.first_dense_layers}+[1]*{m.num_layers - moe.first_dense_layers}" \
-            if moe.layer_freq == 1 else str(pattern).replace(" ", "")
-        out.append(f"--moe-layer-freq {shlex.quote(text)}")
-    elif moe.layer_freq > 1:
-        out.append(f"--moe-layer-freq {moe.layer_freq}")
-    return out
-
-
 def _write_data(data) -> list[str]:
     """--data-path as weight prefix pairs (prefixes alone when unweighted), --split, --tokenizer-model."""
     out: list[str] = []
@@ -160,20 +110,6 @@ def _write_data(data) -> list[str]:
     if data.tokenizer:
         out.append(f"--tokenizer-model {shlex.quote(data.tokenizer)}")
     return out
-
-
-def _write_rope_scaling(r, warnings: list[str]) -> list[str]:
-    """Llama-3.1 scaling with Megatron's fixed bands, or linear interpolation by a whole factor."""
-    if r.type == "default":
-        return []
-    if r.type == "llama3" and all(getattr(r, k) == v for k, v in MEGATRON_LLAMA3.items()):
-        return ["--use-rope-scaling", f"--rope-scaling-factor {num(r.factor)}"]
-    if r.type == "linear" and float(r.factor).is_integer():
-        return [f"--rotary-seq-len-interpolation-factor {int(r.factor)}"]
-    warnings.append(f"model.rope_scaling.type = {r.type}: Megatron-LM's GPT model scales rotary only as Llama-3.1 "
-                    "(low_freq_factor 1, high_freq_factor 4, original_max_seq_len 8192) or by a whole linear "
-                    "factor; plain rotary written")
-    return []
 
 
 def _write_precision(p, warnings: list[str]) -> list[str]:

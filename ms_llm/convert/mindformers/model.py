@@ -3,11 +3,10 @@
 r1.x (and MindFormers 2.x with use_legacy: True) writes LlamaConfig keys (num_layers, num_heads,
 n_kv_heads, theta, param_init_type); 2.x with use_legacy: False writes Hugging Face keys
 (num_hidden_layers, num_attention_heads, num_key_value_heads, rope_theta, params_dtype) read by
-its mcore model configs, with MoE as flat keys (MOE_FIELDS: num_experts or n_routed_experts,
-num_experts_per_tok, moe_intermediate_size, n_shared_experts, first_k_dense_replace, ...); r1.x
-holds MoE in a moe_config section (LEGACY_MOE_FIELDS). One table per layout names each key; the IR field
-is the same. A key whose value changes the math in a way the IR cannot express yet is named in
-a warning of its own (the model is still read, as the nearest LLaMA).
+its mcore model configs, whose classes fill in what a YAML leaves out (CLASS_DEFAULTS: DeepSeek-V3's
+shape for deepseek_v3). MoE keys are read by mindformers/moe.py, multi-latent attention and MTP by
+mindformers/mla.py. A key whose value changes the math in a way the IR cannot express is named
+in a warning of its own; an attention the IR has no form for at all is refused by name.
 """
 from __future__ import annotations
 
@@ -18,6 +17,8 @@ from ms_llm.config.hf import RENAMES, rope_from_hf
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import to_dict
 from ms_llm.convert.common import DTYPES, ConversionError, Fields
+from ms_llm.convert.mindformers.mla import read_mla
+from ms_llm.convert.mindformers.moe import read_legacy_moe, read_mcore_moe
 from ms_llm.errors import CheckpointError
 
 MC = "model.model_config"
@@ -55,10 +56,26 @@ NEUTRAL = {"hidden_act": ("silu", "swiglu", "fusedswiglu"), "position_embedding_
            "architectures": None, "moe_grouped_gemm": (True, False), "router_dense_type": ("float32",),
            "fp32_residual_connection": (True, False), "batch_size": None, "type": ("LlamaConfig",),
            "offset": (0,)}
-# What MindFormers' config class fills in for a key the YAML leaves out (shipped configs rely on it).
-CLASS_DEFAULTS = {"qwen3": {"head_dim": 128}, "deepseek_v3": {"num_attention_heads": 128, "n_routed_experts": 256,
-                                  "num_experts_per_tok": 8},
-                  "qwen3_moe": {"norm_topk_prob": False}}
+# What MindFormers' config classes fill in for a key the YAML leaves out (their constructor
+# defaults and register_mf_model_parameter values; shipped configs rely on them).
+DEEPSEEK_V3 = {"num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+               "v_head_dim": 128, "qk_nope_head_dim": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+               "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+               "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True, "moe_intermediate_size": 2048,
+               "num_nextn_predict_layers": 1, "max_position_embeddings": 4096, "moe_router_score_function": "sigmoid",
+               "moe_router_enable_expert_bias": True, "multi_latent_attention": True}
+CLASS_DEFAULTS = {"qwen3": {"head_dim": 128},
+                  "qwen3_moe": {"norm_topk_prob": False, "num_experts": 128, "num_experts_per_tok": 8,
+                                "moe_intermediate_size": 768, "max_position_embeddings": 32768},
+                  "deepseek_v3": DEEPSEEK_V3,
+                  "telechat3_moe": {**DEEPSEEK_V3, "num_attention_heads": 32, "n_routed_experts": 192,
+                                    "routed_scaling_factor": 2.8, "moe_intermediate_size": 1536,
+                                    "multi_latent_attention": False},
+                  "deepseek_v4": {"experimental_attention_variant": "dsv4_hybrid"}}
+# Attention variants with no ms_llm form: what each is.
+ATTENTION_VARIANTS = {"dsv4_hybrid": "DeepSeek-V4's compressed sparse attention with a grouped low-rank output "
+                                     "projection and hyper-connections",
+                      "dsa": "DeepSeek-V3.2's sparse attention with a lightning indexer"}
 # Architectures whose mcore model builds q/k RMSNorm whatever qk_layernorm says.
 QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # 2.x spellings of Qwen2's q/k/v biases (MindFormers' TransformerConfig maps all three to add_qkv_bias).
@@ -70,34 +87,6 @@ EXTEND_METHODS = {"None": (), "PI": (), "LLAMA3": ("factor", "low_freq_factor", 
                                                    "original_max_position_embeddings"),
                   "YARN": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                            "mscale_all_dim")}
-# model.moe from the 2.x flat keys: IR field -> the spellings MindFormers' transformer_config_utils maps
-# to one TransformerConfig field (first found wins). Shared experts are a count or a total width.
-MOE_FIELDS = {"num_experts": ("num_experts", "n_routed_experts", "num_moe_experts"),
-              "top_k": ("num_experts_per_tok", "moe_router_topk"),
-              "expert_ffn_hidden_size": ("moe_intermediate_size", "moe_ffn_hidden_size"),
-              "shared_experts": ("n_shared_experts", "shared_expert_num"),
-              "normalize_top_k": ("norm_topk_prob",),
-              "aux_loss_coeff": ("moe_aux_loss_coeff", "router_aux_loss_coef"),
-              "z_loss_coeff": ("moe_z_loss_coeff", "z_loss_factor"),
-              "capacity_factor": ("moe_expert_capacity_factor", "capacity_factor"),
-              "first_dense_layers": ("first_k_dense_replace",),
-              "layer_freq": ("moe_layer_freq",)}
-# r1.x moe_config keys (MindFormers' modules/transformer/moe.py MoEConfig) -> model.moe.
-LEGACY_MOE_FIELDS = {"num_experts": "expert_num", "top_k": "num_experts_chosen",
-                     "expert_ffn_hidden_size": "moe_intermediate_size", "shared_experts": "shared_expert_num",
-                     "normalize_top_k": "norm_topk_prob", "aux_loss_coeff": "aux_loss_factor",
-                     "z_loss_coeff": "z_loss_factor", "capacity_factor": "capacity_factor"}
-# r1.x MoEConfig defaults that differ from the IR's (its capacity_factor 1.1 drops tokens; 0.05 aux loss).
-LEGACY_MOE_DEFAULTS = {"top_k": 1, "capacity_factor": 1.1, "aux_loss_coeff": 0.05}
-# 2.x routing and dispatch keys at values that are ms_llm's router (softmax top-k, no bias, no groups).
-MOE_NEUTRAL = {"moe_router_score_function": ("softmax",), "scoring_func": ("softmax",),
-               "moe_router_enable_expert_bias": (False,), "routed_scaling_factor": (1.0, 1),
-               "moe_router_topk_scaling_factor": (None, 1.0, 1), "moe_router_load_balancing_type": ("aux_loss",),
-               "moe_token_dispatcher_type": None, "use_fused_ops_topkrouter": None, "moe_router_dtype": None,
-               "moe_router_pre_softmax": (True, False), "moe_token_drop_policy": ("position",),
-               "moe_shared_expert_overlap": (True, False), "moe_permute_fusion": (True, False),
-               "use_pad_tokens": (True, False), "moe_router_fusion": (True, False)}
-
 def layout_of(f: Fields) -> Layout:
     """2.x when the YAML says use_legacy: False (or writes the mcore key names), r1.x otherwise."""
     legacy = f.get("use_legacy", bool, True)
@@ -142,7 +131,7 @@ def read_model(f: Fields, layout: Layout, warnings: list[str], mc: str = MC, giv
         _mcore_math(f, mc, model, warnings)
     else:
         _legacy_math(f, mc, model, warnings)
-        _legacy_moe(f, mc, model)
+        model["moe"] = read_legacy_moe(f, mc, model)
     return model
 
 
@@ -205,89 +194,42 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _legacy_moe(f: Fields, mc: str, model: dict) -> None:
-    """r1.x MoE: a moe_config section (in model_config or at the top), MindSpore's MoEConfig keys."""
-    section = f"{mc}.moe_config" if f.has(f"{mc}.moe_config") else "moe_config"
-    if not f.get(f"{section}.expert_num", int, 0, ir="model.moe.num_experts"):
-        model["moe"] = None
-        return
-    moe = {}
-    for field, key in LEGACY_MOE_FIELDS.items():
-        kind = bool if field == "normalize_top_k" else float if "coeff" in field or "factor" in field else int
-        if f.has(f"{section}.{key}"):
-            moe[field] = f.get(f"{section}.{key}", kind, ir=f"model.moe.{field}")
-        elif field in LEGACY_MOE_DEFAULTS:
-            moe[field] = LEGACY_MOE_DEFAULTS[field]
-    model["moe"] = _moe_with_widths(moe, model)
-
 def _mcore_math(f: Fields, mc: str, model: dict, warnings: list[str]) -> None:
     """2.x keys that change the math: read what the IR models, name the rest one by one."""
-    mla = f.raw(f"{mc}.multi_latent_attention") is True
+    section = _section(f, mc)
+    variant = section.get("experimental_attention_variant")
+    if variant is not None:
+        what = ATTENTION_VARIANTS.get(variant, "an attention variant")
+        raise f.error(f"{mc}.experimental_attention_variant", f"{variant!r} ({what}) has no ms_llm form; convert "
+                                                              "the parallel layout alone with --model NAME")
+    arch = f.raw(f"{mc}.architectures", "")
+    arch = (arch[0] if isinstance(arch, list) and arch else arch) or "this model"
+    mla = section.get("multi_latent_attention") is True
     if f.raw(f"{mc}.head_dim") is not None and not mla:
         model["head_dim"] = f.get(f"{mc}.head_dim", int, ir="model.head_dim")
-    arch = f.raw(f"{mc}.architectures", "")
-    arch = arch[0] if isinstance(arch, list) and arch else arch
-    qk_norm = f.get(f"{mc}.qk_layernorm", bool, False, ir="model.qk_norm")
-    if mla and qk_norm:       # MLA's qk_layernorm normalizes the latent q / kv, which GQA has not
-        warnings.append(f"{mc}.qk_layernorm: {arch or 'this model'} normalizes the latent q and kv of multi-latent "
-                        "attention; not expressible, read without it")
-    elif qk_norm or arch in QK_NORM_ARCHS:
+    if not mla and (f.get(f"{mc}.qk_layernorm", bool, False, ir="model.qk_norm") or arch in QK_NORM_ARCHS):
         model["qk_norm"] = True
     bias = [k for k in QKV_BIAS_KEYS if f.get(f"{mc}.{k}", bool, False, ir="model.qkv_bias")]
     model["qkv_bias"] = bool(bias)
     if f.raw(f"{mc}.add_bias_linear") is True:
         warnings.append(f"{mc}.add_bias_linear = True: biases on o_proj and the MLP are not expressible (only q/k/v "
                         "biases are: add_qkv_bias); read without them")
-    if f.raw(f"{mc}.rope_scaling") is not None:
+    if f.raw(f"{mc}.rope_scaling") is not None and not mla:
         model["rope_scaling"] = _rope_scaling(f, mc, model)
-    if mla:
-        mla_keys = sorted(k for k in _section(f, mc)
-                          if "lora_rank" in k or k.startswith(("qk_", "v_head", "mla_", "o_")))
-        f.used.update(f"{mc}.{k}" for k in mla_keys + ["multi_latent_attention"])
-        warnings.append(f"{mc}.multi_latent_attention = True ({', '.join(mla_keys)}): latent attention is not "
-                        "expressible; read as grouped-query attention with num_attention_heads heads")
-    model["moe"] = _mcore_moe(f, mc, model)
+    read_mla(f, mc, model, warnings, arch)
+    model["moe"] = read_mcore_moe(f, mc, model, warnings, arch)
+    _dense_layers(f, mc, model, warnings, arch)
 
 
-def _mcore_moe(f: Fields, mc: str, model: dict) -> dict | None:
-    """model.moe from the flat 2.x keys (MOE_FIELDS); routing keys at other values than ms_llm's
-    router stay unread, so the unused-key warnings name them."""
-    moe = {}
-    for field, keys in MOE_FIELDS.items():
-        key = next((f"{mc}.{k}" for k in keys if f.raw(f"{mc}.{k}") is not None), None)
-        if key is None:
-            continue
-        kind = bool if field == "normalize_top_k" else float if "coeff" in field or "factor" in field else int
-        moe[field] = f.get(key, kind, ir=f"model.moe.{field}")
-        f.accept_usual({k: (f.peek(key),) for k in keys}, f"{mc}.")     # the same value spelled twice
-    if not moe.get("num_experts"):
-        return None
-    moe.setdefault("aux_loss_coeff", 0.0)          # TransformerConfig.moe_aux_loss_coeff's default
-    f.accept_usual(MOE_NEUTRAL, f"{mc}.")
-    if "capacity_factor" not in moe:            # dropless: no token is dropped, by any policy
-        f.accept_usual({"moe_token_drop_policy": None}, f"{mc}.")
-    if f.raw(f"{mc}.moe_shared_expert_intermediate_size") is not None and "shared_experts" not in moe:
-        moe["shared_width"] = f.get(f"{mc}.moe_shared_expert_intermediate_size", int, ir="model.moe.shared_experts")
-    return _moe_with_widths(moe, model, f, mc)
+def _dense_layers(f: Fields, mc: str, model: dict, warnings: list[str], arch: str) -> None:
+    """Qwen3-MoE's mlp_only_layers and decoder_sparse_step: MindFormers' Qwen3MoeConfig drops them
+    (its model makes every layer MoE), so they are read as it builds the model, and named."""
+    for key, usual in (("mlp_only_layers", ([], None)), ("decoder_sparse_step", (1, None))):
+        value = f.raw(f"{mc}.{key}")
+        if value not in usual:
+            warnings.append(f"{mc}.{key} = {value!r}: MindFormers 2.x's {arch} drops it and makes every layer MoE; "
+                            "read as it builds the model")
 
-
-def _moe_with_widths(moe: dict, model: dict, f: Fields | None = None, mc: str = "") -> dict:
-    """Expert width -1 when it is the dense width; a shared width as a count of experts; no
-    capacity (None, or MindFormers' negative) as -1, dropless."""
-    width = moe.get("expert_ffn_hidden_size", -1)
-    if width == model["ffn_hidden_size"]:
-        moe["expert_ffn_hidden_size"] = width = -1
-    shared = moe.pop("shared_width", 0)
-    if shared:
-        each = model["ffn_hidden_size"] if width == -1 else width
-        if shared % each:
-            raise f.error(f"{mc}.moe_shared_expert_intermediate_size", f"{shared} is not a multiple of the expert "
-                                                                       f"width {each}; ms_llm's shared experts are "
-                                                                       "expert-wide")
-        moe["shared_experts"] = shared // each
-    if moe.get("capacity_factor") is not None and moe["capacity_factor"] <= 0:
-        moe["capacity_factor"] = -1.0
-    return moe
 
 def _rope_scaling(f: Fields, mc: str, model: dict) -> dict:
     """rope_scaling in Hugging Face's spelling (MindFormers' configs copy config.json), read as

@@ -32,7 +32,7 @@ def read(data: dict, source: str, options: ReadOptions) -> Converted:
     f = Fields(data, source)
     warnings: list[str] = []
     f.accept_usual(NEUTRAL)
-    model = read_model(f, MCORE, warnings, mc="model")
+    model = read_model(f, MCORE, warnings, mc="model", given=options.model)
     par = "parallelism"
     tp = f.get(f"{par}.tensor_parallel", int, 1, ir="strategy.tp")
     cp = f.get(f"{par}.context_parallel", int, 1, ir="strategy.cp")

@@ -34,6 +34,7 @@ OPTIMIZER_LEVELS = {"level1": 1, "level2": 2, "level3": 3}
 # context_parallel_algo -> strategy.context_parallel.algorithm (hybrid_cp has no IR name: _cp_algorithm).
 CP_ALGOS = {"colossalai_cp": "allgather", "ulysses_cp": "ulysses", "hybrid_cp": None}
 CHECKPOINT_CALLBACKS = ("CheckpointMonitor", "CheckpointMointor")   # the second is MindFormers' historical alias
+BIAS_CALLBACK = "TopkBiasBalanceCallback"          # moves the expert bias: model.moe.bias_update_rate (_bias_callback)
 DEVICES = {"Ascend": "910b", "GPU": "h100", "CPU": "cpu"}
 # Keys whose usual values say nothing the IR models (how MindSpore runs, not how work is split).
 NEUTRAL = {"use_parallel": (True,), "run_mode": ("train",), "parallel.gradients_mean": (False,),
@@ -79,6 +80,7 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
         warnings.append(f"{pc}.vocab_emb_dp: a replicated embedding is not modelled; ms_llm splits the vocabulary "
                         "over model_parallel")
     model = read_model(f, layout, warnings, given=options.model)
+    _bias_callback(f, model, warnings)
     algorithm = _cp_algorithm(f, cp, warnings)
     if cp > 1 and not model["flash_attention"]:
         raise f.error(f"{pc}.context_parallel", f"needs {MC}.use_flash_attention: True (MindFormers refuses "
@@ -96,6 +98,21 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     model["name"] = name
     job = make_job(f, name=name, model=model, strategy=strategy, train=train, device=device, backend="mindspore")
     return Converted(job, world, warnings + f.unused(), f.sources)
+
+
+def _bias_callback(f: Fields, model: dict, warnings: list[str]) -> None:
+    """MindFormers moves the aux-loss-free expert bias in its TopkBiasBalanceCallback, after each
+    step; without it the bias stays at zero."""
+    callbacks = f.peek("callbacks", [])
+    at = [i for i, cb in enumerate(callbacks if isinstance(callbacks, list) else [])
+          if isinstance(cb, dict) and cb.get("type") == BIAS_CALLBACK]
+    bias = (model.get("moe") or {}).get("expert_bias", False)
+    if bias and not at and model["moe"].get("bias_update_rate"):
+        warnings.append(f"{MC}.moe_router_enable_expert_bias: True without a {BIAS_CALLBACK} in callbacks: MindFormers "
+                        "never moves the bias; read with model.moe.bias_update_rate 0")
+        model["moe"]["bias_update_rate"] = 0.0
+    if at and not bias:
+        warnings.append(f"callbacks[{at[0]}] {BIAS_CALLBACK}: the model has no expert bias to move; dropped")
 
 
 def _cp_algorithm(f: Fields, cp: int, warnings: list[str]) -> str:
@@ -335,6 +352,8 @@ def _callbacks(f: Fields, warnings: list[str]) -> tuple[dict, int]:
                 warnings.append(f"callbacks[{i}] {kind}: {', '.join(extra)} not modelled; dropped")
         elif kind == "MFLossMonitor":
             log_every = int(cb.get("per_print_times", 1))
+        elif kind == BIAS_CALLBACK and set(cb) == {"type"}:
+            continue
         else:
             warnings.append(f"callbacks[{i}] = {cb!r}: not modelled by ms_llm; dropped")
     return checkpoint, log_every

@@ -15,7 +15,10 @@ import math
 
 from ms_llm.convert.common import Written, cp_algorithm
 from ms_llm.convert.mindformers.data import write_data
+from ms_llm.convert.mindformers.mla import m_scale, write_mla, write_mtp
 from ms_llm.convert.mindformers.model import EXTEND_METHODS
+from ms_llm.convert.mindformers.moe import write_legacy_moe, write_mcore_moe
+from ms_llm.convert.mindformers.read import BIAS_CALLBACK
 from ms_llm.convert.mindformers.train import LR_SCHEDULES
 from ms_llm.job import JobConfig, dump_yaml
 
@@ -72,7 +75,7 @@ def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
                  "use_parallel": True, "parallel": parallel, "parallel_config": parallel_config,
                  "micro_batch_interleave_num": 1,
                  "recompute_config": _recompute(s, warnings, mcore),
-                 "callbacks": _callbacks(job, warnings),
+                 "callbacks": _callbacks(job, warnings, mcore),
                  "context": {"mode": 0, "device_target": TARGETS.get(job.device, "GPU")},
                  "model": {"model_config": _mcore_model_config(m, s, t, warnings)} if mcore else
                  {"model_config": _model_config(m, s, t, warnings), "arch": {"type": "LlamaForCausalLM"}},
@@ -113,11 +116,14 @@ def _stored_dtype(p, warnings: list[str]) -> str:
 
 
 def _mcore_model_config(m, s, t, warnings: list[str]) -> dict:
-    """Qwen3ForCausalLM when the model normalizes q and k (MindFormers' Qwen3 always builds the
-    norms), else TeleChat3ForCausalLM with them off; q/k/v biases are add_qkv_bias on either."""
+    """DeepseekV3ForCausalLM for multi-latent attention (its MoE and MTP with it), else
+    Qwen3MoeForCausalLM for MoE, Qwen3ForCausalLM when the model normalizes q and k (MindFormers'
+    Qwen3 always builds the norms), TeleChat3ForCausalLM otherwise; q/k/v biases are add_qkv_bias."""
     p = s.precision
     arch = ("qwen3", "Qwen3ForCausalLM") if m.qk_norm else ("telechat3", "TeleChat3ForCausalLM")
-    if m.moe is not None:
+    if m.mla is not None:
+        arch = ("deepseek_v3", "DeepseekV3ForCausalLM")
+    elif m.moe is not None:
         arch = ("qwen3_moe", "Qwen3MoeForCausalLM")
         if not m.qk_norm:
             warnings.append("model.qk_norm = False: MindFormers 2.x's grouped-query MoE model, Qwen3MoeForCausalLM, "
@@ -132,34 +138,23 @@ def _mcore_model_config(m, s, t, warnings: list[str]) -> dict:
                 "qk_layernorm": m.qk_norm or arch[0] == "qwen3_moe",
                 "use_flash_attention": m.flash_attention or s.cp > 1, "params_dtype": _stored_dtype(p, warnings),
                 "compute_dtype": p.compute_dtype, **_pipeline_keys(m, s)}
+    if m.mla is not None:
+        del mc["head_dim"]                          # MLA's head widths are its own keys
+        mc.update(write_mla(m, warnings))
+        mc.update(write_mtp(m, warnings))
+        mc.update(write_mcore_moe(m, "deepseek_v3", warnings) if m.moe is not None else
+                  {"n_routed_experts": None, "n_shared_experts": 0})   # its class defaults DeepSeek-V3's experts
+        return mc
     if m.rope_scaling.type != "default":
         warnings.append(f"model.rope_scaling.type = {m.rope_scaling.type}: MindFormers 2.x's training models build "
                         "plain rotary embeddings (GPTModel rope_scaling=False); not written, use the r1.x layout "
                         "(--to mindformers: extend_method)")
+    if m.mtp_layers:
+        warnings.append(f"model.mtp_layers = {m.mtp_layers}: MindFormers 2.1 builds multi-token prediction with "
+                        "multi-latent attention only (DeepseekV3ForCausalLM); not written")
     if m.moe is not None:
-        mc.update(_mcore_moe(m, warnings))
+        mc.update(write_mcore_moe(m, "qwen3_moe", warnings))
     return mc
-
-
-def _mcore_moe(m, warnings: list[str]) -> dict:
-    """model.moe as the flat keys MindFormers' TransformerConfig reads (mindformers_model.MOE_FIELDS).
-    Qwen3MoeForCausalLM builds every layer from one MoE spec, so dense layers cannot be placed."""
-    moe = m.moe
-    if moe.first_dense_layers or moe.layer_freq > 1:
-        warnings.append(f"model.moe.first_dense_layers = {moe.first_dense_layers}, model.moe.layer_freq = "
-                        f"{moe.layer_freq}: MindFormers 2.1's Qwen3MoeForCausalLM makes every layer MoE "
-                        "(first_k_dense_replace and moe_layer_freq are not used by its layer spec); not written")
-    out = {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-           "moe_intermediate_size": m.expert_ffn_size, "norm_topk_prob": moe.normalize_top_k,
-           "moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_score_function": "softmax",
-           "moe_grouped_gemm": True}                  # MindFormers 2.1 builds grouped-GEMM experts only
-    if moe.shared_experts:
-        out["moe_shared_expert_intermediate_size"] = moe.shared_experts * m.expert_ffn_size
-    if moe.z_loss_coeff:
-        out["moe_z_loss_coeff"] = moe.z_loss_coeff
-    if moe.capacity_factor > 0:
-        out.update(moe_expert_capacity_factor=moe.capacity_factor, moe_token_drop_policy="position")
-    return out
 
 
 def _pipeline_keys(m, s) -> dict:
@@ -189,7 +184,7 @@ def _model_config(m, s, t, warnings: list[str]) -> dict:
         warnings.append(f"model.flash_attention = False: MindFormers runs context parallel (strategy.cp = {s.cp}) "
                         "only with flash attention; use_flash_attention: True written")
     if m.moe is not None:
-        mc["moe_config"] = _legacy_moe(m, warnings)
+        mc["moe_config"] = write_legacy_moe(m, warnings)
     mc.update(_legacy_rope(m, warnings))
     if m.head_dim * m.num_heads != m.hidden_size:
         warnings.append(f"model.head_dim = {m.head_dim}: r1.x's LlamaConfig derives it as hidden_size / num_heads "
@@ -197,24 +192,11 @@ def _model_config(m, s, t, warnings: list[str]) -> dict:
     if m.qk_norm:
         warnings.append("model.qk_norm: r1.x's LLaMA has no q/k norms; use the 2.x layout (--to mindformers2: "
                         "Qwen3ForCausalLM)")
+    for field, value in (("mla", m.mla), ("mtp_layers", m.mtp_layers), ("mtp_loss_factor", m.mtp_layers)):
+        if value:
+            warnings.append(f"model.{field}: r1.x's LLaMA has no multi-latent attention or multi-token prediction; "
+                            "use the 2.x layout (--to mindformers2: DeepseekV3ForCausalLM)")
     return {**mc, **_pipeline_keys(m, s)}
-
-
-def _legacy_moe(m, warnings: list[str]) -> dict:
-    """model.moe as r1.x's moe_config (MindSpore MoEConfig keys, mindformers_model.LEGACY_MOE_FIELDS)."""
-    moe = m.moe
-    out = {"expert_num": moe.num_experts, "num_experts_chosen": moe.top_k, "moe_intermediate_size": m.expert_ffn_size,
-           "shared_expert_num": moe.shared_experts, "norm_topk_prob": moe.normalize_top_k,
-           "z_loss_factor": moe.z_loss_coeff, "capacity_factor": moe.capacity_factor}
-    if 0 < moe.aux_loss_coeff < 1:
-        out["aux_loss_factor"] = moe.aux_loss_coeff
-    else:
-        warnings.append(f"model.moe.aux_loss_coeff = {moe.aux_loss_coeff}: r1.x's MoEConfig takes an "
-                        "aux_loss_factor in (0, 1); its default 0.05 applies")
-    if moe.first_dense_layers or moe.layer_freq > 1:
-        warnings.append(f"model.moe.first_dense_layers = {moe.first_dense_layers}, model.moe.layer_freq = "
-                        f"{moe.layer_freq}: r1.x's LLaMA makes every layer MoE; use the 2.x layout (--to mindformers2)")
-    return out
 
 
 def _legacy_rope(m, warnings: list[str]) -> dict:
@@ -235,7 +217,12 @@ def _legacy_rope(m, warnings: list[str]) -> dict:
         # MindFormers scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim): mscale_all_dim 0
         # leaves the numerator, which mscale sets to the attention factor (default 0.1 ln(factor) + 1).
         ln = math.log(r.factor) if r.factor > 1 else 0.0
-        attention = r.attention_factor if r.attention_factor is not None else 0.1 * ln + 1.0
+        attention = r.attention_factor if r.attention_factor is not None else \
+            m_scale(r.factor, r.mscale) / m_scale(r.factor, r.mscale_all_dim) if r.mscale and r.mscale_all_dim else \
+            0.1 * ln + 1.0
+        if r.mscale_all_dim:
+            warnings.append(f"model.rope_scaling.mscale_all_dim = {r.mscale_all_dim}: r1.x's LLaMA leaves the softmax "
+                            "scale alone (DeepSeek's YaRN scales it); use the 2.x layout (--to mindformers2)")
         values.update(mscale=(attention - 1.0) / (0.1 * ln) if ln else 1.0, mscale_all_dim=0.0)
         if not r.truncate:
             warnings.append("model.rope_scaling.truncate = False: MindFormers rounds YaRN's ramp bounds; written as "
@@ -264,7 +251,7 @@ def _recompute(s, warnings: list[str], mcore: bool) -> dict:
     return out
 
 
-def _callbacks(job: JobConfig, warnings: list[str]) -> list[dict]:
+def _callbacks(job: JobConfig, warnings: list[str], mcore: bool) -> list[dict]:
     ck = job.train.checkpoint
     out: list[dict] = [{"type": "MFLossMonitor", "per_print_times": job.train.log_every}]
     if ck.interval == "auto":
@@ -272,6 +259,9 @@ def _callbacks(job: JobConfig, warnings: list[str]) -> list[dict]:
     elif ck.interval:
         out.append({"type": "CheckpointMonitor", "save_checkpoint_steps": ck.interval,
                     "keep_checkpoint_max": ck.keep_last, "async_save": ck.async_save})
+    moe = job.model.moe
+    if mcore and moe is not None and moe.expert_bias and moe.bias_update_rate:
+        out.append({"type": BIAS_CALLBACK})             # moves the expert bias after every step
     return out
 
 

@@ -104,7 +104,7 @@ def job_sections(job: JobConfig) -> tuple[dict, set[str], list[str]]:
                 "training": training, "parallelism": parallel,
                 "compile": {"enable": t.compile},
                 "checkpoint": _checkpoint(ck, warnings),
-                "activation_checkpoint": _recompute(s, m.num_layers // s.pp, warnings),
+                "activation_checkpoint": _recompute(s, _largest_stage(m, s), warnings),
                 "metrics": {"log_freq": t.log_every}}
     if sch.decay == "constant":
         warnings.append("train.schedule.decay = constant: torchtitan decays linearly, cosine or sqrt; written as "
@@ -169,6 +169,13 @@ def _pipeline(m, s, t) -> dict:
     if chunks != default_chunks or split != fqn_parts(chunks, m.num_layers):
         out["module_fqns_per_model_part"] = parts       # torchtitan's own split would differ
     return out
+
+
+def _largest_stage(m, s) -> int:
+    """The most layers one pipeline rank holds (its chunks together)."""
+    chunks = s.pp * s.pipeline.virtual_stages
+    split = s.pipeline.layer_split or [m.num_layers // chunks] * chunks
+    return max(sum(split[r::s.pp]) for r in range(s.pp))
 
 
 def _checkpoint(ck, warnings: list[str]) -> dict:
