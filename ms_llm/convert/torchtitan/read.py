@@ -8,8 +8,9 @@ run_train.sh); FSDP (ZeRO-3, HSDP when replicate > 1) is on when dp_shard * cp >
 batch defaults to local_batch_size * dp; with pipeline parallel the local batch is cut into
 micro-batches of pipeline_parallel_microbatch_size, and the layers are split by torchtitan's
 generate_llm_fqn_per_model_part (embedding and output each weigh one layer) unless
-module_fqns_per_model_part lists them. The model is a flavor name; known flavors map to
-configs/models, others need --model or a configs/models/<flavor>.yaml.
+module_fqns_per_model_part lists them. The model is a flavor name: DeepSeek-V3's and Qwen3-MoE's
+come from their model args (torchtitan/flavors.py), LLaMA's map to configs/models, others need
+--model or a configs/models/<flavor>.yaml.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import re
 from pathlib import Path
 
 from ms_llm.config.model import ModelConfig
-from ms_llm.config.schema import to_dict
+from ms_llm.config.schema import from_dict, to_dict
 from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOptions, make_job
-from ms_llm.convert.torchtitan import args as torchtitan_args
+from ms_llm.convert.torchtitan import args as torchtitan_args, flavors
 from ms_llm.job import CONFIG_ROOT, load_section
 
 FLAVORS = {("llama3", "8B"): "llama3_8b", ("llama3", "70B"): "llama3_70b"}
@@ -100,6 +101,9 @@ def _model(f: Fields, options: ReadOptions, warnings: list[str]) -> ModelConfig:
     flavor = f.get("model.flavor", str, "debugmodel", ir="model")
     if options.model is not None:
         return options.model
+    known = flavors.model_of(name, flavor)
+    if known is not None:
+        return from_dict(ModelConfig, {**known, "name": flavor}, "model")
     ref = FLAVORS.get((name, flavor), flavor)
     if not (CONFIG_ROOT / "models" / f"{ref}.yaml").is_file():
         raise f.error("model.flavor", f"{name} / {flavor!r} is a torchtitan flavor with no ms_llm model file; pass "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 
 from ms_llm.convert.common import Written
+from ms_llm.convert.torchtitan import flavors
 from ms_llm.convert.torchtitan.args import AC, OPTIMIZER
 from ms_llm.convert.torchtitan.read import fqn_parts
 from ms_llm.convert.torchtitan.write_toml import SHAPE_FIELDS, job_sections
@@ -54,12 +55,15 @@ def write(job: JobConfig, world_size: int) -> Written:
 
 def _config(job: JobConfig, warnings: list[str]) -> tuple[str, str]:
     m = job.model
+    known = flavors.match(m, []) if m.moe is not None else None     # job_sections named the differences
+    if known is not None:
+        return known
     for config, module in CONFIGS.items():
         if (CONFIG_ROOT / "models" / f"{config}.yaml").is_file():
             known = load_section("model", config)
             if all(getattr(known, k) == getattr(m, k) for k in SHAPE_FIELDS):
                 return module, config
-    module = "qwen3" if m.qk_norm else "llama3"
+    module = "deepseek_v3" if m.mla is not None else "qwen3" if m.qk_norm else "llama3"
     warnings.append(f"model: no registered torchtitan 0.3 config has this shape; --config {m.name} written (register "
                     f"it in torchtitan/models/{module}/config_registry.py; ms_llm reads it back from configs/models "
                     "or --model)")

@@ -8,6 +8,7 @@ import json
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import DataConfig
 from ms_llm.convert.common import Written, cp_algorithm
+from ms_llm.convert.torchtitan import flavors
 from ms_llm.convert.torchtitan.read import FLAVORS, ROTATE_METHODS, fqn_parts
 from ms_llm.job import JobConfig, load_section
 
@@ -39,13 +40,16 @@ def toml_dumps(sections: dict[str, dict], header: str = "") -> str:
 
 
 def _flavor(m: ModelConfig, warnings: list[str]) -> tuple[str, str]:
+    known = flavors.match(m, warnings) if m.moe is not None else None
+    if known is not None:
+        return known[0], flavors.REGISTERED[known[1]][1]
     for (name, flavor), ref in FLAVORS.items():
         known = load_section("model", ref)
         if all(getattr(known, k) == getattr(m, k) for k in SHAPE_FIELDS):
             return name, flavor
     warnings.append(f"model: no torchtitan flavor has this shape; flavor = {m.name!r} written (register it in "
-                    "torchtitan's llama3 flavors; ms_llm reads it back from configs/models or --model)")
-    return "llama3", m.name
+                    "torchtitan's flavors; ms_llm reads it back from configs/models or --model)")
+    return "deepseek_v3" if m.mla is not None else "llama3", m.name
 
 
 def write(job: JobConfig, world_size: int) -> Written:
