@@ -17,8 +17,8 @@ from ms_llm.strategy.devices import DEVICES, DeviceSpec
 Accelerator = Literal["cuda", "ascend", "cpu"]
 ACCELERATORS: tuple[str, ...] = ("cuda", "ascend", "cpu")
 # The cost model's devices (ms_llm.strategy.devices) -> the accelerator that runs them.
-DEVICE_ACCELERATORS: dict[str, Accelerator] = {"h100": "cuda", "h200": "cuda", "a100": "cuda", "910b": "ascend",
-                                               "cpu": "cpu"}
+DEVICE_ACCELERATORS: dict[str, Accelerator] = {"h100": "cuda", "h800": "cuda", "h200": "cuda", "a100": "cuda",
+                                               "910b": "ascend", "cpu": "cpu"}
 
 
 @dataclass(frozen=True)

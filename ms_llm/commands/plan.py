@@ -18,7 +18,7 @@ from ms_llm.commands import add_job_arguments, job_overrides
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser)
     parser.add_argument("--world-size", type=int, default=None, help="devices; default: from the strategy")
-    parser.add_argument("--device", default=None, help="h100, h200, a100, 910b or cpu; default: the job's device")
+    parser.add_argument("--device", default=None, help="h100, h800, h200, a100, 910b or cpu; default: the job's device")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--backend", choices=("torch", "mindspore"), default=None,
                         help="report this backend's ZeRO engine and every refusal on the device's accelerator "

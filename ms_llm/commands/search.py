@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from ms_llm.job import JobConfig
     from ms_llm.convert import dump, format_for_output, from_job, load
     from ms_llm.strategy.devices import get_device
-    from ms_llm.strategy.report import params_text
+    from ms_llm.strategy.report import model_params_text
     from ms_llm.strategy.search import SearchSpace, price, search
     model, train, base, world, device_name = _problem(args)
     device = get_device(device_name)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                         micro_batch_sizes=_ints(args.micro_batch_sizes, "--micro-batch-sizes"),
                         schedules=tuple(s.strip() for s in args.schedules.split(",") if s.strip()))
     result = search(model, train, world, device, base, space)
-    print(f"ms-llm search: {model.name} ({params_text(model.num_params())}) on {world} x {device.name}; "
+    print(f"ms-llm search: {model.name} ({model_params_text(model)}) on {world} x {device.name}; "
           f"global batch {train.global_batch_size} x {train.seq_len} tokens")
     print(f"searched {result.enumerated} strategies ({result.priced} priced) in {result.seconds:.2f} s: "
           f"{result.invalid} invalid, {result.too_big} do not fit in {device.memory_bytes / 1e9:.0f} GB, "

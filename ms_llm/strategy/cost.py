@@ -4,15 +4,16 @@ Model states follow ZeRO (Rajbhandari et al.): with psi parameters, 2-byte param
 grads and K bytes of optimizer state per parameter (K = 12 for mixed-precision Adam:
 fp32 master, m, v), a rank holds (2+2+K)psi at stage 0, 2psi+2psi+K psi/Nd at stage 1,
 2psi+(2+K)psi/Nd at stage 2 and (2+2+K)psi/Nd at stage 3. Activations are counted per
-saved tensor of a LLaMA layer in the manner of Korthikanti et al., "Reducing Activation
+saved tensor of a decoder layer in the manner of Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models": tensors inside the tp region are split by tp,
-norm inputs/outputs only with sequence parallel, everything by cp.
+norm inputs/outputs only with sequence parallel, everything by cp. Multi-latent attention keeps
+its latents whole on every tp rank and its K/V expanded per head; an MoE layer keeps its top_k
+experts' activations. Compute is priced per pipeline rank (shape.stage_flops_per_token): the
+rank holding lm_head and the MTP modules may set the pace.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -20,7 +21,10 @@ from ms_llm.config.model import DTYPE_BYTES, ModelConfig
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.devices import DEVICES, DeviceSpec
 from ms_llm.strategy.ir import CP_ALGORITHMS, ContextParallelSpec, ParallelStrategy
-from ms_llm.strategy.plan import ModelPlan, pipeline_chunks, recompute_modes
+from ms_llm.strategy.plan import ModelPlan
+# CostShape and its two builders live in shape.py; the search and the tests import them from here.
+from ms_llm.strategy.shape import (CostShape, StageShape, ZeroGroups, cost_shape, mtp_embedding_copy, shape_of,
+                                   stage_flops_per_token)
 
 ADAM_STATE_BYTES = 8       # m and v in fp32
 
@@ -89,114 +93,6 @@ class StepEstimate:
         return self.tokens_per_step / self.step_s / self.world_size if self.step_s else 0.0
 
 
-@dataclass(frozen=True)
-class ZeroGroups:
-    group_size: int          # ranks one ZeRO shard group spans (dp_shard * cp; 1 when ZeRO is off)
-    replicate_size: int      # shard groups holding the same shard (HSDP replicas)
-
-
-@dataclass(frozen=True)
-class StageShape:
-    """One pipeline rank as the cost model sees it."""
-    layers: int                                   # decoder layers over all its chunks
-    recompute: tuple[tuple[str, int], ...]        # (mode, layers) for each recompute mode present
-    has_head: bool
-    params: int                                   # parameters on one device (after tp / ep, before ZeRO)
-    moe_layers: int = 0                           # of `layers`, those with routed experts
-    expert_params: int = 0                        # of `params`, routed experts: replicated over edp
-
-
-@dataclass(frozen=True)
-class CostShape:
-    """The part of a ModelPlan the cost model reads. `cost_shape(plan)` takes it from a plan;
-    `shape_of` derives the same object from the degrees alone, without a layout per tensor, so a
-    search can price thousands of strategies (tests hold the two equal)."""
-    model: ModelConfig
-    strategy: ParallelStrategy     # resolved (validate() output)
-    train: TrainConfig
-    world_size: int
-    micro_batches: int
-    zero: ZeroGroups
-    stages: tuple[StageShape, ...]
-
-    def recomputed_layers(self, mode: str) -> int:
-        return sum(n for st in self.stages for m, n in st.recompute if m == mode)
-
-
-def _stage_shape(layers: list[int], modes: tuple[str, ...], has_head: bool, params: int, moe_layers: int = 0,
-                 expert_params: int = 0) -> StageShape:
-    counts = Counter(modes[l] for l in layers)
-    return StageShape(len(layers), tuple(sorted(counts.items())), has_head, params, moe_layers, expert_params)
-
-
-def cost_shape(plan: ModelPlan) -> CostShape:
-    stages = []
-    for st in range(plan.strategy.pp):
-        chunks = plan.chunks_of_stage(st)
-        layers = [l for c in chunks for l in c.layers]
-        experts = sum(math.prod(p.layout.local_shape()) for p in plan.params_of_stage(st)
-                      if p.kind in ("expert_column", "expert_row"))
-        stages.append(_stage_shape(layers, plan.recompute, any(c.has_head for c in chunks),
-                                   plan.local_param_count(st), sum(map(plan.model.is_moe_layer, layers)), experts))
-    return CostShape(plan.model, plan.strategy, plan.train, plan.world_size, plan.micro_batches,
-                     ZeroGroups(plan.zero.group_size, plan.zero.replicate_size), tuple(stages))
-
-
-def _local_layer_params(m: ModelConfig, s: ParallelStrategy, moe: bool) -> tuple[int, int]:
-    """(parameters, of which routed experts) of one decoder layer on one device, as plan.py lays
-    them out: tp splits q/k/v/o, their biases, the MLP, the shared experts and each expert's width,
-    ep splits the experts, norms (q/k norms too) and the router are replicated."""
-    h, f, q, kv, tp = m.hidden_size, m.ffn_hidden_size, m.q_dim, m.kv_dim, s.tp
-    attn = (2 * q * h + 2 * kv * h + (q + 2 * kv) * m.qkv_bias) // tp + 2 * m.head_dim * m.qk_norm
-    if not moe:
-        return attn + 3 * (f // tp) * h + 2 * h, 0
-    fe = m.expert_ffn_size
-    experts = 3 * (m.moe.num_experts // s.ep) * (fe // tp) * h
-    shared = 3 * (m.moe.shared_experts * fe // tp) * h
-    return attn + experts + shared + m.moe.num_experts * h + 2 * h, experts
-
-
-# (layers, pp, virtual stages, schedule, layer split, recompute) -> per stage:
-# (layers, recompute counts, holds embedding, holds head). Few distinct keys per search.
-_STRUCTURE_CACHE: dict[tuple, tuple[tuple[int, tuple, bool, bool], ...]] = {}
-
-
-def _stage_structure(model: ModelConfig, s: ParallelStrategy) -> tuple[tuple[int, tuple, bool, bool, int], ...]:
-    key = (model.num_layers, model.moe_layers, s.pp, s.pipeline.virtual_stages, s.pipeline.schedule,
-           s.pipeline.layer_split, s.recompute.policy, s.recompute.num_layers)
-    hit = _STRUCTURE_CACHE.get(key)
-    if hit is None:
-        chunks = pipeline_chunks(model, s)
-        modes = recompute_modes(model, s, chunks)
-        stages = []
-        for st in range(s.pp):
-            mine = [c for c in chunks if c.stage == st]
-            layers = [l for c in mine for l in c.layers]
-            counts = tuple(sorted(Counter(modes[l] for l in layers).items()))
-            stages.append((len(layers), counts, any(c.has_embedding for c in mine), any(c.has_head for c in mine),
-                           sum(map(model.is_moe_layer, layers))))
-        hit = tuple(stages)
-        if len(_STRUCTURE_CACHE) > 4096:
-            _STRUCTURE_CACHE.clear()
-        _STRUCTURE_CACHE[key] = hit
-    return hit
-
-
-def shape_of(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig) -> CostShape:
-    """CostShape of a resolved strategy (validate.validate's output) without planning every tensor."""
-    s = strategy
-    dense, _ = _local_layer_params(model, s, False)
-    moe, experts = _local_layer_params(model, s, True) if model.moe is not None else (0, 0)
-    embed = model.vocab_size // s.tp * model.hidden_size
-    head = model.hidden_size + (0 if model.tie_embeddings else embed)
-    stages = tuple(StageShape(n, counts, has_head, (n - k) * dense + k * moe + embed * has_embed + head * has_head,
-                              k, k * experts)
-                   for n, counts, has_embed, has_head, k in _stage_structure(model, s))
-    group = s.dp_shard * s.cp if s.zero.stage else 1
-    return CostShape(model, s, train, s.world_size(), s.pipeline.micro_batches,
-                     ZeroGroups(group, s.dp_replicate), stages)
-
-
 def _shape(plan: Union[ModelPlan, CostShape]) -> CostShape:
     return plan if isinstance(plan, CostShape) else cost_shape(plan)
 
@@ -210,11 +106,30 @@ def _optimizer_bytes_per_param(plan: CostShape) -> float:
     return master + states
 
 
-def _activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
+def attention_widths(m: ModelConfig) -> tuple[int, int, int, int]:
+    """Per-token widths of q, k, v and the attention output over all heads. MLA expands its latent
+    into per-head keys (qk_nope + the shared qk_rope) and values (v_head_dim) for attention."""
+    if m.mla is None:
+        return m.q_dim, m.kv_dim, m.kv_dim, m.q_dim
+    return m.q_dim, m.q_dim, m.attn_out_dim, m.attn_out_dim
+
+
+def latent_width(m: ModelConfig) -> int:
+    """MLA's latents kept per token on every tp rank: each low-rank path's down-projection output
+    (the latent norm's input) and the latent norm's output (the up-projection's input)."""
+    a = m.mla
+    if a is None:
+        return 0
+    query = 2 * a.q_lora_rank if a.q_lora_rank is not None else 0
+    return query + (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+
+
+def activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     """Bytes one decoder layer keeps for backward per (local) token."""
     m, s = plan.model, plan.strategy
     tp = s.tp
-    h, f, q, kv = m.hidden_size, m.ffn_hidden_size, m.q_dim, m.kv_dim
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, k, v, out = attention_widths(m)
     dispatch = 0.0
     if m.moe is not None:
         # An MoE layer (the largest): top_k expert MLPs per token plus the shared experts, and the
@@ -229,13 +144,24 @@ def _activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     # (T_local, T) position mask, which SDPA keeps as a float copy per layer (shared by the
     # micro-batch's sequences and the tp ranks' heads: T / micro-batch per local token).
     allgather = s.cp > 1 and cp_algorithm(plan) == "allgather"
-    kv_kept = kv * s.cp if allgather else kv
+    kv_kept = (k + v) * s.cp if allgather else k + v
     mask = plan.train.seq_len / plan.train.micro_batch_size if allgather else 0.0
-    inside = (q + 2 * kv_kept + q + 4 * f + dispatch) / tp + mask   # q, k, v, attn out, gate/up/silu/product
-    inside += (q + kv) / tp * m.qk_norm                        # q, k norm outputs (Qwen3)
+    inside = (q + kv_kept + out + 4 * f + dispatch) / tp + mask   # q, k, v, attn out, gate/up/silu/product
+    inside += (q + k) / tp * m.qk_norm                         # q, k norm outputs (Qwen3)
+    inside += latent_width(m)                                  # MLA's latents, whole on every tp rank
     if mode == "selective":
         inside -= 2 * f / tp                                   # silu output and product are recomputed
     return act * (norm_io + inside)
+
+
+def _mtp_activation_bytes_per_token(plan: CostShape, per_token_layer: dict[str, float]) -> float:
+    """Bytes the MTP modules keep per (local) token: each one's decoder layer (recomputed under the
+    policy when it covers every layer) plus enorm's input, eh_proj's input (2h), and its final norm's
+    input and output."""
+    m, s = plan.model, plan.strategy
+    mode = s.recompute.policy if s.recompute.num_layers == -1 else "none"
+    extra = DTYPE_BYTES[s.precision.compute_dtype] * 5 * m.hidden_size / (s.tp if s.sequence_parallel else 1)
+    return m.mtp_layers * (per_token_layer[mode] + extra)
 
 
 def _in_flight(plan: CostShape, stage: int) -> float:
@@ -256,7 +182,7 @@ def _in_flight(plan: CostShape, stage: int) -> float:
 def memory(plan: Union[ModelPlan, CostShape]) -> MemoryBreakdown:
     """Per-device memory of the busiest stage."""
     shape = _shape(plan)
-    per_token_layer = {mode: _activation_bytes_per_token_layer(shape, mode) for mode in ("none", "selective", "full")}
+    per_token_layer = {mode: activation_bytes_per_token_layer(shape, mode) for mode in ("none", "selective", "full")}
     best = None
     seen = set()
     for stage in range(shape.strategy.pp):
@@ -269,6 +195,13 @@ def memory(plan: Union[ModelPlan, CostShape]) -> MemoryBreakdown:
         if best is None or mb.total > best.total:
             best = mb
     return best
+
+
+def stage_memory(plan: Union[ModelPlan, CostShape], stage: int) -> MemoryBreakdown:
+    """Per-device memory of one pipeline rank."""
+    shape = _shape(plan)
+    per_token_layer = {mode: activation_bytes_per_token_layer(shape, mode) for mode in ("none", "selective", "full")}
+    return _stage_memory(shape, stage, per_token_layer)
 
 
 def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]) -> MemoryBreakdown:
@@ -292,13 +225,15 @@ def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]
     gather = 0.0
     if s.zero.stage == 3:
         # One layer's dense parameters unsharded for compute plus the next one's prefetched (experts stay put).
-        experts = 3 * m.moe.num_experts * m.hidden_size * m.expert_ffn_size if st.moe_layers else 0
+        experts = 3 * m.moe.num_experts * m.hidden_size * m.expert_ffn_size if plan.moe_layers_of(st) else 0
         gather = 2 * (m.layer_param_count() - experts) / s.tp * pbytes
         if s.offload.params:
             host += params
             params = 0.0
     tokens = t.micro_batch_size * t.seq_len / s.cp
     per_mb = sum(n * per_token_layer[mode] for mode, n in st.recompute) * tokens
+    if st.mtp_layers:
+        per_mb += _mtp_activation_bytes_per_token(plan, per_token_layer) * tokens
     if any(mode == "full" for mode, _ in st.recompute):
         per_mb_working = per_token_layer["none"] * tokens
     else:
@@ -307,8 +242,9 @@ def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]
     activations = per_mb * in_flight + per_mb_working
     logits = 0.0
     if st.has_head:
-        # fp32 logits for the loss plus their gradient, vocab-parallel over tp.
-        logits = 2 * 4 * tokens * m.vocab_size / s.tp
+        # fp32 logits for the loss plus their gradient, vocab-parallel over tp: the main head's and
+        # each MTP module's.
+        logits = 2 * 4 * tokens * m.vocab_size / s.tp * (1 + st.mtp_layers)
     return MemoryBreakdown(stage, params, grads, optim, activations, logits, gather, host, in_flight)
 
 
@@ -320,7 +256,7 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
     gbytes = DTYPE_BYTES[s.precision.grad_reduce_dtype]
     mb = plan.micro_batches
     tokens = t.micro_batch_size * t.seq_len / s.cp                  # per micro-batch per rank
-    layers = max(st.layers for st in plan.stages)
+    layers = max(st.layers + st.mtp_layers for st in plan.stages)
     psi = max(st.params for st in plan.stages)
     vol: dict[str, float] = {}
     kind: dict[str, str] = {}
@@ -356,9 +292,15 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
         boundary = tokens * m.hidden_size * act / (s.tp if s.sequence_parallel else 1)
         vol["pp"] = 2 * boundary * mb * s.pipeline.virtual_stages
         kind["pp"] = "p2p send/recv of activations and their gradients"
+        # The MTP modules' embedding copy on a rank past the first (which holds the embedding): its
+        # gradient is summed with the first rank's once a step.
+        copy = mtp_embedding_copy(m, s, False, any(st.mtp_layers for st in plan.stages[1:]))
+        if copy:
+            vol["pp"] += copy * gbytes
+            kind["pp"] += " + all-reduce of the MTP embedding copy's gradient"
     if s.ep > 1 and m.moe is not None:
         # Each token copy goes to its expert's rank and back, forward and again in backward.
-        moe_layers = max(st.moe_layers for st in plan.stages)
+        moe_layers = max(plan.moe_layers_of(st) for st in plan.stages)
         vol["ep"] = 4 * tokens * m.moe.top_k * m.hidden_size * act * (s.ep - 1) / s.ep * moe_layers * mb
         kind["ep"] = "all-to-all dispatch/combine"
     return CommVolume(vol, kind)
@@ -369,7 +311,8 @@ def _cp_volume(plan: CostShape, tokens: float, act: float, layer_passes: int) ->
     local tokens, and what carries them."""
     s, m = plan.strategy, plan.model
     cp, algorithm = s.cp, cp_algorithm(plan)
-    kv = 2 * tokens * m.kv_dim / s.tp * act                # this rank's K and V
+    q_width, k_width, v_width, out_width = attention_widths(m)
+    kv = tokens * (k_width + v_width) / s.tp * act         # this rank's K and V
     if algorithm == "ring":
         # cp-1 hops of the local block forward; backward: K/V again and dK/dV (cp hops).
         return 3 * kv * (cp - 1) * layer_passes, "ring p2p of K/V (fwd), K/V and dK/dV (bwd)"
@@ -379,7 +322,8 @@ def _cp_volume(plan: CostShape, tokens: float, act: float, layer_passes: int) ->
     heads = m.num_heads // s.tp
     kv_heads = m.num_kv_heads // s.tp
     kv_heads = kv_heads if kv_heads % cp == 0 else heads    # GQA heads repeated when cp does not divide them
-    per_token = 2 * (heads + kv_heads) * m.head_dim * act
+    per_head = (q_width + out_width) / m.num_heads * heads + (k_width + v_width) / m.num_kv_heads * kv_heads
+    per_token = per_head * act
     return 2 * per_token * tokens * (cp - 1) / cp * layer_passes, "4 all-to-alls per layer (fwd and bwd)"
 
 
@@ -422,18 +366,28 @@ def _group_bandwidth(plan: CostShape, axis: str, device: DeviceSpec) -> float:
     return device.intra_node_bw if span <= device.devices_per_node else device.inter_node_bw
 
 
+def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """ModelConfig.flops_per_token plus each MTP module's own pass through lm_head (its logits),
+    which that count leaves out."""
+    return m.flops_per_token(seq_len) + 6.0 * m.vocab_size * m.hidden_size * m.mtp_layers
+
+
 def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec) -> StepEstimate:
     plan = _shape(plan)
     s, m, t = plan.strategy, plan.model, plan.train
     mem = memory(plan)
     comm = communication(plan)
     tokens_per_step = t.global_batch_size * t.seq_len
-    model_flops = m.flops_per_token(t.seq_len) * tokens_per_step
+    model_flops = model_flops_per_token(m, t.seq_len) * tokens_per_step
     n_full = plan.recomputed_layers("full") / m.num_layers
     n_sel = plan.recomputed_layers("selective") / m.num_layers
     attention_share = 6.0 * m.num_layers * m.hidden_size * t.seq_len / m.flops_per_token(t.seq_len)
     recompute_factor = 1 + n_full / 3 + n_sel * attention_share / 3
-    flops_per_rank = model_flops * recompute_factor / plan.world_size
+    # The pipeline runs at the pace of its busiest rank: the one with lm_head and the MTP modules
+    # unless the layer split makes up for them (1 when pp = 1).
+    per_stage = stage_flops_per_token(plan)
+    imbalance = s.pp * max(per_stage) / sum(per_stage)
+    flops_per_rank = model_flops * recompute_factor / plan.world_size * imbalance
     compute = flops_per_rank / (device.peak_flops * device.matmul_efficiency)
     pp, mb, v = s.pp, plan.micro_batches, s.pipeline.virtual_stages
     bubble_fraction = 0.0

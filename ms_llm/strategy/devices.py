@@ -25,6 +25,11 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec(name="NVIDIA H100 SXM 80GB", peak_flops=989e12, memory_bytes=80 * GB,
                        hbm_bandwidth=3.35e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                        devices_per_node=8, matmul_efficiency=0.62),
+    # H800: the H100 SXM with its NVLink cut to 400 GB/s both ways (DeepSeek-V3 measured ~160 GB/s of
+    # it) and 8 x 400 Gb/s InfiniBand per node, as DeepSeek-V3 trained on. 1979 TFLOP/s in FP8.
+    "h800": DeviceSpec(name="NVIDIA H800 SXM 80GB", peak_flops=989e12, memory_bytes=80 * GB,
+                       hbm_bandwidth=3.35e12, intra_node_bw=200 * GB, inter_node_bw=50 * GB,
+                       devices_per_node=8, matmul_efficiency=0.62),
     "h200": DeviceSpec(name="NVIDIA H200 SXM 141GB", peak_flops=989e12, memory_bytes=141 * GB,
                        hbm_bandwidth=4.8e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                        devices_per_node=8, matmul_efficiency=0.64),

@@ -1,10 +1,15 @@
-"""ModelPlan: strategy x model -> where every tensor of the LLaMA model lives.
+"""ModelPlan: strategy x model -> where every tensor of the model lives.
 
 Both backends read this object and derive nothing themselves. Layout rules follow
 Megatron / MindFormers practice: column-parallel q/k/v and gate/up (weight rows split),
 row-parallel o and down (weight columns split), vocab-parallel embedding and lm_head,
 sequence-parallel norms, the sequence split over cp, experts split over ep.
-Weights are stored [out, in] like torch.nn.Linear and Hugging Face checkpoints.
+Multi-latent attention as Megatron-core's MLASelfAttention: the up-projections q_b_proj /
+kv_b_proj (q_proj without the low-rank path) column-parallel, whole heads per tp rank;
+o_proj row-parallel; the down-projections to the latents (q_a_proj, kv_a_proj_with_mqa) and
+the latent norms replicated. The multi-token prediction modules sit with lm_head on the last
+model chunk, and read the embedding there. Weights are stored [out, in] like torch.nn.Linear
+and Hugging Face checkpoints.
 """
 from __future__ import annotations
 
@@ -19,9 +24,18 @@ from ms_llm.strategy.mesh import DENSE_AXES, EXPERT_AXES, MeshSpec
 from ms_llm.strategy.validate import validate
 
 # bias: shards with its column-parallel weight's outputs; head_norm: q/k RMSNorm over one head's
-# features (Qwen3), replicated, its gradient summed over the tp ranks' heads.
+# features (Qwen3), replicated, its gradient summed over the tp ranks' heads. latent: MLA's
+# down-projection to a latent (q_a_proj, kv_a_proj_with_mqa), replicated: every tp rank computes
+# the whole latent from the whole attention input, and the latent's gradient is the sum over the
+# tp ranks' heads (the column-parallel up-projection's input gradient; the rotary key every head
+# shares); latent_norm: the RMSNorm over a latent, replicated, fed by and feeding whole latents.
+# mtp_proj: the MTP module's eh_proj, column-parallel with its output gathered over tp
+# (Megatron's MultiTokenPredictionLayer).
 ParamKind = Literal["embedding", "column", "bias", "row", "norm", "head_norm", "head", "expert_column",
-                    "expert_row", "router"]
+                    "expert_row", "router", "latent", "latent_norm", "mtp_proj"]
+# Buffers the plan lays out beside the parameters: the router's aux-loss-free expert bias, fp32,
+# replicated on every rank of its stage and updated identically there.
+BufferKind = Literal["expert_bias"]
 RecomputeMode = Literal["none", "selective", "full"]
 
 
@@ -81,6 +95,20 @@ class ChunkPlan:
     layers: tuple[int, ...]
     has_embedding: bool
     has_head: bool
+    has_mtp: bool = False          # the MTP modules (model.mtp.*), after lm_head, on the head's chunk
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """A non-trained tensor the checkpoint keeps: replicated where its layer lives."""
+    name: str
+    shape: tuple[int, ...]
+    kind: BufferKind
+    dtype: str
+    layout: TensorLayout           # over the stage mesh
+    stage: int
+    chunk: int
+    layer: Optional[int]           # decoder layer; None inside an MTP module
 
 
 @dataclass(frozen=True)
@@ -99,6 +127,7 @@ class ModelPlan:
     zero: ZeroPartition
     micro_batches: int
     notes: tuple[str, ...] = field(default=())
+    buffers: dict[str, BufferPlan] = field(default_factory=dict)
 
     @property
     def stage_mesh(self) -> MeshSpec:
@@ -120,6 +149,12 @@ class ModelPlan:
         coords = self.mesh.coords(rank)
         return self.stage_mesh.rank(**{n: coords[n] for n in self.stage_mesh.names})
 
+    def embedding_stages(self) -> tuple[int, ...]:
+        """Pipeline ranks that look up model.embed_tokens: the first chunk's and, with MTP, the head
+        chunk's. A second rank holds a copy whose gradient is summed with the first's (Megatron's
+        embedding group for MTP); the zbv schedule puts both chunks on rank 0, as DualPipe does."""
+        return tuple(sorted({c.stage for c in self.chunks if c.has_embedding or c.has_mtp}))
+
     def local_param_count(self, stage: int) -> int:
         total = 0
         for p in self.params_of_stage(stage):
@@ -137,7 +172,9 @@ def pipeline_chunks(model: ModelConfig, s: ParallelStrategy) -> list[ChunkPlan]:
     out, start = [], 0
     for i, n in enumerate(counts):
         stage, virtual = _chunk_stage(i, s.pp, s.pipeline.schedule)
-        out.append(ChunkPlan(i, stage, virtual, tuple(range(start, start + n)), i == 0, i == n_chunks - 1))
+        last = i == n_chunks - 1
+        out.append(ChunkPlan(i, stage, virtual, tuple(range(start, start + n)), i == 0, last,
+                             last and model.mtp_layers > 0))
         start += n
     return out
 
@@ -232,14 +269,17 @@ def _activation_layouts(model: ModelConfig, s: ParallelStrategy, train: TrainCon
         return TensorLayout(tuple(shape), mesh, tuple(placements))
 
     sp = s.sequence_parallel
-    return {
+    # K and V per head: head_dim under GQA; MLA expands kv_b_proj's output to every query head, keys
+    # of qk_nope + qk_rope (the shared rotary key appended), values of v_head_dim.
+    v_head = model.mla.v_head_dim if model.mla is not None else hd
+    acts = {
         "tokens": lay((b, t)),
         "hidden": lay((b, t, h), seq_tp=sp),             # residual stream and norm outputs
         "attn_input": lay((b, t, h)),                    # norm output gathered over tp
         "q": lay((b, t, nh, hd), tp_dim=2),
         "k": lay((b, t, nkv, hd), tp_dim=2),
-        "v": lay((b, t, nkv, hd), tp_dim=2),
-        "attn_output": lay((b, t, model.q_dim), tp_dim=2),   # o_proj input: local heads
+        "v": lay((b, t, nkv, v_head), tp_dim=2),
+        "attn_output": lay((b, t, model.attn_out_dim), tp_dim=2),   # o_proj input: local heads
         "o_proj_output": lay((b, t, h), partial=True),   # summed by all-reduce or reduce-scatter
         "mlp_input": lay((b, t, h)),
         "mlp_hidden": lay((b, t, f), tp_dim=2),          # silu(gate) * up
@@ -247,6 +287,14 @@ def _activation_layouts(model: ModelConfig, s: ParallelStrategy, train: TrainCon
         "head_input": lay((b, t, h)),                    # final norm output gathered over tp
         "logits": lay((b, t, v), tp_dim=2),              # vocab-parallel: loss_parallel consumes it
     }
+    if model.mla is not None:
+        # The latents every tp rank computes whole: q_a_proj's output (the query's low-rank path),
+        # kv_a_proj_with_mqa's (kv_lora_rank latent + the shared rotary key).
+        a = model.mla
+        if a.q_lora_rank is not None:
+            acts["q_latent"] = lay((b, t, a.q_lora_rank))
+        acts["kv_latent"] = lay((b, t, a.kv_lora_rank + a.qk_rope_head_dim))
+    return acts
 
 
 def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | None = None,
@@ -267,9 +315,9 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     chunks = pipeline_chunks(model, s)
     layer_chunk = tuple(c.index for c in chunks for _ in c.layers)
 
-    h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    q, kv = model.q_dim, model.kv_dim
+    h, v = model.hidden_size, model.vocab_size
     params: dict[str, ParamPlan] = {}
+    buffers: dict[str, BufferPlan] = {}
 
     def add(name, shape, kind, layer, chunk, tp_dim=None, ep_dim=None):
         if ep_dim is not None:
@@ -285,10 +333,52 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
         c = chunks[chunk]
         params[name] = ParamPlan(name, tuple(shape), kind, layout, c.stage, c.virtual, layer, zl, stage)
 
+    def add_buffer(name, shape, kind, layer, chunk):
+        c = chunks[chunk]
+        buffers[name] = BufferPlan(name, tuple(shape), kind, "float32",
+                                   TensorLayout.replicated(tuple(shape), stage_mesh), c.stage, c.virtual, layer)
+
     add("model.embed_tokens.weight", (v, h), "embedding", None, 0, tp_dim=0)
     for layer in range(model.num_layers):
-        c = layer_chunk[layer]
-        p = f"model.layers.{layer}."
+        _decoder_layer(model, add, add_buffer, f"model.layers.{layer}.", layer, layer_chunk[layer],
+                       model.is_moe_layer(layer))
+    last = len(chunks) - 1
+    add("model.norm.weight", (h,), "norm", None, last)
+    if not model.tie_embeddings:
+        add("lm_head.weight", (v, h), "head", None, last, tp_dim=0)
+    for d in range(model.mtp_layers):
+        # DeepSeek-V3's MTP module d: [enorm(embedding), hnorm(h)] -> eh_proj -> a decoder layer
+        # (layer num_layers + d under the MoE rule) -> norm -> the shared lm_head.
+        p = f"model.mtp.{d}."
+        add(p + "enorm.weight", (h,), "norm", None, last)
+        add(p + "hnorm.weight", (h,), "norm", None, last)
+        add(p + "eh_proj.weight", (h, 2 * h), "mtp_proj", None, last, tp_dim=0)
+        _decoder_layer(model, add, add_buffer, p + "layer.", None, last, model.is_moe_layer(model.num_layers + d))
+        add(p + "norm.weight", (h,), "norm", None, last)
+
+    notes = []
+    unsharded = [p.name for p in params.values() if zero.group_size > 1 and p.zero_layout == p.layout
+                 and p.kind not in ("expert_column", "expert_row")]
+    if unsharded:
+        notes.append(f"{len(unsharded)} parameter(s) have no dimension divisible by the ZeRO group "
+                     f"({zero.group_size}); their optimizer states stay replicated, e.g. {unsharded[0]}")
+    if model.mtp_layers and chunks[0].stage != chunks[last].stage:
+        notes.append(f"the MTP modules on stage {chunks[last].stage} read model.embed_tokens of stage "
+                     f"{chunks[0].stage}: stage {chunks[last].stage} keeps a copy whose gradient is summed with "
+                     f"stage {chunks[0].stage}'s (schedule zbv puts both on stage 0, as DeepSeek's DualPipe)")
+
+    return ModelPlan(
+        model=model, strategy=s, train=train, world_size=world, mesh=mesh, expert_mesh=expert_mesh,
+        params=params, activations=_activation_layouts(model, s, train, stage_mesh),
+        chunks=tuple(chunks), layer_chunk=layer_chunk, recompute=recompute_modes(model, s, chunks),
+        zero=zero, micro_batches=s.pipeline.micro_batches, notes=tuple(notes), buffers=buffers)
+
+
+def _attention(model: ModelConfig, add, p: str, layer: Optional[int], c: int) -> None:
+    """One layer's attention weights: q/k/v/o (+ biases, q/k norms), or MLA's."""
+    h, q, kv = model.hidden_size, model.q_dim, model.kv_dim
+    a = model.mla
+    if a is None:
         add(p + "self_attn.q_proj.weight", (q, h), "column", layer, c, tp_dim=0)
         add(p + "self_attn.k_proj.weight", (kv, h), "column", layer, c, tp_dim=0)
         add(p + "self_attn.v_proj.weight", (kv, h), "column", layer, c, tp_dim=0)
@@ -298,36 +388,41 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
         if model.qk_norm:
             add(p + "self_attn.q_norm.weight", (model.head_dim,), "head_norm", layer, c)
             add(p + "self_attn.k_norm.weight", (model.head_dim,), "head_norm", layer, c)
-        add(p + "self_attn.o_proj.weight", (h, q), "row", layer, c, tp_dim=1)
-        if model.is_moe_layer(layer):
-            e, fe, fs = model.moe.num_experts, model.expert_ffn_size, model.moe.shared_experts * model.expert_ffn_size
-            add(p + "mlp.gate.weight", (e, h), "router", layer, c)
-            add(p + "mlp.experts.gate_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
-            add(p + "mlp.experts.up_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
-            add(p + "mlp.experts.down_proj.weight", (e, h, fe), "expert_row", layer, c, tp_dim=2, ep_dim=0)
-            if fs:
-                add(p + "mlp.shared_experts.gate_proj.weight", (fs, h), "column", layer, c, tp_dim=0)
-                add(p + "mlp.shared_experts.up_proj.weight", (fs, h), "column", layer, c, tp_dim=0)
-                add(p + "mlp.shared_experts.down_proj.weight", (h, fs), "row", layer, c, tp_dim=1)
+    else:
+        # Rows of q_b_proj / kv_b_proj are head-major (head 0's features first), so splitting rows
+        # over tp hands each rank whole heads (validate: tp divides num_heads).
+        if a.q_lora_rank is None:
+            add(p + "self_attn.q_proj.weight", (q, h), "column", layer, c, tp_dim=0)
         else:
-            add(p + "mlp.gate_proj.weight", (f, h), "column", layer, c, tp_dim=0)
-            add(p + "mlp.up_proj.weight", (f, h), "column", layer, c, tp_dim=0)
-            add(p + "mlp.down_proj.weight", (h, f), "row", layer, c, tp_dim=1)
-        add(p + "input_layernorm.weight", (h,), "norm", layer, c)
-        add(p + "post_attention_layernorm.weight", (h,), "norm", layer, c)
-    add("model.norm.weight", (h,), "norm", None, len(chunks) - 1)
-    if not model.tie_embeddings:
-        add("lm_head.weight", (v, h), "head", None, len(chunks) - 1, tp_dim=0)
+            add(p + "self_attn.q_a_proj.weight", (a.q_lora_rank, h), "latent", layer, c)
+            add(p + "self_attn.q_a_layernorm.weight", (a.q_lora_rank,), "latent_norm", layer, c)
+            add(p + "self_attn.q_b_proj.weight", (q, a.q_lora_rank), "column", layer, c, tp_dim=0)
+        add(p + "self_attn.kv_a_proj_with_mqa.weight", (a.kv_lora_rank + a.qk_rope_head_dim, h), "latent", layer, c)
+        add(p + "self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,), "latent_norm", layer, c)
+        add(p + "self_attn.kv_b_proj.weight", (model.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+            "column", layer, c, tp_dim=0)
+    add(p + "self_attn.o_proj.weight", (h, model.attn_out_dim), "row", layer, c, tp_dim=1)
 
-    notes = []
-    unsharded = [p.name for p in params.values() if zero.group_size > 1 and p.zero_layout == p.layout
-                 and p.kind not in ("expert_column", "expert_row")]
-    if unsharded:
-        notes.append(f"{len(unsharded)} parameter(s) have no dimension divisible by the ZeRO group "
-                     f"({zero.group_size}); their optimizer states stay replicated, e.g. {unsharded[0]}")
 
-    return ModelPlan(
-        model=model, strategy=s, train=train, world_size=world, mesh=mesh, expert_mesh=expert_mesh,
-        params=params, activations=_activation_layouts(model, s, train, stage_mesh),
-        chunks=tuple(chunks), layer_chunk=layer_chunk, recompute=recompute_modes(model, s, chunks),
-        zero=zero, micro_batches=s.pipeline.micro_batches, notes=tuple(notes))
+def _decoder_layer(model: ModelConfig, add, add_buffer, p: str, layer: Optional[int], c: int, moe: bool) -> None:
+    """One decoder layer's parameters under prefix `p` (model.layers.N. or model.mtp.D.layer.)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    _attention(model, add, p, layer, c)
+    if moe:
+        e, fe, fs = model.moe.num_experts, model.expert_ffn_size, model.moe.shared_experts * model.expert_ffn_size
+        add(p + "mlp.gate.weight", (e, h), "router", layer, c)
+        if model.moe.expert_bias:
+            add_buffer(p + "mlp.gate.e_score_correction_bias", (e,), "expert_bias", layer, c)
+        add(p + "mlp.experts.gate_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
+        add(p + "mlp.experts.up_proj.weight", (e, fe, h), "expert_column", layer, c, tp_dim=1, ep_dim=0)
+        add(p + "mlp.experts.down_proj.weight", (e, h, fe), "expert_row", layer, c, tp_dim=2, ep_dim=0)
+        if fs:
+            add(p + "mlp.shared_experts.gate_proj.weight", (fs, h), "column", layer, c, tp_dim=0)
+            add(p + "mlp.shared_experts.up_proj.weight", (fs, h), "column", layer, c, tp_dim=0)
+            add(p + "mlp.shared_experts.down_proj.weight", (h, fs), "row", layer, c, tp_dim=1)
+    else:
+        add(p + "mlp.gate_proj.weight", (f, h), "column", layer, c, tp_dim=0)
+        add(p + "mlp.up_proj.weight", (f, h), "column", layer, c, tp_dim=0)
+        add(p + "mlp.down_proj.weight", (h, f), "row", layer, c, tp_dim=1)
+    add(p + "input_layernorm.weight", (h,), "norm", layer, c)
+    add(p + "post_attention_layernorm.weight", (h,), "norm", layer, c)

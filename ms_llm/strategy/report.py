@@ -1,6 +1,7 @@
 """Human (table) and machine (JSON) views of a ModelPlan and its cost estimate."""
 from __future__ import annotations
 
+from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import to_dict
 from ms_llm.strategy.cost import StepEstimate
 from ms_llm.strategy.devices import DeviceSpec
@@ -10,12 +11,32 @@ from ms_llm.strategy.plan import ModelPlan
 GB = 1e9
 
 
-def params_text(count: int) -> str:
-    """A parameter count as people say it: '3.4M params', '6.74B params'."""
+def count_text(count: int) -> str:
+    """A count as people say it: '3.4M', '6.74B', '671B'."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if count >= scale:
-            return f"{count / scale:.3g}{unit} params"
-    return f"{count} params"
+            return f"{count / scale:.3g}{unit}"
+    return f"{count}"
+
+
+def params_text(count: int) -> str:
+    """A parameter count as people say it: '3.4M params', '6.74B params'."""
+    return f"{count_text(count)} params"
+
+
+def model_params_text(m: ModelConfig) -> str:
+    """The model's size as its authors state it: all parameters, those a token activates (MoE), and
+    the multi-token prediction modules apart ('671B params, 37.6B activated + 11.6B MTP (688M
+    activated)'; DeepSeek-V3's 671B leaves the MTP module out)."""
+    text = params_text(m.num_params(mtp=False))
+    if m.moe is not None:
+        text += f", {count_text(m.active_params(mtp=False))} activated"
+    if m.mtp_layers:
+        mtp_active = m.active_params() - m.active_params(mtp=False)
+        text += f" + {count_text(m.mtp_param_count())} MTP"
+        if m.moe is not None:
+            text += f" ({count_text(mtp_active)} activated)"
+    return text
 
 
 def counted(n: int, noun: str, plural: str = "") -> str:
@@ -48,7 +69,8 @@ def strategy_summary(plan: ModelPlan) -> str:
     if s.sequence_parallel:
         parts.append("sequence-parallel")
     if s.recompute.policy != "none":
-        parts.append(f"recompute {s.recompute.policy}")
+        parts.append(f"recompute {s.recompute.policy}" + (f" ({counted(s.recompute.num_layers, 'layer')} a stage)"
+                                                          if s.recompute.num_layers != -1 else ""))
     p = s.precision
     parts.append(f"{p.param_dtype} params / {p.compute_dtype} compute / {p.master_dtype} master")
     if s.offload.optimizer or s.offload.params:
@@ -62,7 +84,7 @@ def stage_map_lines(plan: ModelPlan) -> list[str]:
         pieces = []
         for c in plan.chunks_of_stage(stage):
             what = (["embed"] if c.has_embedding else []) + [f"layers {_ranges(list(c.layers))}"] + \
-                   (["norm+lm_head"] if c.has_head else [])
+                   (["norm+lm_head"] if c.has_head else []) + (["mtp"] if c.has_mtp else [])
             pieces.append(f"chunk {c.virtual}: " + ", ".join(what))
         lines.append(f"  stage {stage}: " + "; ".join(pieces))
     return lines
@@ -71,7 +93,7 @@ def stage_map_lines(plan: ModelPlan) -> list[str]:
 def plan_report(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> str:
     s, m, t = plan.strategy, plan.model, plan.train
     mem = est.memory
-    L = [f"ms-llm plan: {m.name} ({params_text(m.num_params())}) on {plan.world_size} x {device.name}",
+    L = [f"ms-llm plan: {m.name} ({model_params_text(m)}) on {plan.world_size} x {device.name}",
          f"strategy   {strategy_summary(plan)}",
          f"mesh       {plan.mesh.describe()}  (rank order {'-'.join(DENSE_AXES)}, row-major, tp fastest)"]
     shown = min(plan.world_size, 8)
@@ -119,7 +141,7 @@ def plan_report(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> str:
 
 
 def plan_json(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> dict:
-    mem = est.memory
+    mem, m = est.memory, plan.model
     return {
         "model": to_dict(plan.model, full=True),
         "strategy": to_dict(plan.strategy, full=True),
@@ -134,9 +156,13 @@ def plan_json(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> dict:
                    "step": est.step_s},
         "mfu": est.mfu,
         "tokens_per_s_per_device": est.tokens_per_s_per_device,
+        "param_counts": {"total": m.num_params(mtp=False), "activated": m.active_params(mtp=False),
+                         "mtp": m.mtp_param_count(), "mtp_activated": m.active_params() - m.active_params(mtp=False)},
         "stages": [{"stage": c.stage, "chunk": c.virtual, "layers": list(c.layers),
-                    "embedding": c.has_embedding, "head": c.has_head} for c in plan.chunks],
+                    "embedding": c.has_embedding, "head": c.has_head, "mtp": c.has_mtp} for c in plan.chunks],
         "params": {n: {"shape": list(p.shape), "stage": p.stage, "chunk": p.chunk,
                        "placements": list(p.layout.to_dtensor())} for n, p in plan.params.items()},
+        "buffers": {n: {"shape": list(b.shape), "dtype": b.dtype, "stage": b.stage, "chunk": b.chunk,
+                        "placements": list(b.layout.to_dtensor())} for n, b in plan.buffers.items()},
         "notes": list(plan.notes),
     }

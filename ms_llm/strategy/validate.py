@@ -63,11 +63,20 @@ def validate(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig,
     vpp = pipe.virtual_stages
 
     # Tensor parallel: every split dimension must divide evenly.
-    _divides(problems, "strategy.tp", model.num_heads, "model.num_heads", tp, "choose tp dividing the head count")
-    _divides(problems, "strategy.tp", model.num_kv_heads, "model.num_kv_heads", tp,
-             "choose tp dividing the kv-head count (GQA groups are not split)")
-    _divides(problems, "strategy.tp", model.ffn_hidden_size, "model.ffn_hidden_size", tp,
-             "choose tp dividing the MLP width")
+    if model.mla is not None:
+        _divides(problems, "strategy.tp", model.num_heads, "model.num_heads", tp,
+                 "multi-latent attention (model.mla) splits q_b_proj / kv_b_proj / o_proj by whole heads over tp; "
+                 "choose tp dividing the head count")
+    else:
+        _divides(problems, "strategy.tp", model.num_heads, "model.num_heads", tp, "choose tp dividing the head count")
+        _divides(problems, "strategy.tp", model.num_kv_heads, "model.num_kv_heads", tp,
+                 "choose tp dividing the kv-head count (GQA groups are not split)")
+    if any(not model.is_moe_layer(i) for i in range(model.num_layers + model.mtp_layers)):
+        _divides(problems, "strategy.tp", model.ffn_hidden_size, "model.ffn_hidden_size", tp,
+                 "choose tp dividing the MLP width")
+    if model.mtp_layers:
+        _divides(problems, "strategy.tp", model.hidden_size, "model.hidden_size", tp,
+                 "the MTP modules' eh_proj is column-parallel over its hidden_size outputs; choose tp dividing it")
     _divides(problems, "strategy.tp", model.vocab_size, "model.vocab_size", tp,
              f"pad model.vocab_size to a multiple of {tp} (vocab-parallel embedding and head)")
     if s.sequence_parallel and tp == 1:
