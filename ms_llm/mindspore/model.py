@@ -242,6 +242,12 @@ class Transformer(nn.Cell):
             return x, aux + layer_aux, loads
         return layer(x, cos, sin, mask), aux, loads
 
+    def expert_biases(self) -> list[Parameter]:
+        """The MoE layers' e_score_correction_bias, main layers then MTP modules: the rows of the
+        loads `outputs` returns."""
+        layers = list(self.model.layers) + ([m.layer for m in self.model.mtp] if self.mtp_layers else [])
+        return [layer.mlp.gate.e_score_correction_bias for layer in layers if layer.is_moe] if self.track_loads else []
+
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Same values as the torch backend for the same seed (ms_llm.init); the expert biases
         (not trained) start at 0."""

@@ -146,6 +146,31 @@ class Router(Linear):
                                                      name="e_score_correction_bias", requires_grad=False)
 
 
+class ExpertBiasUpdate(nn.Cell):
+    """Aux-loss-free balancing (DeepSeek-V3), after each optimizer step: per MoE layer, bias +=
+    rate x sign(mean(load) - load), in fp32. `loads` (layers, E) are the token copies routed to each
+    expert over the whole step (every micro-batch); with `world` > 1 (data parallel on a CPU
+    machine) they are summed over the ranks first, so every rank moves its biases alike (under
+    semi_auto_parallel the sum over the sharded tokens already spans them)."""
+
+    def __init__(self, biases: list[Parameter], rate: float, world: int = 1):
+        super().__init__()
+        self.biases, self.rate, self.reduce = ms.ParameterTuple(biases), rate, world > 1
+        if self.reduce:
+            self.all_reduce = ops.AllReduce()
+        self.mean = ops.ReduceMean(keep_dims=True)
+        self.sign = ops.Sign()
+
+    def construct(self, loads):
+        """Moves the biases; returns the loads they were moved by (summed over the ranks)."""
+        if self.reduce:
+            loads = self.all_reduce(loads)
+        step = self.rate * self.sign(self.mean(loads, -1) - loads)           # (layers, E)
+        for i in range(len(self.biases)):        # the depend chain keeps every assignment in the graph
+            loads = ops.depend(loads, ops.assign(self.biases[i], self.biases[i] + step[i]))
+        return loads
+
+
 class MoE(nn.Cell):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -17,6 +17,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from ms_llm.errors import ConfigError
 from ms_llm.job import JobConfig
 from ms_llm.mindspore.collectives import MeanOverRanks
 from ms_llm.mindspore.optim import AdamW, clip_by_norm, global_norm
@@ -25,41 +26,63 @@ from ms_llm.strategy.plan import ModelPlan
 
 
 class ScaledLoss(nn.Cell):
-    """loss * scale, so an fp16 backward keeps small gradients (scale 1 in fp32: exact)."""
+    """loss * scale, so an fp16 backward keeps small gradients (scale 1 in fp32: exact). A body
+    that also returns the expert loads (model.LossCell with loads) passes them through."""
 
     def __init__(self, body: nn.Cell):
         super().__init__(auto_prefix=False)
-        self.body = body
+        self.body, self.with_loads = body, getattr(body, "with_loads", False)
 
     def construct(self, inputs, labels, scale):
+        if self.with_loads:
+            loss, loads = self.body(inputs, labels)
+            return loss * scale, loads
         return self.body(inputs, labels) * scale
 
 
 class TrainCell(nn.Cell):
-    """Micro-batch gradients, data-parallel mean, unscale, global norm, clip, AdamW.
+    """Micro-batch gradients, data-parallel mean, unscale, global norm, clip, AdamW, then the
+    expert-bias update (moe.ExpertBiasUpdate, with a body that returns the expert loads).
 
     Inputs are stacked micro-batches (M, B, T) so the step compiles once, or the whole local
     batch (M * B, T) for nn.PipelineCell, which splits it itself. An update whose gradient
-    norm is not finite is skipped (a loss-scale overflow); the norm says so to the caller.
+    norm is not finite is skipped (a loss-scale overflow), the biases' too; the norm says so to
+    the caller. Returns (loss, norm), and the step's loads (layers, E) after them with an
+    expert-bias update.
     """
 
     def __init__(self, body: nn.Cell, optimizer: AdamW, micro_batches: int, grad_clip: float,
-                 reducer: Optional[nn.Cell] = None, loss_mean: Optional[nn.Cell] = None, pipeline: bool = False):
+                 reducer: Optional[nn.Cell] = None, loss_mean: Optional[nn.Cell] = None, pipeline: bool = False,
+                 expert_bias: Optional[nn.Cell] = None):
         super().__init__(auto_prefix=False)
         self.optimizer, self.reducer, self.loss_mean = optimizer, reducer, loss_mean
         self.weights = optimizer.parameters
         self.micro_batches, self.grad_clip, self.pipeline = micro_batches, grad_clip, pipeline
-        self.grad_fn = ms.value_and_grad(ScaledLoss(body), None, self.weights)
+        self.expert_bias, self.with_loads = expert_bias, expert_bias is not None
+        if self.with_loads and (pipeline or not getattr(body, "with_loads", False)):
+            raise ConfigError("model.moe.expert_bias: the MindSpore step updates the expert biases from the loads "
+                              "its loss cell returns (model.LossCell(net, loads=True)), outside nn.PipelineCell; "
+                              "use pp 1, or expert_bias false")
+        self.grad_fn = ms.value_and_grad(ScaledLoss(body), None, self.weights, has_aux=self.with_loads)
+        self.no_loads = Tensor(0.0, ms.float32)
+
+    def _grad(self, inputs, labels, scale):
+        """(scaled loss, gradients, expert loads; 0 without an expert-bias update) of one call."""
+        if self.with_loads:
+            (loss, loads), grads = self.grad_fn(inputs, labels, scale)
+            return loss, grads, loads
+        loss, grads = self.grad_fn(inputs, labels, scale)
+        return loss, grads, self.no_loads
 
     def construct(self, inputs, labels, scale, lr):
         if self.pipeline:
-            loss, grads = self.grad_fn(inputs, labels, scale)
+            loss, grads, loads = self._grad(inputs, labels, scale)
             divisor = scale
         else:
-            loss, grads = self.grad_fn(inputs[0], labels[0], scale)
+            loss, grads, loads = self._grad(inputs[0], labels[0], scale)
             for i in range(1, self.micro_batches):
-                mb_loss, mb_grads = self.grad_fn(inputs[i], labels[i], scale)
-                loss = loss + mb_loss
+                mb_loss, mb_grads, mb_loads = self._grad(inputs[i], labels[i], scale)
+                loss, loads = loss + mb_loss, loads + mb_loads
                 grads = tuple(g + h for g, h in zip(grads, mb_grads))
             divisor = scale * self.micro_batches
         loss = loss / divisor
@@ -70,6 +93,10 @@ class TrainCell(nn.Cell):
         norm = global_norm(grads)
         if ops.isfinite(norm).all():       # the outputs depend on the update, so it runs before they return
             loss = ops.depend(loss, self.optimizer(clip_by_norm(grads, norm, self.grad_clip), lr))
+            if self.with_loads:
+                loads = self.expert_bias(loads)
+        if self.with_loads:
+            return loss, norm, loads
         return loss, norm
 
 
@@ -95,11 +122,15 @@ class EvalCell(nn.Cell):
 
 
 class GraphStep:
-    """TrainCell for the shared loop: learning rate from the schedule, loss scale from the policy."""
+    """TrainCell for the shared loop: learning rate from the schedule, loss scale from the policy.
+    `buffers` are the Parameters the checkpoint keeps beside the optimizer's (the expert biases);
+    `loads` the last step's expert loads (layers, E), None without an expert-bias update."""
 
     def __init__(self, cell: TrainCell, evaluator: EvalCell, job: JobConfig, plan: ModelPlan, loss_scale=None):
         self.cell, self.evaluator, self.train, self.loss_scale = cell, evaluator, job.train, loss_scale
         self.optimizer = cell.optimizer
+        self.buffers = {p.name: p for p in cell.expert_bias.biases} if cell.with_loads else {}
+        self.loads: Optional[np.ndarray] = None
         self.shape = ((-1, job.train.seq_len + 1) if cell.pipeline else
                       (plan.micro_batches, job.train.micro_batch_size, job.train.seq_len + 1))
         self.local_rows = job.train.global_batch_size // plan.strategy.dp
@@ -123,8 +154,10 @@ class GraphStep:
         """One compiled step; the optimizer is inside the graph, so the fence comes first."""
         before_update()
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
-        loss, norm = self.cell(*self._inputs(rows, scale, lr_at(step, self.train)))
-        loss, norm = float(loss.asnumpy()), float(norm.asnumpy().reshape(-1)[0])
+        out = self.cell(*self._inputs(rows, scale, lr_at(step, self.train)))
+        if self.cell.with_loads:
+            self.loads = out[2].asnumpy()
+        loss, norm = float(out[0].asnumpy()), float(out[1].asnumpy().reshape(-1)[0])
         if self.loss_scale is not None:
             self.loss_scale.update(bool(np.isfinite(norm)), step + 1)
         return loss, norm

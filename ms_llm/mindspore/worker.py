@@ -41,13 +41,14 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     from ms_llm.mindspore.collectives import BroadcastParams, MeanOverRanks
     from ms_llm.mindspore.lower import lower, ring_attention
     from ms_llm.mindspore.model import LossCell, RMSNorm, Transformer
+    from ms_llm.mindspore.moe import ExpertBiasUpdate, Router
     from ms_llm.mindspore.optim import AdamW
     from ms_llm.mindspore.step import EvalCell, GraphStep, TrainCell
     from ms_llm.run.loss_scale import LossScaler
 
     net = Transformer(job.model, ring_attention=ascend and ring_attention(p))
     net.init_weights(job.train.seed)
-    loss_cell = LossCell(net)
+    loss_cell = LossCell(net, loads=job.model.moe is not None and job.model.moe.expert_bias)
     if ascend:
         from ms_llm.mindspore.apply import apply_lowering, set_context
 
@@ -61,7 +62,7 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     if compute != ms.float32:
         net.to_float(compute)
         for _, cell in net.cells_and_names():          # norms in fp32, as MindFormers computes them (an fp16
-            if isinstance(cell, RMSNorm):              # rsqrt backward gives NaN gradients on CPU)
+            if isinstance(cell, (RMSNorm, Router)):    # rsqrt backward gives NaN gradients on CPU); routers too
                 cell.to_float(ms.float32)
         loss_cell.loss.to_float(ms.float32)            # softmax cross-entropy in fp32
     params = loss_cell.trainable_params()
@@ -72,8 +73,11 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
         mean = MeanOverRanks(world)
     pipeline = p.strategy.pp > 1
     body = nn.PipelineCell(loss_cell, micro_size=p.micro_batches) if pipeline else loss_cell
+    # The expert biases move after each update, by the loads summed over the CPU data-parallel ranks.
+    bias_update = (ExpertBiasUpdate(net.expert_biases(), job.model.moe.bias_update_rate, world if reducer else 1)
+                   if loss_cell.with_loads else None)
     cell = TrainCell(body, AdamW(params, job.train.optimizer), p.micro_batches, job.train.optimizer.grad_clip,
-                     reducer, mean, pipeline)
+                     reducer, mean, pipeline, bias_update)
     # Validation is cross-entropy alone; MoE has no lowering, so its body is never a PipelineCell.
     eval_body = LossCell(net, training=False) if job.model.moe is not None or job.model.mtp_layers else body
     evaluator = EvalCell(eval_body, p.micro_batches, mean, pipeline)

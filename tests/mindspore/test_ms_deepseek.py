@@ -15,7 +15,11 @@ pytestmark = pytest.mark.mindspore
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ms_llm.config.model import MLAConfig, ModelConfig, MoEConfig, RopeScaling
+from ms_llm.config.train import OptimizerConfig
 from ms_llm.mindspore.model import LossCell, Transformer
+from ms_llm.mindspore.moe import ExpertBiasUpdate, MoE
+from ms_llm.mindspore.optim import AdamW
+from ms_llm.mindspore.step import TrainCell
 
 BASE = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=48, max_seq_len=16,
             norm_eps=1e-6, dtype="float32")
@@ -159,3 +163,176 @@ def test_logits_and_gradients_match_transformers(case):
             for n, b in biases.items():
                 ref.get_buffer(n).copy_(b)
         assert np.abs(unbiased - want_logits).max() > 1e-2
+
+
+# ---- multi-token prediction: against DeepSeek-V3 eq. 21-25 written out over transformers' layers ----
+MTP_CFG = ModelConfig(mla=MLAConfig(q_lora_rank=24, **MLA), mtp_layers=2, mtp_loss_factor=0.3,
+                      moe=MoEConfig(num_experts=16, num_groups=4, group_top_k=2, **DEEPSEEK_MOE), **BASE)
+
+
+class TorchMTP(torch.nn.Module):
+    """One MTP depth from the spec's names: enorm, hnorm, eh_proj, a transformers decoder layer, norm."""
+
+    def __init__(self, hf_config, cfg: ModelConfig, layer: int):
+        super().__init__()
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+        h = cfg.hidden_size
+        self.enorm, self.hnorm, self.norm = (DeepseekV3RMSNorm(h, cfg.norm_eps) for _ in range(3))
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        self.layer = DeepseekV3DecoderLayer(hf_config, layer)
+
+
+def reference_loss(ref, mtp, tokens: np.ndarray, cfg: ModelConfig) -> torch.Tensor:
+    """Main cross-entropy + mtp_loss_factor x the mean over depths k of eq. 21-25: h'_k =
+    eh_proj([enorm(Emb(t_{i+k})); hnorm(h_{k-1})]) (embedding first, as Megatron and DeepSeek's
+    checkpoint), h_k = layer(h'_k), logits_k = lm_head(norm(h_k)), trained on t_{i+1+k} where it exists."""
+    t = torch.from_numpy(tokens)
+    inputs, labels = t[:, :-1], t[:, 1:]
+    n = inputs.shape[1]
+    hidden = ref.model(inputs, use_cache=False).last_hidden_state               # h_0: after model.norm
+    loss = F.cross_entropy(ref.lm_head(hidden).flatten(0, 1), labels.flatten())
+    embedded = ref.model.embed_tokens(inputs)
+    rotary = ref.model.rotary_emb(hidden, torch.arange(n)[None])
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    depths = []
+    for k, m in enumerate(mtp, start=1):
+        e = torch.cat([embedded[:, k:], torch.zeros_like(embedded[:, :k])], dim=1)     # Emb(t_{i+k}), 0 past T
+        hidden = m.layer(m.eh_proj(torch.cat([m.enorm(e), m.hnorm(hidden)], dim=-1)), attention_mask=mask,
+                         position_embeddings=rotary)
+        logits = ref.lm_head(m.norm(hidden))
+        depths.append(F.cross_entropy(logits[:, :n - k].flatten(0, 1), labels[:, k:].flatten()))
+    return loss + cfg.mtp_loss_factor * torch.stack(depths).mean()
+
+
+def test_mtp_loss_and_gradients_match_eq_21_25():
+    cfg = MTP_CFG
+    ref = hf_model(cfg)
+    mtp = torch.nn.ModuleList([TorchMTP(ref.config, cfg, cfg.num_layers + d) for d in range(cfg.mtp_layers)])
+    randomize(ref, seed=1)
+    randomize(mtp, seed=2)
+    state = {**{k: v.numpy() for k, v in ref.state_dict().items()},
+             **{f"model.mtp.{k}": v.numpy() for k, v in mtp.state_dict().items()}}
+    ours = Transformer(cfg)
+    state = ours_from_hf(state, cfg)
+    assert {n: tuple(p.shape) for n, p in ours.parameters_and_names()} == {n: v.shape for n, v in state.items()}
+    ours.load_numpy(state)
+    tokens = np.random.default_rng(11).integers(0, cfg.vocab_size, (2, cfg.max_seq_len + 1))
+
+    x, y = ms.Tensor(tokens[:, :-1], ms.int32), ms.Tensor(tokens[:, 1:], ms.int32)
+    weights = ms.ParameterTuple(ours.trainable_params())
+    loss, grads = ms.value_and_grad(LossCell(ours), None, weights)(x, y)
+    names = {id(p): n for n, p in ours.parameters_and_names()}
+    grads = {names[id(p)]: g.asnumpy() for p, g in zip(weights, grads)}
+    main_only = float(LossCell(ours, training=False)(x, y).asnumpy())
+
+    want = reference_loss(ref, mtp, tokens, cfg)
+    want.backward()
+    want_grads = ours_from_hf({**{n: p.grad.numpy() for n, p in ref.named_parameters()},
+                               **{f"model.mtp.{n}": p.grad.numpy() for n, p in mtp.named_parameters()}}, cfg)
+    loss_diff = abs(float(loss.asnumpy()) - want.item())
+    grad_diff, worst = max_diff(grads, want_grads)
+    print(f"mtp: loss {float(loss.asnumpy()):.6f} (main alone {main_only:.6f}), max |loss - eq. 21-25| "
+          f"{loss_diff:.2e}, max |grad| diff {grad_diff:.2e} ({worst})")
+    assert loss_diff <= TOL and grad_diff <= TOL
+    assert float(loss.asnumpy()) - main_only > 0.1                 # the MTP loss is in the training loss
+    assert all(np.abs(g).max() > 1e-4 for n, g in grads.items() if n.startswith("model.mtp.") and "experts" not in n)
+
+
+# ---- the router's losses and loads, against numpy ----
+class RouteOutputs(ms.nn.Cell):
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def construct(self, x):
+        _, losses, load = self.moe.route(x)
+        return losses, load
+
+
+def numpy_route(x: np.ndarray, w: np.ndarray, bias: np.ndarray, m: MoEConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(chosen experts (B, T, k), normalised scores s' (B, T, E)): sigmoid scores, the choice with
+    the bias, groups scored by their best top_k / group_top_k choices, the best group_top_k kept."""
+    scores = 1.0 / (1.0 + np.exp(-(x @ w.T).astype(np.float64)))
+    choice = scores + bias
+    b, t, e = choice.shape
+    grouped = choice.reshape(b, t, m.num_groups, e // m.num_groups)
+    group_score = np.sort(grouped, -1)[..., -(m.top_k // m.group_top_k):].sum(-1)
+    dropped = np.argsort(-group_score, -1)[..., m.group_top_k:]
+    masked = grouped.copy()
+    np.put_along_axis(masked, dropped[..., None].repeat(e // m.num_groups, -1), -np.inf, axis=2)
+    top = np.argsort(-masked.reshape(b, t, e), -1)[..., :m.top_k]
+    return top, scores / scores.sum(-1, keepdims=True)
+
+
+def test_sequence_aux_loss_and_loads_match_numpy():
+    """DeepSeek-V3 eq. 17-20 per sequence, Switch's loss over s' and the copies per expert."""
+    moe = MoEConfig(num_experts=16, num_groups=4, group_top_k=2, top_k=4, expert_ffn_hidden_size=8,
+                    score_function="sigmoid", expert_bias=True, aux_loss_coeff=0.3, seq_aux_loss_coeff=0.7)
+    cfg = ModelConfig(moe=moe, **BASE)
+    layer = MoE(cfg)
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 0.3, (16, cfg.hidden_size)).astype(np.float32)
+    bias = rng.normal(0, 0.3, 16).astype(np.float32)
+    layer.gate.weight.set_data(ms.Tensor(w))
+    layer.gate.e_score_correction_bias.set_data(ms.Tensor(bias))
+    x = rng.normal(0, 1, (3, 10, cfg.hidden_size)).astype(np.float32)
+    losses, load = (v.asnumpy() for v in RouteOutputs(layer)(ms.Tensor(x)))
+
+    top, probs = numpy_route(x, w, bias, moe)
+    counts = np.stack([np.bincount(top[i].ravel(), minlength=16) for i in range(3)])          # (B, E)
+    e, k, t = 16, moe.top_k, x.shape[1]
+    seq = (e / (k * t) * counts * probs.mean(1)).sum(-1).mean()
+    switch = e * (counts.sum(0) / counts.sum() * probs.reshape(-1, e).mean(0)).sum()
+    want = moe.seq_aux_loss_coeff * seq + moe.aux_loss_coeff * switch
+    print(f"router losses {float(losses):.6f} vs numpy {want:.6f}; loads {load.astype(int).tolist()}")
+    assert abs(float(losses) - want) <= 1e-5
+    np.testing.assert_array_equal(load, counts.sum(0))
+
+
+# ---- aux-loss-free balancing in the compiled training step ----
+def skewed_training(rate: float, steps: int = 40) -> tuple[list[float], list[np.ndarray], np.ndarray]:
+    """A tiny sigmoid-routed model whose hidden states share a direction u that the routers of
+    experts 0 and 1 lean along, so they take most tokens; AdamW at lr 1e-3 with the bias update
+    at `rate`. Returns max/mean expert load per step, the biases after each step and the
+    first step's loads."""
+    moe = MoEConfig(num_experts=8, top_k=2, expert_ffn_hidden_size=8, score_function="sigmoid", expert_bias=True,
+                    bias_update_rate=rate, aux_loss_coeff=0.0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=32,
+                      max_seq_len=16, dtype="float32", moe=moe)
+    net = Transformer(cfg)
+    net.init_weights(3)
+    rng = np.random.default_rng(0)
+    u = rng.normal(size=16).astype(np.float32)
+    u /= np.linalg.norm(u)
+    skew = np.where(np.arange(8)[:, None] < 2, u, 0.0)
+    embed = net.model.embed_tokens.weight
+    embed.set_data(ms.Tensor(embed.asnumpy() + 0.05 * u))
+    net.model.layers[0].mlp.gate.weight.set_data(ms.Tensor((rng.normal(0, 0.3, (8, 16)) + skew).astype(np.float32)))
+    loss_cell = LossCell(net, loads=True)
+    opt = OptimizerConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0)
+    step = TrainCell(loss_cell, AdamW(loss_cell.trainable_params(), opt), 1, opt.grad_clip,
+                     expert_bias=ExpertBiasUpdate(net.expert_biases(), rate))
+    ratios, biases, first = [], [], None
+    for _ in range(steps):
+        rows = rng.integers(0, cfg.vocab_size, (1, 4, 17))
+        _, _, loads = step(ms.Tensor(rows[..., :-1], ms.int32), ms.Tensor(rows[..., 1:], ms.int32),
+                           ms.Tensor(1.0, ms.float32), ms.Tensor(opt.lr, ms.float32))
+        loads = loads.asnumpy()[0]
+        first = loads if first is None else first
+        ratios.append(float(loads.max() / loads.mean()))
+        biases.append(net.expert_biases()[0].asnumpy().copy())
+    print(f"bias_update_rate {rate}: max/mean expert load per step " + " ".join(f"{r:.2f}" for r in ratios))
+    return ratios, biases, first
+
+
+def test_expert_bias_update_balances_the_load():
+    ratios, biases, loads = skewed_training(rate=0.02)
+    # The first update: exactly rate x sign(mean load - load), in fp32, from a zero bias.
+    np.testing.assert_array_equal(biases[0], np.float32(0.02) * np.sign(loads.mean() - loads).astype(np.float32))
+    start = np.mean(ratios[:3])
+    assert start > 2.5                                           # the skew: two experts take most copies
+    assert np.mean(ratios[-5:]) < 0.6 * start
+    still, unmoved, _ = skewed_training(rate=0.0)
+    assert np.mean(still[-5:]) > 0.9 * np.mean(still[:3])       # AdamW alone does not rebalance in 40 steps
+    assert not np.any(unmoved[-1])
