@@ -127,6 +127,21 @@ def training_state(step_fn: TrainStep, plan: ModelPlan, rank: int, create: bool 
     for name, p in weights.items():
         if name not in held:                # ZeRO-3 shards of the shared engine are already in
             held[name] = (_piece(name, p, plan, rank, name), p)
+    held.update(_buffers(step_fn, plan, rank))
+    return held
+
+
+def _buffers(step_fn: TrainStep, plan: ModelPlan, rank: int) -> Held:
+    """The persistent buffers (the routers' expert bias): whole and equal on every rank of their
+    stage, saved by its first rank."""
+    held = {}
+    for part in step_fn.m.parts:
+        params = {id(p) for p in part.parameters()}
+        for n, t in part.state_dict(keep_vars=True).items():
+            if id(t) not in params:
+                region = Region((0,) * t.dim(), tuple(t.shape))
+                held[canonical_name(n)] = (Piece(canonical_name(n), tuple(t.shape), region,
+                                                 plan.stage_rank(rank) == 0), t)
     return held
 
 

@@ -5,7 +5,12 @@ overhead benchmark both call exactly this.
 fp16 (strategy.precision.loss_scale dynamic / static): each micro-batch's loss is multiplied by
 the scale before backward, the engine divides the gradients back before clipping and skips
 the update of a step whose global gradient norm is not finite (that norm is returned), and
-the scale moves by ms_llm.run.loss_scale's policy."""
+the scale moves by ms_llm.run.loss_scale's policy.
+
+DeepSeek-style models: the multi-token prediction loss trains with the logits (the model gets
+the targets) and is reported apart (`mtp_loss`); after every optimizer step each router's
+aux-loss-free expert bias moves by the step's expert loads, summed over all ranks so that every
+rank applies the same update."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -14,11 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import OptimizerConfig
+from ms_llm.errors import StrategyError
 from ms_llm.run import LossScaler, lr_at
 from torch_backend.apply import Lowered, cross_entropy, local_value
 from torch_backend.moe import MoE
+from torch_backend.mtp import MTP
 from torch_backend.parallelize.cp import cp_positions
+from torch_backend.weights import canonical_name
 
 
 def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list[nn.Parameter], dict]:
@@ -28,6 +37,15 @@ def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[ty
         return torch.optim.SGD, params, {"lr": opt.lr, "weight_decay": opt.weight_decay}
     return torch.optim.AdamW, params, {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps,
                                        "weight_decay": opt.weight_decay}
+
+
+def biased_routers(model: ModelConfig) -> list[str]:
+    """Every MoE layer with an expert bias, by module name, in one order on every rank."""
+    if model.moe is None or not model.moe.expert_bias:
+        return []
+    names = [f"model.layers.{i}.mlp" for i in model.moe_layers]
+    return names + [f"model.mtp.{d}.layer.mlp" for d in range(model.mtp_layers)
+                    if model.is_moe_layer(model.num_layers + d)]
 
 
 class TrainStep:
@@ -53,6 +71,20 @@ class TrainStep:
         # rank's tokens, so weighted 1/(dp*cp) like the loss.
         self.moe = [mod for part in lowered.parts for mod in part.modules() if isinstance(mod, MoE)]
         self.aux_weight = (1.0 if meshes.coord("tp") == 0 else 0.0) / (s.dp * s.cp)
+        # Multi-token prediction: its loss rides on the logits like the router losses, held where
+        # the loss is (weighted alike), and is reported apart.
+        self.mtp = [mod for part in lowered.parts for mod in part.modules() if isinstance(mod, MTP)]
+        if self.mtp and lowered.schedule is not None:
+            raise StrategyError("model.mtp_layers: the torch backend trains multi-token prediction without pipeline "
+                                "parallelism only (strategy.pp 1)")
+        self.mtp_loss: Optional[torch.Tensor] = None          # the last step's global mean MTP loss
+        # Aux-loss-free balancing: row i of the loads all-reduced each step is router bias_names[i].
+        self.bias_names = biased_routers(self.plan.model)
+        local = {canonical_name(n): mod for part in lowered.parts for n, mod in part.named_modules()
+                 if isinstance(mod, MoE)}
+        self.biased = [(i, local[n]) for i, n in enumerate(self.bias_names) if n in local]
+        self.expert_loads: Optional[torch.Tensor] = None      # the last step's (routers, experts) loads, rows
+                                                              # of this rank's stage summed over its ranks
         self.world = self.plan.world_size
         self.loss_scale = LossScaler.from_precision(s.precision)      # None without fp16 loss scaling
 
@@ -66,8 +98,8 @@ class TrainStep:
         """Accumulate gradients of the local batch (B, T); return this rank's mean loss."""
         m, n = self.m, self.plan.micro_batches
         tokens, targets = self.context_share(tokens, targets)
-        for moe in self.moe:      # a schedule divides every gradient by n itself; the loop below does not
-            moe.aux_scale = (1.0 if self.loss_scale is None else self.loss_scale.scale) / (1 if m.schedule else n)
+        for owner in self.moe + self.mtp:   # a schedule divides every gradient by n itself; the loop below does not
+            owner.aux_scale = (1.0 if self.loss_scale is None else self.loss_scale.scale) / (1 if m.schedule else n)
         if m.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (tokens,) if m.has_first else ()
@@ -84,7 +116,8 @@ class TrainStep:
         for i, (x, y) in enumerate(zip(tokens.chunk(n), targets.chunk(n))):
             with m.dp.sync(part, last=i == n - 1), m.loss_context():
                 with m.autocast():
-                    loss = cross_entropy(part(x), y) / n          # mean over the local batch
+                    logits = part(x, targets=y) if self.mtp else part(x)     # targets: the MTP loss
+                    loss = cross_entropy(logits, y) / n          # mean over the local batch
                 (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
             total += local_value(loss.detach())
         return total
@@ -99,6 +132,7 @@ class TrainStep:
         loss = self.forward_backward(batch[:, :-1], batch[:, 1:])
         n = self.plan.micro_batches
         aux = sum((moe.take_aux(n) for moe in self.moe), torch.zeros(())) / n
+        mtp = sum((owner.take_aux(n) for owner in self.mtp), torch.zeros(())) / n
         self.m.dp.reduce_grads(self.m.parts)
         if before_update is not None:
             before_update()
@@ -107,7 +141,28 @@ class TrainStep:
                                    self.plan.train.optimizer.grad_clip, self.pp_group, scale)
         if self.loss_scale is not None:
             self.loss_scale.update(bool(torch.isfinite(grad_norm)), step + 1)
+        self.update_expert_bias(n)
+        if self.plan.model.mtp_layers:              # part of the loss; its global mean also apart
+            mtp = mtp.to(loss.device)
+            self.mtp_loss = self.global_mean(mtp)
+            loss = loss + mtp
         return self.global_mean(loss, aux.to(loss.device)), grad_norm
+
+    @torch.no_grad()
+    def update_expert_bias(self, micro_batches: int) -> None:
+        """Each router's expert loads over the step, summed over every rank (a layer's dp / cp / tp /
+        ep ranks alike; zero rows where a pipeline stage lacks the layer, so one all-reduce serves
+        all), move its bias: the same loads, hence the same update, on every rank."""
+        if not self.bias_names:
+            return
+        loads = torch.zeros(len(self.bias_names), self.plan.model.moe.num_experts, device=self.m.device)
+        for i, moe in self.biased:
+            loads[i] = moe.take_load(micro_batches).to(loads.device)
+        if self.world > 1:
+            dist.all_reduce(loads)
+        for i, moe in self.biased:
+            moe.update_bias(loads[i])
+        self.expert_loads = loads
 
     def global_mean(self, loss: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's mean loss (plus its MoE router losses, `aux`) -> the global batch's, the

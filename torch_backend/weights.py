@@ -41,6 +41,9 @@ def materialize(part: nn.Module, plan: ModelPlan, device: torch.device, rank: in
             p.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
         else:
             p.copy_(full)
+    for name, b in part.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.zero_()                               # the expert bias starts at zero (transformers, Megatron)
     cos, sin = rotary_tables(plan.model, device)
     part.rope_cos.copy_(cos)
     part.rope_sin.copy_(sin)
