@@ -14,7 +14,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from ms_llm.checkpoint import optim_name, optim_pieces, param_pieces
+from ms_llm.checkpoint import layout_piece, optim_name, optim_pieces, param_pieces
 from ms_llm.checkpoint.zero_state import EngineSlice, engine_slices
 from ms_llm.errors import CheckpointError
 from ms_llm.mindspore.checkpoint import load_into, save_items
@@ -100,7 +100,21 @@ class MsTrainerState:
         for name, piece in param_pieces(self.plan, self.rank).items():
             if name not in out:                 # ZeRO-3 shards are already in, from the engine
                 out[name] = (piece, weights[name])
+        out.update(self._buffers())
         return out
+
+    def _buffers(self) -> Held:
+        """The plan's buffers of this rank's stage (the expert biases), whole and equal on every
+        rank, from the step's Parameters outside the optimizer."""
+        stage, srank = self.plan.mesh.coords(self.rank)["pp"], self.plan.stage_rank(self.rank)
+        held = {}
+        for name, b in self.plan.buffers.items():
+            if b.stage == stage:
+                if name not in self.step_fn.buffers:
+                    raise CheckpointError(f"{name}: the plan keeps this buffer but the MindSpore model holds no "
+                                          "such Parameter; model and plan disagree")
+                held[name] = (layout_piece(name, b.layout, srank), self.step_fn.buffers[name])
+        return held
 
     def _optimizer(self, opt) -> Held:
         states, out = optim_pieces(self.plan, self.rank, STATES), {}

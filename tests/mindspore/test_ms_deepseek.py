@@ -14,6 +14,7 @@ pytestmark = pytest.mark.mindspore
 
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from ms_llm.checkpoint import Checkpoint
 from ms_llm.config.model import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 from ms_llm.config.train import OptimizerConfig
 from ms_llm.mindspore.model import LossCell, Transformer
@@ -336,3 +337,40 @@ def test_expert_bias_update_balances_the_load():
     still, unmoved, _ = skewed_training(rate=0.0)
     assert np.mean(still[-5:]) > 0.9 * np.mean(still[:3])       # AdamW alone does not rebalance in 40 steps
     assert not np.any(unmoved[-1])
+
+
+# ---- the trainer: the expert biases are checkpointed and a resume repeats the run exactly ----
+def test_resume_restores_the_expert_biases_exactly(tmp_path):
+    """ms_llm.mindspore.worker at world 1, a tiny DeepSeek (MLA, sigmoid groups with the expert
+    bias, MTP), 2 micro-batches a step, a checkpoint every 3 steps: started again from step 3
+    it repeats steps 4-6 and ends with the same biases, bit for bit."""
+    from test_ms_worker import run_worker
+
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 96, 20_000, dtype=np.uint16).tofile(tokens)
+    model = {"vocab_size": 96, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 48,
+             "max_seq_len": 16, "norm_eps": 1e-6, "dtype": "float32", "mtp_layers": 1,
+             "mla": {"q_lora_rank": 24, **MLA},
+             "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 8, "shared_experts": 1,
+                     "first_dense_layers": 1, "score_function": "sigmoid", "num_groups": 4, "group_top_k": 2,
+                     "expert_bias": True, "bias_update_rate": 0.05, "aux_loss_coeff": 0.0,
+                     "seq_aux_loss_coeff": 0.01}}
+    job = {"name": "tiny_ms_deepseek", "backend": "mindspore", "device": "cpu", "model": model,
+           "strategy": {"dp": 1, "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
+           "train": {"global_batch_size": 4, "micro_batch_size": 2, "seq_len": 16, "steps": 6, "seed": 7,
+                     "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 1.0},
+                     "data": {"source": str(tokens)}, "checkpoint": {"interval": 3}}}
+    full = run_worker(tmp_path / "full", job)
+    job["train"]["checkpoint"] = {"interval": 3, "load": str(tmp_path / "full" / "checkpoints" / "step_00000003")}
+    resumed = run_worker(tmp_path / "resumed", job)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
+
+    names = ["model.layers.1.mlp.gate.e_score_correction_bias", "model.mtp.0.layer.mlp.gate.e_score_correction_bias"]
+    at = {run: Checkpoint.open(tmp_path / run / "checkpoints" / "step_00000006") for run in ("full", "resumed")}
+    mid = Checkpoint.open(tmp_path / "full" / "checkpoints" / "step_00000003")
+    for name in names:
+        end = at["full"].read_full(name)
+        print(f"{name}: step 3 {mid.read_full(name)}, step 6 {end}")
+        np.testing.assert_array_equal(at["resumed"].read_full(name), end)
+        assert np.abs(end - mid.read_full(name)).max() > 0.04          # moved after the checkpoint too
