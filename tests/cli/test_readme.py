@@ -40,6 +40,8 @@ NOT_RUN = {
     "ms-llm prepare-data --input docs/": "a user's own files (tests/data/test_prepare_data.py runs every input kind)",
     "ms-llm prepare-data --input web.jsonl": "a user's own files (tests/data/test_prepare_data.py runs every input kind)",
     "ms-llm prepare-data --input stdlib": "tokenizes the whole standard library (tests/data/test_prepare_data.py)",
+    "ms-llm convert-strategy .oracles/": "MindFormers' own configs, installed by `make oracles` "
+                                        "(tests/convert/test_convert_mindformers.py converts every pretrain config)",
     "python bench/": "benchmarks: `make bench` runs them",
     "python -m ms_llm train configs/train/tiny_ms_dp2.yaml": "MindSpore training on msrun "
                                                              "(tests/mindspore/test_ms_train.py)",
@@ -48,7 +50,7 @@ NOT_RUN = {
 
 # Commands each page must show at least, and how many must run here in all.
 MIN_COMMANDS = {"README.md": 8, "docs/backends.md": 5, "docs/checkpoints.md": 10, "docs/converters.md": 5,
-                "docs/data.md": 3, "docs/elastic.md": 3, "docs/performance.md": 2}
+                "docs/data.md": 3, "docs/elastic.md": 3, "docs/moe.md": 5, "docs/performance.md": 2}
 MIN_RUN = 25
 
 
