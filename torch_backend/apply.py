@@ -13,10 +13,9 @@ from typing import ContextManager, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from ms_llm.strategy.plan import ChunkPlan, ModelPlan
+from torch_backend.dist import is_dtensor
 from torch_backend.lower import TorchLowering
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize import parallelize
@@ -32,7 +31,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 @dataclass
@@ -56,7 +55,10 @@ class Lowered:
 
     def loss_context(self) -> ContextManager:
         """Vocab-parallel cross entropy over the tp-sharded logits (forward and backward)."""
-        return loss_parallel() if self.lowering.loss_parallel else nullcontext()
+        if not self.lowering.loss_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel()
 
     def autocast(self) -> ContextManager:
         return autocast(self.lowering.compute_dtype, self.device.type)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from torch_backend.dist import is_dtensor
 
 
 def _groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -17,7 +18,7 @@ def _groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     for p in params:
         if p.grad is None:
             continue
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else p.grad.device
+        key = (p.grad.device_mesh, p.grad.placements) if is_dtensor(p.grad) else p.grad.device
         groups.setdefault(key, []).append(p)
     return list(groups.values())
 
@@ -29,7 +30,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -
     total = torch.zeros((), dtype=torch.float32, device=groups[0][0].grad.device if groups else "cpu")
     for group in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         total += norm.float() ** 2
     if pp_group is not None:

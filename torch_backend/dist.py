@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -27,6 +28,18 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)
     return device
+
+
+def is_loaded_instance(obj: object, module: str, cls: str) -> bool:
+    """isinstance(obj, module.cls) without importing `module`: before some code has loaded it,
+    nothing is an instance. DTensor and ZeroRedundancyOptimizer cost every worker most of a
+    second (sympy, dispatch tables) at start-up, which jobs that never use them should not pay."""
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(obj, getattr(loaded, cls))
+
+
+def is_dtensor(t: object) -> bool:
+    return is_loaded_instance(t, "torch.distributed.tensor", "DTensor")
 
 
 def shutdown() -> None:

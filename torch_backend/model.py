@@ -10,6 +10,7 @@ that are None, so a pipeline stage is this model with the other stages' parts re
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,10 +28,13 @@ def rotary_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Te
     """cos, sin of shape (max_seq_len, head_dim), HF layout: the frequencies repeated twice, scaled
     by the rope scaling's attention factor (YaRN)."""
     inv_freq, attention_factor = inv_frequencies(cfg)
-    t = torch.arange(cfg.max_seq_len, dtype=torch.int64, device=device).float()
-    freqs = torch.outer(t, torch.from_numpy(inv_freq).to(t.device))   # t.device: also under a meta-device context
+    # Computed on the CPU, then moved (to the meta device too, under a meta-device context, where
+    # computing them would import torch._dynamo: over a second of each worker's start).
+    t = torch.from_numpy(np.arange(cfg.max_seq_len, dtype=np.int64)).float()
+    freqs = torch.outer(t, torch.from_numpy(inv_freq))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * attention_factor, emb.sin() * attention_factor
+    target = device if device is not None else torch.empty(0).device     # the default device in effect
+    return (emb.cos() * attention_factor).to(target), (emb.sin() * attention_factor).to(target)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -89,7 +93,10 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its weight, nn.Embedding skips its random init (init_weights fills every weight), whose
+        # normal_ on the meta device would import torch._dynamo: over a second of each worker's start.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mtp = MTP(cfg, lambda i: DecoderLayer(cfg, i)) if cfg.mtp_layers else None

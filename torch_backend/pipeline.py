@@ -3,19 +3,23 @@
 A stage module is the whole model with the other chunks' parts deleted (the model's
 forward skips None modules). Chunk i of the plan is pipeline stage i; the plan already
 placed chunks on ranks the way each schedule expects (looped: i % pp; V: down and back up).
+torch.distributed.pipelining is imported by build_schedule only: it pulls in torch._dynamo,
+half a second of every worker's start that a job without pipeline parallelism never uses.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torch.distributed import pipelining
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.strategy.plan import ChunkPlan
 from torch_backend.lower import TorchLowering
 from torch_backend.model import Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 def cut_chunk(cfg: ModelConfig, chunk: ChunkPlan) -> Transformer:
     """The model (built on the current default device, meta normally) reduced to one chunk."""
@@ -34,6 +38,10 @@ def cut_chunk(cfg: ModelConfig, chunk: ChunkPlan) -> Transformer:
 def build_schedule(low: TorchLowering, parts: list[nn.Module], chunks: tuple[ChunkPlan, ...], group,
                    device: torch.device, loss_fn) -> _PipelineSchedule:
     """The lowering's schedule over this rank's `parts` (one per chunk of `chunks`)."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
     n_stages = sum(len(stage) for stage in low.stages)
     stages = [PipelineStage(part, chunk.index, n_stages, device, group=group) for part, chunk in zip(parts, chunks)]
     cls: type[_PipelineSchedule] = getattr(pipelining, low.schedule)      # e.g. Schedule1F1B

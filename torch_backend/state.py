@@ -18,9 +18,6 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ms_llm.checkpoint import Piece, Region, layout_piece, optim_name
 from ms_llm.checkpoint.zero_state import engine_slices
@@ -28,11 +25,13 @@ from ms_llm.errors import CheckpointError
 from ms_llm.run.checkpoints import Held
 from ms_llm.strategy.plan import ModelPlan
 from torch_backend.checkpoint import load_into, save_items
+from torch_backend.dist import is_dtensor, is_loaded_instance
 from torch_backend.step import TrainStep
 from torch_backend.weights import canonical_name
 
 
-def _dtensor_piece(name: str, t: DTensor, plan: ModelPlan, rank: int) -> Piece:
+def _dtensor_piece(name: str, t: torch.Tensor, plan: ModelPlan, rank: int) -> Piece:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     if any(p.is_partial() for p in t.placements):
         raise CheckpointError(f"{name}: a partial-sum DTensor cannot be saved; reduce it first")
     sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -44,7 +43,7 @@ def _dtensor_piece(name: str, t: DTensor, plan: ModelPlan, rank: int) -> Piece:
 
 
 def _piece(name: str, t: torch.Tensor, plan: ModelPlan, rank: int, weight: str) -> Piece:
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         return _dtensor_piece(name, t, plan, rank)
     return layout_piece(name, plan.params[weight].layout, plan.stage_rank(rank))
 
@@ -88,7 +87,7 @@ def _optimizer_state(optimizer, weights: dict[str, torch.Tensor], plan: ModelPla
     Expert states take their weight's layout (split over ep), so they reshard like it; those of
     `sliced` weights (ZeRO-1 over edp) the weight's optimizer_layout."""
     held = {}
-    owner = isinstance(optimizer, ZeroRedundancyOptimizer)
+    owner = is_loaded_instance(optimizer, "torch.distributed.optim", "ZeroRedundancyOptimizer")
     local = optimizer.optim if owner else optimizer
     mine = {id(p) for g in local.param_groups for p in g["params"]}
     adam = isinstance(local, torch.optim.AdamW)
@@ -174,7 +173,8 @@ class TorchTrainerState:
             engine.step_count = steps
         optimizer = _torch_optimizer(self.step_fn)
         if optimizer is not None:
-            local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+            owner = is_loaded_instance(optimizer, "torch.distributed.optim", "ZeroRedundancyOptimizer")
+            local = optimizer.optim if owner else optimizer
             for state in local.state.values():
                 if "step" in state:
                     state["step"].fill_(steps)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ms_llm.errors import StrategyError
 from ms_llm.init import init_param
 from ms_llm.strategy.plan import ModelPlan
+from torch_backend.dist import is_dtensor
 from torch_backend.model import rotary_tables
 
 def canonical_name(name: str) -> str:
@@ -29,7 +29,7 @@ def materialize(part: nn.Module, plan: ModelPlan, device: torch.device, rank: in
     stage_rank = plan.stage_rank(rank)
     for name, p in part.named_parameters():
         full = torch.from_numpy(init_param(name, plan.params[name].shape, seed))
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
             offsets, sizes = plan.params[name].layout.shard_box(stage_rank)
             local = p.to_local()
             if tuple(local.shape) != tuple(sizes):

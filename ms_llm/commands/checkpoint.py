@@ -110,7 +110,7 @@ def _import(args: argparse.Namespace, fmt: str, src: Path, dst: Path) -> Path:
         return import_hf(src, dst)
     model = _section("model", args.model, "--model")
     if fmt == "dcp":
-        from torch_backend.checkpoint import import_dcp
+        from torch_backend.dcp import import_dcp
         return import_dcp(src, dst, model, names=args.names, step=args.step)
     from ms_llm.mindspore.checkpoint import import_mindspore
     if args.ms_strategy is None:
@@ -123,7 +123,7 @@ def _export(args: argparse.Namespace, fmt: str, src: Path, dst: Path) -> Path:
     if fmt == "hf":
         return export_hf(src, dst, dtype=args.dtype)
     if fmt == "dcp":
-        from torch_backend.checkpoint import export_dcp
+        from torch_backend.dcp import export_dcp
         return export_dcp(src, dst, names=args.names)
     if fmt == "mindspore":
         from ms_llm.mindspore.checkpoint import export_mindspore

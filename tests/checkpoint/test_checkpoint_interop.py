@@ -20,7 +20,8 @@ from ms_llm.config.hf import hf_config
 from ms_llm.config.schema import to_dict
 from ms_llm.errors import CheckpointError
 from model_families import family_config
-from torch_backend.checkpoint import export_dcp, import_dcp, load_into
+from torch_backend.checkpoint import load_into
+from torch_backend.dcp import export_dcp, import_dcp
 from torch_backend.model import Transformer, apply_rotary, rotary_tables
 
 HERE = Path(__file__).parents[1] / "helpers"

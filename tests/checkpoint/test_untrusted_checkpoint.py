@@ -412,7 +412,7 @@ def test_dcp_storage_outside_the_folder_and_oversized_tensors_are_refused(root, 
     import pickle
 
     import torch
-    from torch_backend.checkpoint import export_dcp, import_dcp
+    from torch_backend.dcp import export_dcp, import_dcp
 
     from ckpt_helpers import TINY
     out = export_dcp(root / "step_00000001", tmp_path / "dcp")

@@ -149,7 +149,7 @@ def test_support_modules_import_no_framework():
 def test_boundary_check_can_fail():
     assert loaded_by("torch_backend.model", FRAMEWORKS) == "torch"
     assert loaded_by("ms_llm.backends", BACKENDS) == ",".join(BACKENDS)
-    assert "torch_backend.checkpoint" in imports_anywhere("ms_llm.commands.checkpoint")
+    assert "torch_backend.dcp" in imports_anywhere("ms_llm.commands.checkpoint")
 
 
 def room_of(module: str) -> str:

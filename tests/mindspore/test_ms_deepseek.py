@@ -374,3 +374,47 @@ def test_resume_restores_the_expert_biases_exactly(tmp_path):
         print(f"{name}: step 3 {mid.read_full(name)}, step 6 {end}")
         np.testing.assert_array_equal(at["resumed"].read_full(name), end)
         assert np.abs(end - mid.read_full(name)).max() > 0.04          # moved after the checkpoint too
+
+
+# ---- the torch backend's model, same seed ----
+def test_matches_the_torch_model_with_mtp_and_router_losses():
+    """ms_llm.init gives both backends the same weights; with the same random expert biases, the
+    Switch, z- and sequence-wise losses and two MTP depths, the training loss, the logits and every
+    gradient agree within 1e-4."""
+    from torch_backend.model import Transformer as TorchTransformer
+    from torch_backend.moe import MoE as TorchMoE
+
+    moe = MoEConfig(num_experts=16, num_groups=4, group_top_k=2, **{**DEEPSEEK_MOE, "aux_loss_coeff": 0.01},
+                    z_loss_coeff=1e-3, seq_aux_loss_coeff=0.01)
+    cfg = ModelConfig(mla=MLAConfig(q_lora_rank=24, **MLA), moe=moe, mtp_layers=2, **BASE)
+    ours, ref = Transformer(cfg), TorchTransformer(cfg)
+    ours.init_weights(5, std=0.2)
+    ref.init_weights(5, std=0.2)
+    rng = np.random.default_rng(6)
+    for name, bias in ref.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            value = rng.normal(0, 0.3, bias.shape).astype(np.float32)
+            bias.copy_(torch.from_numpy(value))
+            dict(ours.parameters_and_names())[name].set_data(ms.Tensor(value))
+    tokens = rng.integers(0, cfg.vocab_size, (2, cfg.max_seq_len + 1))
+
+    x, y = ms.Tensor(tokens[:, :-1], ms.int32), ms.Tensor(tokens[:, 1:], ms.int32)
+    weights = ms.ParameterTuple(ours.trainable_params())
+    loss, grads = ms.value_and_grad(LossCell(ours), None, weights)(x, y)
+    names = {id(p): n for n, p in ours.parameters_and_names()}
+    grads = {names[id(p)]: g.asnumpy() for p, g in zip(weights, grads)}
+    logits = ours(x).asnumpy()
+
+    t = torch.from_numpy(tokens)
+    want_logits = ref(t[:, :-1], targets=t[:, 1:])
+    F.cross_entropy(want_logits.flatten(0, 1), t[:, 1:].flatten()).backward()     # + aux and MTP losses, in backward
+    routers = [m for m in ref.modules() if isinstance(m, TorchMoE)]
+    want_loss = (F.cross_entropy(want_logits.flatten(0, 1), t[:, 1:].flatten()).item()
+                 + sum(m.take_aux(1).item() for m in routers) + ref.model.mtp.take_aux(1).item())
+    want_grads = {n: p.grad.numpy() for n, p in ref.named_parameters()}
+    logit_diff = float(np.abs(logits - want_logits.detach().numpy()).max())
+    grad_diff, worst = max_diff(grads, want_grads)
+    loss_diff = abs(float(loss.asnumpy()) - want_loss)
+    print(f"torch model: loss {want_loss:.6f}, max |loss| diff {loss_diff:.2e}, |logits| {logit_diff:.2e}, "
+          f"|grad| {grad_diff:.2e} ({worst})")
+    assert loss_diff <= TOL and logit_diff <= TOL and grad_diff <= TOL

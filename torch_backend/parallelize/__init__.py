@@ -24,7 +24,6 @@ from torch_backend.parallelize.ac import apply_ac
 from torch_backend.parallelize.cp import apply_cp
 from torch_backend.parallelize.dp import DataParallel
 from torch_backend.parallelize.ep import apply_ep
-from torch_backend.parallelize.tp import apply_tp
 from torch_backend.weights import materialize
 
 
@@ -39,6 +38,7 @@ def parallelize(parts: list[nn.Module], low: TorchLowering, plan: ModelPlan, mes
     """`parts`: this rank's model chunks on the meta device. Returns them ready to train."""
     for part in parts:
         if low.tp:
+            from torch_backend.parallelize.tp import apply_tp      # DTensor: loaded only under tp
             apply_tp(part, low, meshes["tp"])
         if plan.model.moe is not None:
             apply_ep(part, plan, meshes)

@@ -18,20 +18,19 @@ lowering's DataParallelPlan carries it with its settings):
             parallelism); stage 1: DDP + ZeroRedundancyOptimizer; stage 2: FSDP2 fully_shard
             keeping parameters unsharded until backward; stage 3: fully_shard resharding
             after forward
+The native engines import their torch modules when built: FSDP2 and ZeroRedundancyOptimizer
+load DTensor, most of a second of every worker's start that the other engines do not need.
 """
 from __future__ import annotations
 
 import dataclasses
 from contextlib import nullcontext
-from typing import ContextManager, Iterable, Optional
+from typing import TYPE_CHECKING, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ms_llm.strategy.plan import ModelPlan
@@ -41,6 +40,9 @@ from torch_backend.lower import DataParallelPlan
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize.ep import ExpertGrads, expert_params
 from torch_backend.parallelize.precision import DTYPES
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 class DataParallel:
@@ -128,6 +130,7 @@ class ZeroOptimizer(DDP):
     name = support.ZERO_OPTIMIZER
 
     def make_optimizer(self, params, cls, kwargs):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=self.group, **kwargs)
 
 
@@ -141,6 +144,7 @@ class Replicate(DataParallel):
         self.mesh, self.mp = mesh, mp
 
     def wrap(self, parts):
+        from torch.distributed._composable.replicate_with_fsdp import replicate
         return [replicate(part, mesh=self.mesh, mp_policy=self.mp) for part in parts]
 
 
@@ -152,6 +156,7 @@ class FSDP(DataParallel):
         self.mesh, self.reshard, self.mp = mesh, reshard_after_forward, mp
 
     def _wrap(self, part: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
         for layer in part.model.layers.values():
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
         return fully_shard(part, mesh=self.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
@@ -215,6 +220,7 @@ class SharedZero(DataParallel):
 
 
 def mixed_precision(dp: DataParallelPlan) -> MixedPrecisionPolicy:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     return MixedPrecisionPolicy(param_dtype=DTYPES[dp.param_dtype], reduce_dtype=DTYPES[dp.reduce_dtype])
 
 

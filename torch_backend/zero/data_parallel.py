@@ -21,10 +21,10 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ms_llm.zero.engine import EngineConfig, ZeroEngine
 from ms_llm.zero.plan import OwnedPiece, ZeroPlan
+from torch_backend.dist import is_dtensor
 from torch_backend.zero.comm import TorchComm
 from torch_backend.zero.ops import DTYPES, TorchOps
 
@@ -33,7 +33,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The rank's own tensor: a tensor-parallel DTensor's local shard (sharing its storage)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class ZeroDataParallel:
@@ -70,7 +70,7 @@ class ZeroDataParallel:
         def hook(p: torch.Tensor) -> None:
             self._queue_finish()
             grad = p.grad
-            if isinstance(grad, DTensor) and grad.placements != p.placements:
+            if is_dtensor(grad) and grad.placements != p.placements:
                 # e.g. a vocab-parallel embedding's gradient arrives replicated or partial
                 grad = grad.redistribute(p.device_mesh, p.placements)
             if not self.engine.on_grad(name, _local(grad)):
