@@ -23,8 +23,7 @@ from ms_llm.strategy.devices import DEVICES, DeviceSpec
 from ms_llm.strategy.ir import CP_ALGORITHMS, ContextParallelSpec, ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan
 # CostShape and its two builders live in shape.py; the search and the tests import them from here.
-from ms_llm.strategy.shape import (CostShape, StageShape, ZeroGroups, cost_shape, mtp_embedding_copy, shape_of,
-                                   stage_flops_per_token)
+from ms_llm.strategy.shape import CostShape, cost_shape, mtp_embedding_copy, shape_of, stage_flops_per_token
 
 ADAM_STATE_BYTES = 8       # m and v in fp32
 
