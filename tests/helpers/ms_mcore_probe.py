@@ -23,11 +23,16 @@ from mindspore.communication import init
 MODES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
 
 
-# TransformerConfig fields that carry model.moe, the expert-parallel degree and the cp algorithm.
+# TransformerConfig fields that carry model.moe, model.mla, MTP, the expert-parallel degree and the cp algorithm.
 MOE_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
             "norm_topk_prob", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
             "first_k_dense_replace", "moe_layer_freq", "expert_model_parallel_size", "context_parallel_algo",
-            "use_ring_attention")
+            "use_ring_attention", "moe_router_score_function", "moe_router_topk_scaling_factor",
+            "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+            "moe_router_bias_update_rate", "moe_router_load_balancing_type", "mtp_num_layers",
+            "mtp_loss_scaling_factor", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+            "qk_pos_emb_head_dim", "v_head_dim", "qk_layernorm", "position_embedding_type", "rotary_scaling_factor",
+            "mscale", "mscale_all_dim")
 
 
 def check(path: str, build: bool) -> dict:
@@ -70,13 +75,15 @@ def check(path: str, build: bool) -> dict:
     cfg.model.model_config.pp_interleave_num = 1
     ms.reset_auto_parallel_context()
     build_parallel_config(cfg)
-    if cfg.model.model_config.model_type in ("qwen3", "qwen3_moe"):
-        # Qwen3ForCausalLM.__new__ (and Qwen3MoeForCausalLM's) asks MindFormers' global Context for the
-        # mode, whose first build pins CPU affinity per device and divides by zero on a CPU-only host:
-        # build the class it returns in graph mode from the same converted config.
+    if cfg.model.model_config.model_type in ("qwen3", "qwen3_moe", "deepseek_v3"):
+        # Qwen3ForCausalLM.__new__ (and Qwen3MoeForCausalLM's, DeepseekV3ForCausalLM's) asks MindFormers'
+        # global Context for the mode, whose first build pins CPU affinity per device and divides by zero on
+        # a CPU-only host: build the class it returns in graph mode from the same converted config.
+        from mindformers.models.deepseek3.modeling_deepseek_v3_train import TrainingDeepseekV3ForCausalLM
         from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
         from mindformers.models.qwen3_moe.modeling_qwen3_moe_train import TrainingQwen3MoeForCausalLM
-        train = {"qwen3": TrainingQwen3ForCausalLM, "qwen3_moe": TrainingQwen3MoeForCausalLM}
+        train = {"qwen3": TrainingQwen3ForCausalLM, "qwen3_moe": TrainingQwen3MoeForCausalLM,
+                 "deepseek_v3": TrainingDeepseekV3ForCausalLM}
         net = train[cfg.model.model_config.model_type](get_model_config(cfg.model, default_args={
             "parallel_config": cfg.parallel_config}))
     else:

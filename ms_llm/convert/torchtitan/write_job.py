@@ -37,8 +37,9 @@ def write(job: JobConfig, world_size: int) -> Written:
     o = sections["optimizer"]
     args += [f"--{OPTIMIZER}.lr {o['lr']!r}", f"--{OPTIMIZER}.betas {o['beta1']!r} {o['beta2']!r}",
              f"--{OPTIMIZER}.eps {o['eps']!r}", f"--{OPTIMIZER}.weight_decay {o['weight_decay']!r}"]
-    if job.strategy.pp > 1:
-        args.append("--training.disable_cuda_graphs")      # 0.3 refuses CUDA graphs with pipeline parallel
+    if job.strategy.pp > 1 or job.strategy.ep > 1:
+        # 0.3 refuses CUDA graphs with pipeline parallel, and with its all-to-all expert dispatcher
+        args.append("--training.disable_cuda_graphs")
     ac = sections[AC]
     mode = ac["mode"]
     if mode == "selective" and ac.get("selective_ac_option") != "op":
