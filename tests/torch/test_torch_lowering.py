@@ -182,3 +182,35 @@ def test_dry_run_prints_the_torch_lowering_of_the_70b_job():
     assert "  pp rank 7: chunk 7: model.layers.{70-79}, model.norm, lm_head" in out
     assert "pipeline schedule: Schedule1F1B, 128 micro-batches" in out
     assert "imported torch: False" in out           # printed without torch, on any machine
+
+
+def test_a_data_parallel_worker_loads_neither_dtensor_nor_dynamo():
+    """A dp2 job's worker modules, its chunk built on the meta device and materialized, leave out
+    DTensor, DCP, pipelining and torch._dynamo (about 1.5 s of start-up per worker); a tp2 job's
+    lowering does load DTensor, so the check can fail."""
+    code = (
+        "import sys, torch\n"
+        "from ms_llm.job import job_from_dict\n"
+        "from ms_llm.machine import Machine\n"
+        "from ms_llm.strategy.plan import plan\n"
+        "from torch_backend.apply import apply\n"
+        "from torch_backend.lower import lower\n"
+        "from torch_backend.state import TorchTrainerState\n"
+        "from torch_backend.step import TrainStep\n"
+        "from torch_backend.pipeline import cut_chunk\n"
+        "from torch_backend.weights import materialize\n"
+        f"job = job_from_dict({{'model': {MODEL!r}, 'strategy': {{'dp': 2}}, 'train': {{'global_batch_size': 8, 'seq_len': 16}}}})\n"
+        "p = plan(job.model, job.strategy, job.train, 2)\n"
+        "with torch.device('meta'):\n"
+        "    part = cut_chunk(p.model, lower(p, Machine('cpu')).stages[0][0])\n"
+        "materialize(part, p, torch.device('cpu'), 0, 0)\n"
+        "if sys.argv[1] == 'tp':\n"
+        "    from torch_backend.parallelize import tp\n"
+        "heavy = ('torch.distributed.tensor', 'torch.distributed.checkpoint', 'torch.distributed.pipelining',\n"
+        "         'torch._dynamo')\n"
+        "print(','.join(m for m in heavy if m in sys.modules))\n")
+    loaded = {kind: subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, cwd=ROOT,
+                                   timeout=120) for kind in ("dp", "tp")}
+    assert loaded["dp"].returncode == 0, loaded["dp"].stderr
+    assert loaded["dp"].stdout.strip() == ""
+    assert "torch.distributed.tensor" in loaded["tp"].stdout
