@@ -6,6 +6,7 @@ imported only by the branch that needs it (torch for DCP, MindSpore for MindSpor
 
 examples:
   ms-llm convert-checkpoint SRC DST --to hf
+  ms-llm convert-checkpoint SRC DST --to hf --drop-mtp                     # without the MTP modules
   ms-llm convert-checkpoint HF_DIR DST --from hf
   ms-llm convert-checkpoint SRC DST --to mindspore --strategy tp2 --world-size 4
   ms-llm convert-checkpoint SRC DST --strategy dp2 --world-size 2          # reshard
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ms-strategy", help="MindSpore strategy file, or folder of rank_<r>.ckpt strategy files")
     parser.add_argument("--names", choices=("hf", "torchtitan"), default="hf", help="DCP tensor names")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="Hugging Face export dtype")
+    parser.add_argument("--drop-mtp", action="store_true",
+                        help="Hugging Face export: leave DeepSeek's multi-token prediction modules out (kept by default, "
+                             "as model.layers.{num_layers + d}.*)")
     parser.add_argument("--step", type=int, default=0, help="step recorded for imported checkpoints")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace what DST already holds (the same checkpoint step, or a non-empty export folder)")
@@ -121,7 +125,7 @@ def _import(args: argparse.Namespace, fmt: str, src: Path, dst: Path) -> Path:
 
 def _export(args: argparse.Namespace, fmt: str, src: Path, dst: Path) -> Path:
     if fmt == "hf":
-        return export_hf(src, dst, dtype=args.dtype)
+        return export_hf(src, dst, dtype=args.dtype, mtp=not args.drop_mtp)
     if fmt == "dcp":
         from torch_backend.dcp import export_dcp
         return export_dcp(src, dst, names=args.names)

@@ -220,6 +220,11 @@ def model_from_hf_config(cfg: object, where: str, weights_dtype: Optional[str] =
     if missing:
         raise CheckpointError(f"{where}: config.json lacks {missing[0]!r}")
     _check_unmodelled(cfg, kind, where)
+    if cfg.get("quantization_config"):
+        raise _refuse(where, "quantization_config", cfg["quantization_config"].get("quant_method", "?")
+                      if isinstance(cfg["quantization_config"], dict) else cfg["quantization_config"],
+                      "quantized weights do not import; dequantize them to bfloat16 first (DeepSeek-V3: its "
+                      "inference/fp8_cast_bf16.py)")
     defaults = CLASS_DEFAULTS[kind]
     max_pos = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
     theta, scaling = rope_from_hf(cfg, where, max_pos, defaults.get("rope_theta", 10000.0))

@@ -33,6 +33,7 @@ from ms_llm.errors import CheckpointError
 from ms_llm.strategy.ir import ParallelStrategy
 
 INDEX_NAME = "model.safetensors.index.json"
+FP32_TENSORS = ("e_score_correction_bias",)
 SINGLE_NAME = "model.safetensors"
 
 
@@ -58,11 +59,16 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
     out.mkdir(parents=True, exist_ok=True)
     sources = hf_tensors(ckpt, model, mtp)
     names = list(sources)
-    out_dtype = dtype or ckpt.entry(sources[names[0]][0]).dtype
+    out_dtype = dtype or ckpt.entry("model.embed_tokens.weight").dtype
+
+    def dtype_of(name: str) -> str:
+        """`out_dtype`, but the routers' expert bias keeps its fp32 (transformers keeps it so)."""
+        return ckpt.entry(sources[name][0]).dtype if name.endswith(FP32_TENSORS) else out_dtype
+
     groups: list[list[str]] = [[]]
     size = 0
     for name in names:
-        nbytes = math.prod(hf_shape(ckpt, *sources[name])) * storage_dtype(out_dtype).itemsize
+        nbytes = math.prod(hf_shape(ckpt, *sources[name])) * storage_dtype(dtype_of(name)).itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -71,10 +77,10 @@ def export_hf(src: str | Path, out: str | Path, *, dtype: Optional[str] = None,
     weight_map, total = {}, 0
     for i, group in enumerate(groups):
         fname = SINGLE_NAME if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        entries = [(n, out_dtype, hf_shape(ckpt, *sources[n])) for n in group]
+        entries = [(n, dtype_of(n), hf_shape(ckpt, *sources[n])) for n in group]
         total += write_file(str(confined(out, fname, "an export file")), entries,
                             lambda n: convert_dtype(hf_read(ckpt, *sources[n]), ckpt.entry(sources[n][0]).dtype,
-                                                    out_dtype), {"format": "pt"})
+                                                    dtype_of(n)), {"format": "pt"})
         weight_map.update({n: fname for n in group})
     if len(groups) > 1:
         confined(out, INDEX_NAME, "an export file").write_text(
