@@ -5,7 +5,8 @@ q_a_layernorm -> q_b_proj). Keys and values are expanded per head from one compr
 (kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj), and a rotary key of qk_rope_head_dim,
 taken from the same projection, is shared by every head. Each head attends over
 qk_nope_head_dim + qk_rope_head_dim and returns v_head_dim. The rotary tables are the model's,
-built over cfg.rope_dim = qk_rope_head_dim.
+built over cfg.rope_dim = qk_rope_head_dim. The latent norms take model.norm_eps, as Megatron-core's
+do (transformers' and DeepSeek's own code fix them at 1e-6, the rms_norm_eps DeepSeek ships).
 """
 from __future__ import annotations
 
@@ -16,11 +17,6 @@ from torch import nn
 from ms_llm.config.model import ModelConfig
 from ms_llm.rope import yarn_mscale
 from torch_backend.layers import RMSNorm, apply_rotary
-
-# DeepSeek's reference code and transformers build q_a_layernorm / kv_a_layernorm with RMSNorm's
-# default epsilon, whatever rms_norm_eps says (DeepSeek-V3 ships 1e-6 for both).
-LATENT_NORM_EPS = 1e-6
-
 
 def softmax_scale(cfg: ModelConfig) -> float:
     """qk_head_dim ** -0.5, times m(mscale_all_dim)^2 under YaRN (transformers' yarn_apply_mscale):
@@ -54,10 +50,10 @@ class MLAttention(nn.Module):
         low_rank = a.q_lora_rank is not None                 # q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj
         self.q_proj = None if low_rank else nn.Linear(h, cfg.q_dim, bias=False)
         self.q_a_proj = nn.Linear(h, a.q_lora_rank, bias=False) if low_rank else None
-        self.q_a_layernorm = RMSNorm(a.q_lora_rank, LATENT_NORM_EPS) if low_rank else None
+        self.q_a_layernorm = RMSNorm(a.q_lora_rank, cfg.norm_eps) if low_rank else None
         self.q_b_proj = nn.Linear(a.q_lora_rank, cfg.q_dim, bias=False) if low_rank else None
         self.kv_a_proj_with_mqa = nn.Linear(h, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, cfg.norm_eps)
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, cfg.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.o_proj = nn.Linear(cfg.attn_out_dim, h, bias=False)
 

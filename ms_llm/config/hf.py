@@ -23,6 +23,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  MIXTRAL: "MixtralForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM",
                  DEEPSEEK_V3: "DeepseekV3ForCausalLM"}
 IMPORTABLE = tuple(ARCHITECTURES)
+DEEPSEEK_LATENT_EPS = 1e-6        # transformers' DeepseekV3Attention: RMSNorm's default for q_a / kv_a_layernorm
 # Fields whose transformers default differs between the classes.
 CLASS_DEFAULTS = {"llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
                   "qwen2": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 32},
@@ -72,8 +73,13 @@ def _moe_type(model: ModelConfig) -> str:
 
 
 def _check_deepseek_v3(model: ModelConfig) -> None:
-    """What transformers' DeepseekV3ForCausalLM computes: sigmoid routing with the expert bias buffer,
-    every layer past the leading dense ones MoE, shared experts, each group scored by its best 2."""
+    """What transformers' DeepseekV3ForCausalLM computes: latent norms at 1e-6, sigmoid routing with
+    the expert bias buffer, every layer past the leading dense ones MoE, shared experts, each group
+    scored by its best 2."""
+    if model.norm_eps != DEEPSEEK_LATENT_EPS:
+        raise CheckpointError(f"model.norm_eps: {model.norm_eps} is not {DEEPSEEK_LATENT_EPS}, the epsilon "
+                              "DeepseekV3ForCausalLM normalises the q/kv latents with whatever rms_norm_eps says; "
+                              f"train multi-latent attention models with norm_eps {DEEPSEEK_LATENT_EPS} to export them")
     m = model.moe
     if m is None:
         return
@@ -304,6 +310,9 @@ def _deepseek_v3_fields(cfg: dict, where: str, fields: dict) -> None:
     """ModelConfig fields of a DeepSeek-V3 config.json (transformers' DeepseekV3Config defaults, and
     DeepSeek's own keys scoring_func, topk_method, moe_layer_freq, aux_loss_alpha, seq_aux where set)."""
     heads = cfg["num_attention_heads"]
+    if cfg.get("rms_norm_eps", DEEPSEEK_LATENT_EPS) != DEEPSEEK_LATENT_EPS:
+        raise _refuse(where, "rms_norm_eps", cfg["rms_norm_eps"], f"DeepseekV3ForCausalLM normalises the q/kv "
+                      f"latents with {DEEPSEEK_LATENT_EPS} whatever rms_norm_eps says, ms_llm with rms_norm_eps")
     if cfg.get("num_key_value_heads") not in (None, heads):
         raise _refuse(where, "num_key_value_heads", cfg["num_key_value_heads"],
                       f"multi-latent attention has one key/value head per query head ({heads})")

@@ -233,6 +233,7 @@ def test_published_configs_import_with_their_parameter_counts():
     ({"num_key_value_heads": 16}, "num_key_value_heads=16"),
     ({"topk_group": 2}, "topk_group=2"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config='fp8'"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
 ])
 def test_deepseek_config_values_transformers_computes_otherwise_are_refused(change, match):
     with pytest.raises(CheckpointError, match=re.escape(match)):
@@ -244,6 +245,7 @@ def test_deepseek_config_values_transformers_computes_otherwise_are_refused(chan
     ({"moe": dataclasses.replace(TINY_MTP.moe, shared_experts=0)}, "model.moe.shared_experts"),
     ({"moe": dataclasses.replace(TINY_MTP.moe, top_k=2, num_groups=4, group_top_k=2)}, "model.moe.group_top_k"),
     ({"mla": None, "mtp_layers": 0}, "model.moe: score_function"),
+    ({"norm_eps": 1e-5}, "model.norm_eps: 1e-05 is not 1e-06"),
 ])
 def test_export_refuses_models_no_transformers_class_computes(change, match):
     with pytest.raises(CheckpointError, match=re.escape(match)):
