@@ -356,3 +356,28 @@ def test_mtp_loss_trains_and_is_reported_apart(one_process):
     assert abs(total.item() - (main + mtp)) < 1e-5
     after = dict(step.m.parts[0].named_parameters())
     assert before and all(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_sequence_wise_balance_loss_equals_a_hand_computation():
+    """DeepSeek-V3 eq. 17-20 (Megatron's seq_aux_loss) written out in numpy: per sequence,
+    f_e = E / (k T) x #tokens routing to e (the bias-steered choice), P_e = mean over the tokens of
+    the sigmoid scores normalised per token; the coefficient times the mean over sequences of sum f P."""
+    cfg = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=12, dtype="float32",
+                      moe=MoEConfig(num_experts=4, top_k=2, score_function="sigmoid", expert_bias=True,
+                                    aux_loss_coeff=0.0, seq_aux_loss_coeff=0.1))
+    torch.manual_seed(1)
+    layer = MoE(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    layer.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    x = torch.randn(2, 5, 8)
+    layer(x)
+    scores = 1 / (1 + np.exp(-(x.reshape(-1, 8) @ layer.gate.weight.t()).detach().double().numpy()))   # (10, 4)
+    chosen = np.argsort(-(scores + layer.expert_bias.numpy()), axis=1)[:, :2]
+    want = 0.0
+    for seq in range(2):
+        rows = slice(5 * seq, 5 * seq + 5)
+        f = np.array([(chosen[rows] == e).sum() for e in range(4)]) * 4 / (2 * 5)
+        p = (scores[rows] / scores[rows].sum(1, keepdims=True)).mean(0)
+        want += (f * p).sum() / 2
+    assert abs(layer.last_aux.item() - 0.1 * want) < 1e-6, (layer.last_aux.item(), 0.1 * want)
