@@ -287,6 +287,7 @@ def mindformers(tmp_path_factory) -> dict:
         cases.append({"path": str(tmp / f"{name}.yaml"), "build": True})
     (tmp / "r1.yaml").write_text(dump(_tiny("dp2_tp2_pp2_sp_zero3_uneven"), "mindformers").text)
     cases += [{"path": str(tmp / "r1.yaml"), "build": False}] + [{"path": str(p), "build": False} for p in EXAMPLES]
+    cases += [{"path": str(p), "build": False} for p in SHIPPED_MOE.values()]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -368,6 +369,42 @@ def test_mindformers_builds_the_2x_yaml_we_write(name, mindformers):
     assert sum(math.prod(shape) for shape in trained.values()) == m.num_params(mtp=True)
     assert sum(k.startswith("model.mtp.") for k in trained) and f"model.decoder.layers.{m.num_layers - 1}.mlp.router." \
         "weight" in trained and "model.decoder.layers.0.mlp.linear_fc1.weight" in trained     # a dense first layer
+
+
+SHIPPED_MOE = {p.stem: p for p in (ORACLES / "configs" / "deepseek3" / "pretrain_deepseek3_671b.yaml",
+                                   ORACLES / "configs" / "deepseek3" / "pretrain_deepseek3_12b_16p_pp16.yaml",
+                                   ORACLES / "configs" / "qwen3_moe" / "pretrain_qwen3_30b_a3b_4k.yaml")}
+
+
+@pytest.mark.parametrize("stem", SHIPPED_MOE)
+def test_mindformers_reads_its_own_moe_configs_as_we_do(stem, mindformers):
+    """MindFormers' TransformerConfig of its shipped DeepSeek-V3 / Qwen3-MoE configs (class defaults
+    filled in) holds the multi-latent attention, routing, balance loss and MTP we read."""
+    got, m = mindformers[stem]["moe"], load(SHIPPED_MOE[stem], "mindformers").job.model
+    moe = m.moe
+    assert (got["num_moe_experts"], got["moe_router_topk"], got["moe_ffn_hidden_size"],
+            got["moe_shared_expert_intermediate_size"] or 0, got["norm_topk_prob"], got["moe_router_score_function"],
+            got["moe_router_topk_scaling_factor"], got["moe_router_num_groups"] or 1, got["moe_router_group_topk"] or 1,
+            got["moe_router_enable_expert_bias"], got["moe_router_bias_update_rate"]) == \
+        (moe.num_experts, moe.top_k, m.expert_ffn_size, moe.shared_experts * m.expert_ffn_size, moe.normalize_top_k,
+         moe.score_function, moe.routed_scaling_factor, moe.num_groups, moe.group_top_k, moe.expert_bias,
+         moe.bias_update_rate)
+    assert got["moe_layer_freq"] == (moe_pattern(m) if isinstance(got["moe_layer_freq"], list) else moe.layer_freq)
+    seq = got["moe_router_load_balancing_type"] == "seq_aux_loss"
+    assert got["moe_aux_loss_coeff"] == (moe.seq_aux_loss_coeff if seq else moe.aux_loss_coeff)
+    assert (got["mtp_num_layers"], got["mtp_loss_scaling_factor"] if m.mtp_layers else None) == \
+        (m.mtp_layers, m.mtp_loss_factor if m.mtp_layers else None)
+    if not got["multi_latent_attention"]:
+        assert m.mla is None
+        return
+    a, r = m.mla, m.rope_scaling
+    assert (got["q_lora_rank"], got["kv_lora_rank"], got["qk_head_dim"], got["qk_pos_emb_head_dim"],
+            got["v_head_dim"], got["qk_layernorm"]) == \
+        (a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, True)
+    if got["position_embedding_type"] == "yarn":
+        assert (r.type, r.factor, r.mscale_all_dim) == ("yarn", got["rotary_scaling_factor"], got["mscale"])
+    else:                # plain rotary; its softmax still takes m(rotary_scaling_factor, mscale)^2, which we name
+        assert r.type == "default" and (got["rotary_scaling_factor"], got["mscale"]) == (40.0, 0.707)
 
 
 def test_mindformers_loads_the_examples_and_the_r1_layout(mindformers):

@@ -50,6 +50,8 @@ def check(path: str, build: bool) -> dict:
     # MindFormers hands `parallel` to MindSpore as it is (the mode may be a number): MindSpore checks it.
     parallel = dict(cfg.parallel)
     parallel["parallel_mode"] = MODES.get(parallel.get("parallel_mode"), parallel.get("parallel_mode"))
+    if isinstance(parallel.get("dataset_strategy"), list):      # as MindFormers' ParallelOperator hands it over
+        parallel["dataset_strategy"] = tuple(tuple(s) for s in parallel["dataset_strategy"])
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(**parallel)
     full = copy.deepcopy(cfg)

@@ -352,7 +352,7 @@ def _callbacks(f: Fields, warnings: list[str]) -> tuple[dict, int]:
                 warnings.append(f"callbacks[{i}] {kind}: {', '.join(extra)} not modelled; dropped")
         elif kind == "MFLossMonitor":
             log_every = int(cb.get("per_print_times", 1))
-        elif kind == BIAS_CALLBACK and set(cb) == {"type"}:
+        elif kind == BIAS_CALLBACK:         # its other keys restate model_config's for r1.x models (_bias_callback)
             continue
         else:
             warnings.append(f"callbacks[{i}] = {cb!r}: not modelled by ms_llm; dropped")

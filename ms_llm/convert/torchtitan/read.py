@@ -50,6 +50,7 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if torchtitan_args.is_job(text):
         data, warnings, launched = torchtitan_args.sections(text, source)
         f = Fields(data, source, text=True)
+        f.accept_usual({"training.disable_cuda_graphs": (True,)})     # how 0.3 runs pipeline / expert parallel
         options = dataclasses.replace(options, world_size=options.world_size or launched)
     else:
         tomllib = _tomllib()

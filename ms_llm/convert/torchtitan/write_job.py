@@ -56,7 +56,7 @@ def write(job: JobConfig, world_size: int) -> Written:
 
 def _config(job: JobConfig, warnings: list[str]) -> tuple[str, str]:
     m = job.model
-    known = flavors.match(m, []) if m.moe is not None else None     # job_sections named the differences
+    known = flavors.match(m, warnings) if m.moe is not None else None
     if known is not None:
         return known
     for config, module in CONFIGS.items():

@@ -42,7 +42,11 @@ def toml_dumps(sections: dict[str, dict], header: str = "") -> str:
 def _flavor(m: ModelConfig, warnings: list[str]) -> tuple[str, str]:
     known = flavors.match(m, warnings) if m.moe is not None else None
     if known is not None:
-        return known[0], flavors.REGISTERED[known[1]][1]
+        module, flavor, depth = flavors.REGISTERED[known[1]]
+        if depth:
+            warnings.append(f"model.mtp_layers = {m.mtp_layers}: a v0.2.x job names the {flavor} flavor, which has "
+                            f"no MTP modules (torchtitan 0.3's {known[1]} has them: --to torchtitan); not written")
+        return module, flavor
     for (name, flavor), ref in FLAVORS.items():
         known = load_section("model", ref)
         if all(getattr(known, k) == getattr(m, k) for k in SHAPE_FIELDS):
@@ -54,6 +58,8 @@ def _flavor(m: ModelConfig, warnings: list[str]) -> tuple[str, str]:
 
 def write(job: JobConfig, world_size: int) -> Written:
     sections, expressed, warnings = job_sections(job)
+    name, flavor = _flavor(job.model, warnings)
+    sections = {"job": sections.pop("job"), "model": {"name": name, "flavor": flavor}, **sections}
     if job.strategy.cp > 1:
         algorithm = cp_algorithm(job, "torchtitan's context_parallel_rotate_method", warnings)
         if algorithm == "ulysses":
@@ -68,14 +74,14 @@ def write(job: JobConfig, world_size: int) -> Written:
 
 def job_sections(job: JobConfig) -> tuple[dict, set[str], list[str]]:
     """The job as torchtitan's config sections (v0.2.x names; torchtitan_job.py renames 0.3's few
-    changes), the IR paths they carry, and what they cannot say."""
+    changes), the model aside (a v0.2.x flavor or a 0.3 registered config), the IR paths they carry,
+    and what they cannot say."""
     m, s, t = job.model, job.strategy, job.train
     warnings: list[str] = []
     expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep",
                  "strategy.zero.stage", "strategy.zero.shard_size", "strategy.pipeline", "strategy.recompute",
                  "strategy.precision", "strategy.offload", "strategy.sequence_parallel", "train",
                  "strategy.context_parallel"}
-    name, flavor = _flavor(m, warnings)
     if m.flash_attention:
         warnings.append("model.flash_attention = True: torchtitan's attention is SDPA, which picks the flash kernel "
                         "itself; no field written")
@@ -100,7 +106,6 @@ def job_sections(job: JobConfig) -> tuple[dict, set[str], list[str]]:
     if s.pp > 1:
         parallel.update(_pipeline(m, s, t))
     sections = {"job": {"description": job.name},
-                "model": {"name": name, "flavor": flavor},
                 "optimizer": {"name": "AdamW", "lr": o.lr, "eps": o.eps, "weight_decay": o.weight_decay,
                               "beta1": o.beta1, "beta2": o.beta2},
                 "lr_scheduler": {"warmup_steps": sch.warmup_steps, "decay_type": sch.decay,
