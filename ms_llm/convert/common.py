@@ -187,6 +187,12 @@ def annotate(problem: str, sources: dict[str, str]) -> str:
     return problem
 
 
+def num(x: float) -> str:
+    """A number as the shortest text that reads back to the same value."""
+    text = repr(float(x))
+    return text[:-2] if text.endswith(".0") else text
+
+
 def moe_pattern(model: ModelConfig) -> list[int]:
     """The 0/1 flag per layer (1 = MoE) that Megatron's --moe-layer-freq and MindFormers'
     moe_layer_freq lists take."""

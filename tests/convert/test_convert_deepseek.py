@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from ms_llm.config.model import MLAConfig, MoEConfig, ModelConfig, RopeScaling
-from ms_llm.config.schema import from_dict
 from ms_llm.convert import ConversionError, ReadOptions, dump, from_job, read
 from ms_llm.convert.torchtitan import flavors
 from ms_llm.job import job_from_dict, load_section

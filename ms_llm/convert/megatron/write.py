@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import shlex
 
-from ms_llm.convert.common import ConversionError, Written, cp_algorithm
-from ms_llm.convert.megatron.model import num, write_model
+from ms_llm.convert.common import ConversionError, Written, cp_algorithm, num
+from ms_llm.convert.megatron.model import write_model
 from ms_llm.convert.megatron.read import CP_COMM_TYPES
 from ms_llm.job import JobConfig
 from ms_llm.strategy.devices import get_device

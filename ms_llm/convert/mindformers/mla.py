@@ -73,7 +73,7 @@ def read_mla(f: Fields, mc: str, model: dict, warnings: list[str], arch: str) ->
 def _read_rope(f: Fields, mc: str, model: dict, warnings: list[str], arch: str) -> dict:
     """position_embedding_type rope or yarn (or a Hugging Face rope_scaling, which MindFormers
     unpacks into the same keys) with MLATransformerConfig's YaRN keys."""
-    hf = f.get(f"{mc}.rope_scaling", dict, {}, ir="model.rope_scaling") or {}
+    hf = f.get(f"{mc}.rope_scaling", dict, ir="model.rope_scaling") if f.raw(f"{mc}.rope_scaling") else {}
     kind = hf.get("rope_type", hf.get("type")) or f.get(f"{mc}.position_embedding_type", ("rope", "yarn"), "rope",
                                                         ir="model.rope_scaling")
     values = dict(YARN_DEFAULTS)
