@@ -192,7 +192,7 @@ class Transformer(nn.Cell):
         if self.track_loads:
             self.stack_loads = ops.Stack()
         self.use_flash = uses_flash_attention(cfg)
-        if self.use_flash or (cfg.flash_attention and cfg.mla is None):
+        if cfg.flash_attention and cfg.mla is None:
             # MindFormers' flash mask: (B, 1, T, T) uint8, 1 above the diagonal; tiled over the batch
             # so its batch dim splits like the queries'.
             causal = np.triu(np.ones((cfg.max_seq_len, cfg.max_seq_len), np.uint8), 1)

@@ -7,8 +7,9 @@ fp32, softmax or sigmoid scores; the choice is the scores plus, with expert_bias
 `mlp.gate.e_score_correction_bias` (a non-trainable Parameter that only steers selection; the
 training step moves it after each update, ExpertBiasUpdate); group-limited top-k keeps the best
 group_top_k of num_groups groups; the weights are the scores at the top_k, optionally
-renormalised, times routed_scaling_factor; GShard capacity in token order. Graph mode wants static shapes, so instead of sorting token copies by expert this layer
-builds the (tokens, experts) combine matrix, zero outside each token's kept top-k, runs every
+renormalised, times routed_scaling_factor; GShard capacity in token order. Graph mode wants
+static shapes, so instead of sorting token copies by expert this layer builds the (tokens,
+experts) combine matrix, zero outside each token's kept top-k, runs every
 expert over the tokens as one BatchMatMul over the expert dimension (E, N, H) and sums the
 weighted outputs: the same result as the sorted dispatch, at E / top_k times its expert FLOPs.
 Under semi_auto_parallel (lower.py) E splits over ep and the tokens over edp, so each rank runs
@@ -17,7 +18,8 @@ the sum over experts is an all-reduce over ep. Every computation is a Primitive 
 the lowering shards each one. The router losses (Switch load balancing, z-loss, DeepSeek-V3's
 sequence-wise loss) are returned beside the output and added to the loss (model.LossCell), as
 MindFormers adds its MoE extra_loss: their gradient is then scaled with the loss (loss scale,
-micro-batch mean) like every other. So is each expert's load, which the bias update reads.
+micro-batch mean) like every other. Beside them comes each expert's load (the token copies
+routed to it), which the training step sums for the bias update.
 """
 from __future__ import annotations
 

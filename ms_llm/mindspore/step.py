@@ -46,9 +46,9 @@ class TrainCell(nn.Cell):
 
     Inputs are stacked micro-batches (M, B, T) so the step compiles once, or the whole local
     batch (M * B, T) for nn.PipelineCell, which splits it itself. An update whose gradient
-    norm is not finite is skipped (a loss-scale overflow), the biases' too; the norm says so to
-    the caller. Returns (loss, norm), and the step's loads (layers, E) after them with an
-    expert-bias update.
+    norm is not finite is skipped (a loss-scale overflow); the norm says so to the caller. The
+    expert biases move at every step, as on torch. Returns (loss, norm), and with an expert-bias
+    update the step's loads (layers, E) after them.
     """
 
     def __init__(self, body: nn.Cell, optimizer: AdamW, micro_batches: int, grad_clip: float,
@@ -93,10 +93,8 @@ class TrainCell(nn.Cell):
         norm = global_norm(grads)
         if ops.isfinite(norm).all():       # the outputs depend on the update, so it runs before they return
             loss = ops.depend(loss, self.optimizer(clip_by_norm(grads, norm, self.grad_clip), lr))
-            if self.with_loads:
-                loads = self.expert_bias(loads)
-        if self.with_loads:
-            return loss, norm, loads
+        if self.with_loads:                # the loads are whole whatever the gradients (as on torch)
+            return loss, norm, self.expert_bias(loads)
         return loss, norm
 
 
