@@ -1,9 +1,16 @@
-"""The MindSpore DeepSeek-V3-class and Qwen3-MoE models equal transformers' DeepseekV3ForCausalLM and
-Qwen3MoeForCausalLM (fp32, tiny random weights, world 1 on CPU): logits and the gradient of every
-parameter of the cross-entropy within 1e-4. Multi-latent attention with and without the low-rank
-query, interleaved and rotate_half rotary, YaRN's softmax scale (mscale_all_dim); sigmoid routing
-with group-limited top-k, routed_scaling_factor and a nonzero expert bias; Qwen3-MoE's q/k norms,
-norm_topk_prob and mlp_only_layers."""
+"""The MindSpore DeepSeek-V3-class and Qwen3-MoE models (fp32, tiny random weights, world 1 on CPU):
+
+- equal transformers' DeepseekV3ForCausalLM and Qwen3MoeForCausalLM within 1e-4 on logits and the
+  gradient of every parameter: multi-latent attention with and without the low-rank query,
+  interleaved and rotate_half rotary, YaRN's softmax scale (mscale_all_dim); sigmoid routing with
+  group-limited top-k, routed_scaling_factor and a nonzero expert bias; Qwen3-MoE's q/k norms,
+  norm_topk_prob and mlp_only_layers;
+- the MTP loss and its gradients equal DeepSeek-V3 eq. 21-25 written out over transformers' layers;
+- the router losses (sequence-wise, Switch over normalised sigmoid scores) and loads equal numpy;
+- the aux-loss-free bias update in the compiled step rebalances a skewed router, and a worker
+  resumed from a checkpoint repeats the run with the same biases;
+- the whole model equals the torch backend's from the same ms_llm.init seed.
+Run with -s for the max abs differences and the loads per step."""
 import numpy as np
 import pytest
 import torch
@@ -63,12 +70,13 @@ def hf_model(cfg: ModelConfig) -> torch.nn.Module:
                     mscale_all_dim=r.mscale_all_dim, beta_fast=r.beta_fast, beta_slow=r.beta_slow)
     if cfg.mla is not None:
         a, m = cfg.mla, cfg.moe
-        hf = DeepseekV3Config(**common, num_key_value_heads=cfg.num_heads, n_routed_experts=m.num_experts, n_shared_experts=m.shared_experts,
-                              routed_scaling_factor=m.routed_scaling_factor, kv_lora_rank=a.kv_lora_rank,
-                              q_lora_rank=a.q_lora_rank, qk_rope_head_dim=a.qk_rope_head_dim,
-                              v_head_dim=a.v_head_dim, qk_nope_head_dim=a.qk_nope_head_dim, n_group=m.num_groups,
-                              topk_group=m.group_top_k, first_k_dense_replace=m.first_dense_layers,
-                              rope_interleave=a.rope_interleave, rope_parameters=rope, num_mtp_layers=0)
+        hf = DeepseekV3Config(**common, num_key_value_heads=cfg.num_heads, n_routed_experts=m.num_experts,
+                              n_shared_experts=m.shared_experts, routed_scaling_factor=m.routed_scaling_factor,
+                              kv_lora_rank=a.kv_lora_rank, q_lora_rank=a.q_lora_rank,
+                              qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
+                              qk_nope_head_dim=a.qk_nope_head_dim, n_group=m.num_groups, topk_group=m.group_top_k,
+                              first_k_dense_replace=m.first_dense_layers, rope_interleave=a.rope_interleave,
+                              rope_parameters=rope, num_mtp_layers=0)
         model = DeepseekV3ForCausalLM(hf)
     else:
         hf = Qwen3MoeConfig(**common, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
