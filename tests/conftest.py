@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 HELPERS = ROOT / "tests" / "helpers"
 sys.path[:0] = [str(ROOT), str(HELPERS)]
@@ -25,6 +27,16 @@ LONGEST_FIRST = (
     "torch/test_zero_torch.py", "convert/test_convert_peers.py", "data/test_data_train.py", "cli/test_boundary.py",
     "cli/test_fuzz.py", "torch/test_torch_cp_long.py",
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compile_cache(tmp_path_factory):
+    """MindSpore runs of one job share their compiled graphs across the suite (each compile is
+    most of a launch on CPU): one folder for every pytest-xdist worker of this session."""
+    from ms_llm.mindspore.compile_cache import SHARED_ENV
+
+    base = tmp_path_factory.getbasetemp()
+    os.environ[SHARED_ENV] = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ms-compile-cache")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,11 +10,8 @@ imports no MindSpore; the workers and msrun do.
         python -m ms_llm.mindspore.worker --run-dir RUN
 
 The workers load their start-up graphs from <run>/compile_cache/<key> when an earlier launch
-compiled them (MindSpore's compile cache, ms_llm.mindspore.worker), which takes the compile
-(most of a relaunch on CPU) off a restart. MindSpore checks only the entry script for changes,
-so the key is ours: a hash of config.yaml (model, strategy, batch, precision), the world size,
-the MindSpore version, the machine and every ms_llm source file. A changed job, world or code
-never meets a cache compiled for another.
+compiled them, or from MS_LLM_COMPILE_CACHE_DIR when another run of the same job did
+(ms_llm.mindspore.compile_cache), which takes the compile (most of a launch on CPU) off it.
 
 Running this module is msrun itself (MindSpore's own entry point) with one change: the
 scheduler runs on node rank 0, not on every machine that owns --master_addr.
@@ -22,12 +19,9 @@ scheduler runs on node rank 0, not on every machine that owns --master_addr.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -38,13 +32,13 @@ from typing import Optional
 
 from ms_llm.errors import ConfigError
 from ms_llm.job import JobConfig
-from ms_llm.nodes import GATE_ENV, ROOT, Nodes, collective_timeout_s, free_port, worker_env
+from ms_llm.mindspore.compile_cache import RUN_ENV, job_cache
+from ms_llm.nodes import GATE_ENV, Nodes, collective_timeout_s, free_port, worker_env
 from ms_llm.processes import descendants, die_with_parent, kill_all
 from ms_llm.run import RunFolder, StepMetrics
 from ms_llm.strategy.plan import ModelPlan
 
 WORKER = "ms_llm.mindspore.worker"
-COMPILE_CACHE_ENV = "MS_LLM_COMPILE_CACHE"       # the workers' compile cache folder
 
 
 def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int, logs: Optional[Path] = None) -> list[str]:
@@ -59,15 +53,6 @@ def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int, logs: Opt
             f"--local_worker_num={nodes.local(world)}", f"--master_addr={addr}", f"--master_port={port}",
             f"--node_rank={nodes.rank}", f"--log_dir={logs or run.logs}", "--join=True",
             "python", "-m", WORKER, "--run-dir", str(run.root)]
-
-
-def compile_cache(run: RunFolder, world: int) -> Path:
-    """The compile cache folder of this job at `world` ranks (MindSpore adds rank_<R>/ below)."""
-    key = hashlib.sha256(run.config.read_bytes())
-    key.update(f"world {world} mindspore {importlib.metadata.version('mindspore')} {platform.machine()}".encode())
-    for path in sorted((ROOT / "ms_llm").rglob("*.py")):
-        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
-    return run.compile_cache / key.hexdigest()[:16]
 
 
 def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int, gate: Optional[str]) -> None:
@@ -109,7 +94,7 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
     gate = env.get(GATE_ENV)            # a standby's logs apart: msrun would truncate the running launch's
     cmd = msrun_command(run, world, nodes, nodes.master_port or free_port(),          # (it checks MindSpore is there)
                         run.logs / Path(gate).name if gate else None)
-    env[COMPILE_CACHE_ENV] = str(compile_cache(run, world))
+    env[RUN_ENV] = str(job_cache(run, world))
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()

@@ -84,14 +84,14 @@ def build_graph_step(job: JobConfig, p: ModelPlan, run: RunFolder, rank: int, wo
     return GraphStep(cell, evaluator, job, p, LossScaler.from_precision(p.strategy.precision))
 
 
-def compile_cache(ascend: bool) -> Optional[str]:
+def compile_cache_folder(ascend: bool) -> Optional[Path]:
     """The folder for MindSpore's compile cache (the launcher's, keyed by job, world and code),
     None to compile afresh: MS_COMPILER_CACHE_ENABLE=0 turns it off; not yet checked on Ascend."""
-    from ms_llm.mindspore.launch import COMPILE_CACHE_ENV
+    from ms_llm.mindspore.compile_cache import RUN_ENV
 
-    if ascend or os.environ.get("MS_COMPILER_CACHE_ENABLE") == "0":
+    if ascend or os.environ.get("MS_COMPILER_CACHE_ENABLE") == "0" or RUN_ENV not in os.environ:
         return None
-    return os.environ.get(COMPILE_CACHE_ENV)
+    return Path(os.environ[RUN_ENV])
 
 
 def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
@@ -127,13 +127,18 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
         # MindSpore's cache names graphs by their order of compilation: only the start-up ones
         # (parameter broadcast, the step) come in a fixed order; later ones (the checkpoint
         # agreements' one gather, state.agreement_row) compile afresh.
-        cache = compile_cache(ascend)
+        from ms_llm.mindspore.compile_cache import fetch, publish
+
+        cache = compile_cache_folder(ascend)
         if cache is not None:
-            os.environ["MS_COMPILER_CACHE_PATH"] = cache
+            fetch(cache, rank)
+            os.environ["MS_COMPILER_CACHE_PATH"] = str(cache)
             ms.set_context(enable_compile_cache=True)
         step_fn = build_graph_step(job, p, run, rank, world, ascend)
         step_fn.compile()
         ms.set_context(enable_compile_cache=False)
+        if cache is not None:
+            publish(cache, rank)
         mode = "semi_auto_parallel" if ascend else "DATA_PARALLEL, GRAPH" if world > 1 else "stand-alone, GRAPH"
         loss_scale = step_fn.loss_scale
 

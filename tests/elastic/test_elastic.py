@@ -154,19 +154,6 @@ def test_elastic_flags_are_checked_one_line_each(tmp_path, capsys, flags, line):
     assert line in err and "Traceback" not in err
 
 
-def test_mindspore_compile_cache_is_keyed_by_job_and_world(tmp_path):
-    """A cache compiled for another job or world is never met: the folder changes with them."""
-    from ms_llm.mindspore.launch import compile_cache
-
-    run = RunFolder(tmp_path)
-    run.config.write_text("strategy: {dp: 2}\n")
-    two = compile_cache(run, 2)
-    assert compile_cache(run, 2) == two and two.parent == run.compile_cache
-    assert compile_cache(run, 4) != two
-    run.config.write_text("strategy: {dp: 2, zero: {stage: 1}}\n")
-    assert compile_cache(run, 2) != two
-
-
 def test_a_recovery_counts_ranks_that_stepped_then_failed(tmp_path):
     """A launch resumed from step 4 has recovered once every rank completed a step in it, even
     when the supervisor next looks only after a peer's death turned a rank's record to "failed";
