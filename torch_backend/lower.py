@@ -12,6 +12,10 @@ placement of the activations around it, pick the tensor-parallel style:
     replicated norm, residual stream sharded on the sequence -> sequence
     bias Shard(0)                     -> none      (its module's colwise shards it with the weight)
     replicated head_norm              -> sequence over the heads dim of "q" (its gradient sums over tp)
+    replicated latent                 -> latent    (kv_a_proj_with_mqa: the rotary key its heads read
+                                                    directly has its gradient summed over tp), else none
+    replicated latent_norm            -> none      (whole latent in, whole latent out)
+    weight Shard(0), kind mtp_proj    -> colwise   (output gathered: the MTP layer's residual stream)
 
 and where a block's input layout ("attn_input", "mlp_input") differs from the residual
 stream ("hidden"), a prepare_input on the block redistributes it (the all-gather of
@@ -30,10 +34,10 @@ from ms_llm.machine import Machine
 from ms_llm.strategy.cost import cp_algorithm
 from ms_llm.strategy.layout import Placement, Replicate, Shard, TensorLayout
 from ms_llm.strategy.mesh import MeshSpec
-from ms_llm.strategy.plan import ChunkPlan, ModelPlan, RecomputeMode
+from ms_llm.strategy.plan import ChunkPlan, ModelPlan, ParamPlan, RecomputeMode
 from torch_backend import support
 
-StyleKind = Literal["colwise", "rowwise", "sequence", "prepare_input"]
+StyleKind = Literal["colwise", "rowwise", "sequence", "prepare_input", "latent"]
 
 # Which activation of the plan a block (by its attribute name) takes as input.
 BLOCK_INPUT = {"self_attn": "attn_input", "mlp": "mlp_input", "shared_experts": "mlp_input"}
@@ -53,17 +57,21 @@ SELECTIVE_SAVES = ("aten.mm.default", "aten.addmm.default",
 @dataclass(frozen=True)
 class TpStyle:
     """One module's tensor-parallel style (a DTensor ParallelStyle), placements on the tp axis.
-    prepare_input: `input` is the layout the block is given, `output` the one it wants."""
+    prepare_input: `input` is the layout the block is given, `output` the one it wants.
+    latent: a replicated module whose last `shared` output features every rank's heads read
+    without a column-parallel module in between, so their gradient is summed over tp."""
     module: str                    # FQN, e.g. model.layers.3.self_attn.q_proj
     kind: StyleKind
     input: Placement
     output: Placement
     use_local_output: bool         # False: the output stays a DTensor (vocab-parallel logits, SP norms)
+    shared: int = 0
 
     def __str__(self) -> str:
         # Column / row parallel hand on local tensors unless told otherwise; say when told.
         dtensor = not self.use_local_output and self.kind in ("colwise", "rowwise")
-        return f"{self.kind}: in {self.input} out {self.output}" + (", DTensor out" if dtensor else "")
+        shared = f", gradient of the last {self.shared} features summed over tp" if self.shared else ""
+        return f"{self.kind}: in {self.input} out {self.output}" + (", DTensor out" if dtensor else "") + shared
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,13 @@ def tp_placement(layout: TensorLayout) -> Placement:
     return layout.placements[layout.mesh.names.index("tp")]
 
 
+def rotary_key_features(plan: ModelPlan, p: ParamPlan) -> int:
+    """Trailing output features of an MLA down-projection that every head reads as is: the
+    rotary key kv_a_proj_with_mqa appends to the kv latent. The rest of a latent reaches the
+    heads through a column-parallel up-projection, whose input gradient DTensor already sums."""
+    return plan.model.mla.qk_rope_head_dim if p.name.endswith("kv_a_proj_with_mqa.weight") else 0
+
+
 def tp_plan(plan: ModelPlan) -> tuple[TpStyle, ...]:
     """Module FQN -> style, in parameter order, for the whole model."""
     acts = plan.activations
@@ -135,6 +150,15 @@ def tp_plan(plan: ModelPlan) -> tuple[TpStyle, ...]:
             if hidden != Replicate():
                 styles[fqn] = TpStyle(fqn, "sequence", hidden, hidden, False)
         elif p.kind == "bias" and weight == Shard(0):
+            continue
+        elif p.kind == "mtp_proj" and weight == Shard(0):
+            # Megatron's MultiTokenPredictionLayer: column-parallel, its output gathered.
+            styles[fqn] = TpStyle(fqn, "colwise", hidden, Replicate(), True)
+        elif p.kind == "latent" and weight == Replicate():
+            shared = rotary_key_features(plan, p)
+            if shared:
+                styles[fqn] = TpStyle(fqn, "latent", Replicate(), Replicate(), True, shared)
+        elif p.kind == "latent_norm" and weight == Replicate():
             continue
         elif p.kind == "head_norm" and weight == Replicate():
             heads = tp_placement(acts["q"])

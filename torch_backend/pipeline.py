@@ -29,6 +29,8 @@ def cut_chunk(cfg: ModelConfig, chunk: ChunkPlan) -> Transformer:
     if not chunk.has_head:
         model.model.norm = None
         model.lm_head = None
+    if not chunk.has_mtp:          # the MTP modules sit beside lm_head (support refuses them under pp)
+        model.model.mtp = None
     for key in list(model.model.layers.keys()):
         if int(key) not in chunk.layers:
             del model.model.layers[key]

@@ -132,7 +132,8 @@ class TrainStep:
         loss = self.forward_backward(batch[:, :-1], batch[:, 1:])
         n = self.plan.micro_batches
         aux = sum((moe.take_aux(n) for moe in self.moe), torch.zeros(())) / n
-        mtp = sum((owner.take_aux(n) for owner in self.mtp), torch.zeros(())) / n
+        # local_value: under tp the MTP loss is loss_parallel's DTensor
+        mtp = sum((local_value(owner.take_aux(n)) for owner in self.mtp), torch.zeros(())) / n
         self.m.dp.reduce_grads(self.m.parts)
         if before_update is not None:
             before_update()

@@ -60,6 +60,16 @@ def _lowering(plan: ModelPlan) -> list[str]:
     if plan.model.moe is not None and s.sequence_parallel:
         problems.append("strategy.sequence_parallel: the torch MoE layer routes the whole sequence of each rank; "
                         "use sequence_parallel: false with model.moe")
+    if plan.model.mtp_layers and s.pp > 1:
+        problems.append("model.mtp_layers: under pipeline parallel the MTP modules need a copy of the embedding on "
+                        "the last stage, which the torch backend does not keep; use strategy.pp: 1 with MTP, "
+                        "or mtp_layers: 0")
+    if plan.model.mla is not None and s.cp > 1:
+        problems.append("strategy.cp: the torch backend's context-parallel attention cores are not wired into "
+                        "multi-latent attention; use cp: 1 with model.mla")
+    if s.sequence_parallel and (plan.model.mla is not None or plan.model.mtp_layers):
+        problems.append("strategy.sequence_parallel: the torch backend computes MLA's latents and the MTP modules' "
+                        "inputs on whole sequences; use sequence_parallel: false with model.mla or mtp_layers")
     if plan.model.tie_embeddings and s.tp > 1:
         problems.append("model.tie_embeddings: a tied embedding cannot be both the vocab-parallel embedding "
                         "and head in the torch backend; untie it or use tp: 1")
@@ -80,7 +90,9 @@ def _engine(plan: ModelPlan) -> tuple[str, list[str]]:
     """(engine, why it cannot run): the choice is made even when refused, so every refusal
     that follows from it is reported at once."""
     s = plan.strategy
-    if s.dp * s.cp == 1:           # cp ranks see different tokens: their gradients are reduced too
+    # cp ranks see different tokens: their gradients are reduced too. Experts split over tp are
+    # plain tensors that the shared engine's expert path alone counts whole in the global norm.
+    if s.dp * s.cp == 1 and not (plan.model.moe is not None and s.tp > 1):
         return NONE, []
     problem = _shared_problem(plan)
     if plan.model.moe is not None and s.zero.engine == "native":

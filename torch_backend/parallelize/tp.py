@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -16,6 +17,29 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from ms_llm.strategy import layout as L
 from torch_backend.lower import TorchLowering, TpStyle
+from torch_backend.moe import _CopyToTp
+
+
+class LatentParallel(ParallelStyle):
+    """A replicated module (MLA's kv_a_proj_with_mqa) whose last `shared` output features (the
+    rotary key) every rank's heads read directly: identity forward; in backward each rank holds
+    its heads' share of their gradient, which is summed over tp (Megatron's copy to the tensor-
+    parallel region). The other features' gradient comes whole out of the column-parallel
+    up-projection they feed."""
+
+    def __init__(self, *, shared: int):
+        super().__init__()
+        self.shared = shared
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+
+        def sum_shared_grad(_module, _args, out: torch.Tensor) -> torch.Tensor:
+            kept, shared = out.split([out.shape[-1] - self.shared, self.shared], dim=-1)
+            return torch.cat([kept, _CopyToTp.apply(shared, group)], dim=-1)
+
+        module.register_forward_hook(sum_shared_grad)
+        return module
 
 
 def torch_placement(p: L.Placement) -> Placement:
@@ -35,6 +59,8 @@ def parallel_style(style: TpStyle, module: nn.Module) -> ParallelStyle:
         return RowwiseParallel(input_layouts=given, output_layouts=out, use_local_output=style.use_local_output)
     if style.kind == "sequence":
         return SequenceParallel(sequence_dim=style.input.dim, use_local_output=style.use_local_output)
+    if style.kind == "latent":
+        return LatentParallel(shared=style.shared)
     rest = (None,) * (len(inspect.signature(module.forward).parameters) - 1)   # rotary tables stay local
     return PrepareModuleInput(input_layouts=(given, *rest), desired_input_layouts=(out, *rest),
                               use_local_output=style.use_local_output)
