@@ -33,6 +33,7 @@ def build_trainer(run: RunFolder, device):
     from ms_llm.machine import Machine
     from ms_llm.run import peak_rss_gb
     from ms_llm.run.loop import Trainer
+    from ms_llm.run.metrics import max_expert_load
     from ms_llm.run.memory import limit_host_memory, out_of_memory_error
     from ms_llm.strategy.plan import plan as make_plan
     from torch_backend.apply import apply
@@ -71,8 +72,16 @@ def build_trainer(run: RunFolder, device):
     def evaluate(rows) -> float:
         return step_fn.evaluate(torch.from_numpy(rows)).item()
 
+    def reported() -> dict[str, float]:
+        out = {}
+        if step_fn.mtp_loss is not None:
+            out["mtp_loss"] = step_fn.mtp_loss.item()
+        if step_fn.expert_loads is not None:
+            out["max_expert_load"] = max_expert_load(step_fn.expert_loads.cpu().numpy())
+        return out
+
     return Trainer(job, run, plan, rank, step, TorchTrainerState(step_fn, plan, rank), memory_gb, logs=rank == 0,
-                   loss_scale=step_fn.loss_scale, evaluate=evaluate)
+                   loss_scale=step_fn.loss_scale, evaluate=evaluate, reported=reported)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,6 +173,7 @@ class ZeroStep:
         self.runner = MsZeroDataParallel(loss_cell, zero_plan(plan), rank, EngineConfig.from_job(plan.strategy, job.train),
                                          net=net)
         self.buffers: dict = {}               # MoE (expert biases) trains through GraphStep only (support.py)
+        self.loads: Optional[np.ndarray] = None
         self.mean = MeanOverRanks(world)
         self.train, self.shape = job.train, (plan.micro_batches, job.train.micro_batch_size, job.train.seq_len + 1)
 

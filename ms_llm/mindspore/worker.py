@@ -101,6 +101,7 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
     from ms_llm.mindspore.support import zero_engine
     from ms_llm.run import peak_rss_gb
     from ms_llm.run.loop import Trainer
+    from ms_llm.run.metrics import max_expert_load
     from ms_llm.strategy.plan import plan as make_plan
 
     ascend = machine.accelerator == "ascend"
@@ -149,8 +150,11 @@ def build_trainer(run: RunFolder, job: JobConfig, machine: Machine):
     if logs:
         print(f"MindSpore {mode}: {p.mesh.describe()} | ZeRO {p.zero.stage} | {p.micro_batches} micro-batch(es) | "
               f"precision {p.strategy.precision.compute_dtype}", flush=True)
+    def reported() -> dict[str, float]:
+        return {} if step_fn.loads is None else {"max_expert_load": max_expert_load(step_fn.loads)}
+
     return Trainer(job, run, p, rank, step_fn, MsTrainerState(step_fn, p, rank, world), memory_gb, logs, loss_scale,
-                   step_fn.evaluate)
+                   step_fn.evaluate, reported)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,7 @@ class Trainer:
     logs: bool                           # this rank prints progress and writes metrics.jsonl
     loss_scale: Optional[LossScaler] = None   # fp16: a non-finite norm is a skipped step, not divergence
     evaluate: Optional[Callable[[np.ndarray], float]] = None   # rows (B_local, T + 1) -> global mean loss
+    reported: Callable[[], dict[str, float]] = dict     # the last step's figures beside the loss (mtp_loss, ...)
 
 
 def token_sampler(job: JobConfig, run: RunFolder) -> BatchSampler:
@@ -123,6 +124,7 @@ def train(t: Trainer) -> list[StepMetrics]:
             skipped = scale is not None and not math.isfinite(grad_norm)
             if scale is not None:
                 m.extra["loss_scale"] = scale
+            m.extra.update(t.reported())
             if valid and ((step + 1) % tc.eval.interval == 0 or step + 1 == tc.steps):
                 m.extra["val_loss"] = sum(t.evaluate(rows) for rows in valid) / len(valid)
             logger.log(m, force=step == first)

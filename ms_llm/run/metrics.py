@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+import numpy as np
+
 from ms_llm.job import JobConfig
 from ms_llm.run.tensorboard import TensorBoardLog
 from ms_llm.strategy.devices import get_device
@@ -33,7 +35,19 @@ class StepMetrics:
             text += f" | gnorm {self.grad_norm:.3f}"
         if "val_loss" in self.extra:
             text += f" | val loss {self.extra['val_loss']:.4f}"
+        if "mtp_loss" in self.extra:
+            text += f" | mtp loss {self.extra['mtp_loss']:.4f}"
+        if "max_expert_load" in self.extra:
+            text += f" | max load {self.extra['max_expert_load']:.2f}x"
         return text
+
+
+def max_expert_load(loads: np.ndarray) -> float:
+    """The busiest expert's share over the mean share, at the least balanced MoE layer (1.0 when
+    every expert gets as many token copies): what aux-loss-free balancing drives down.
+    loads (layers, experts); rows of layers this rank does not hold are all zero and left out."""
+    held = loads[loads.sum(axis=1) > 0]
+    return float((held.max(axis=1) / held.mean(axis=1)).max()) if len(held) else float("nan")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,20 @@ def test_tiny_dp2_trains_and_fills_the_run_folder(tmp_path):
     assert not (run / "tmp").exists()
 
 
+@pytest.mark.slow
+def test_tiny_deepseek_reports_the_mtp_loss_and_the_expert_load(tmp_path):
+    """The shipped DeepSeek-style job (MLA, MTP, aux-loss-free routing; dp2 x ep2, ZeRO-1): every
+    record and progress line carries the MTP loss and the busiest expert's load over the mean."""
+    run = tmp_path / "run"
+    proc = ms_llm("train", "configs/train/tiny_deepseek.yaml", "--run-dir", str(run), "--steps", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [r for line in (run / "metrics.jsonl").read_text().splitlines() if "loss" in (r := json.loads(line))]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(0 < r["mtp_loss"] < r["loss"] and r["max_expert_load"] >= 1.0 for r in records), records
+    assert all("| mtp loss " in line and "x" in line.split("| max load ")[1]
+               for line in proc.stdout.splitlines() if "| loss " in line)
+
+
 def test_world_size_mismatch_is_one_clear_line(tmp_path):
     proc = ms_llm("train", "configs/train/tiny_torch_dp2.yaml", "--nproc", "3", "--run-dir", str(tmp_path / "r"),
                   timeout=120)
