@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-from ms_llm.mindspore.lower import Lowering, cp_algorithm
+from ms_llm.mindspore.lower import Lowering, cp_algorithm, flash_attention
 from ms_llm.mindspore.op_strategy import OpShard
 from ms_llm.strategy.report import _ranges, strategy_summary
 
@@ -63,7 +63,7 @@ def dry_run_text(low: Lowering) -> str:
         label = f"stage {stage}" + (f" segment {seg}" if p.strategy.pipeline.virtual_stages > 1 else "")
         out.append(f"  {label}: {_cells(cells)}")
     out += ["", "attention: " + ("FlashAttentionScore (BNSD) on Ascend, BatchMatMul + softmax where it has no kernel"
-                                 if p.model.flash_attention else "BatchMatMul + softmax")]
+                                 if flash_attention(p) else "BatchMatMul + softmax")]
     out += ["recompute: " + (", ".join(low.recompute_cells + low.recompute_ops) or "none")]
     if p.strategy.pp > 1:
         out.append(f"training cell: nn.PipelineCell(net, micro_size={p.micro_batches})")

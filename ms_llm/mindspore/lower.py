@@ -9,7 +9,10 @@ parallel: allgather, ulysses or ring, MindFormers' colossalai_cp / ulysses_cp /
 use_ring_attention, _attention_core). For the
 cases MindFormers covers the results equal the strategies of MindFormers' own LLaMA, built and
 read by tests/mindspore/test_ms_oracle.py, which also lists where MindFormers chooses otherwise and why.
-MoE layers are lowered by lower_moe.py (experts over ep, their tokens over edp).
+Multi-latent attention is lowered by lower_mla.py, MoE layers by lower_moe.py (experts over ep, their
+tokens over edp). The multi-token prediction modules (model.mtp.{d}) run with lm_head on the last
+model chunk, their decoder layers lowered as the main ones; they read the main embedding's output,
+which the pipeline carries from the first stage (the plan's embedding copy is the torch backend's way).
 
 A strategy is a tuple of split counts when MindSpore's default device matrix for it (split
 dims in tensor order, replicas innermost) puts the ranks where the mesh does; otherwise
@@ -23,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ms_llm.errors import StrategyError
+from ms_llm.mindspore import lower_mla
 from ms_llm.mindspore.lower_moe import moe_ops
-from ms_llm.mindspore.op_strategy import OpShard, flat_tokens, op_shard
+from ms_llm.mindspore.op_strategy import OpShard, flat_tokens, norm_ops, op_shard, reshaped, select
 from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
 from ms_llm.strategy.cost import cp_algorithm as priced_cp_algorithm
 from ms_llm.strategy.devices import DEVICES
@@ -34,13 +38,6 @@ from ms_llm.strategy.plan import ModelPlan
 SCHEDULES = {"1f1b": (False, "1f1b"), "interleaved_1f1b": (True, "1f1b"), "gpipe": (True, "gpipe"),
              "zbv": (True, "zero_bubble_v")}
 MODES = {"semi_auto": "semi_auto_parallel", "auto": "auto_parallel"}
-
-
-def _select(layout: TensorLayout, dims: tuple[int, ...]) -> TensorLayout:
-    """Layout of a tensor made of `dims` of `layout` (broadcast operands such as rotary tables, masks)."""
-    placements = tuple(Shard(dims.index(p.dim)) if isinstance(p, Shard) and p.dim in dims else Replicate()
-                       for p in layout.placements)
-    return TensorLayout(tuple(layout.shape[d] for d in dims), layout.mesh, placements, layout.order)
 
 
 def _one_head(score: TensorLayout) -> TensorLayout:
@@ -92,11 +89,6 @@ def context_args(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = 
     return ctx
 
 
-def _norm_ops(prefix: str, x: TensorLayout, weight: TensorLayout) -> list[OpShard]:
-    return [op_shard(prefix + "square", [x]), op_shard(prefix + "mean", [x]), op_shard(prefix + "add", [x, None]),
-            op_shard(prefix + "rsqrt", [x]), op_shard(prefix + "mul", [x, x]), op_shard(prefix + "mul2", [x, weight])]
-
-
 # Context-parallel algorithms this lowering emits, as MindFormers 2.1's LLaMA does for
 # context_parallel_algo colossalai_cp (allgather), ulysses_cp (ulysses) and use_ring_attention
 # (ring: FlashAttentionScore with enable_ring_attention, which only its flash path has).
@@ -104,6 +96,12 @@ CP_ALGORITHMS = ("allgather", "ulysses", "ring")
 # What MindFormers' FlashAttention adds to FlashAttentionScore for ring attention: MindSpore's
 # parallel pass then passes K/V blocks around the cp group by send/recv and masks each step.
 RING_ATTRS = (("enable_ring_attention", True), ("enable_ra_send_recv", True))
+
+
+def flash_attention(plan: ModelPlan) -> bool:
+    """The model's attention holds FlashAttentionScore (model.uses_flash_attention without the device
+    check): multi-latent attention never does, its q/k and v widths differ."""
+    return plan.model.flash_attention and plan.model.mla is None
 
 
 def _ulysses_fits(plan: ModelPlan) -> bool:
@@ -116,7 +114,7 @@ def cp_algorithm(plan: ModelPlan) -> str:
     """The context-parallel algorithm lowered; 'auto' = the cost model's pick on a 910B among
     those this lowering emits for the model."""
     runs = tuple(a for a in CP_ALGORITHMS if (a != "ulysses" or _ulysses_fits(plan))
-                 and (a != "ring" or plan.model.flash_attention))
+                 and (a != "ring" or flash_attention(plan)))
     return priced_cp_algorithm(plan, DEVICES["910b"], runs)
 
 
@@ -130,6 +128,9 @@ def cp_refusals(plan: ModelPlan) -> list[str]:
     """Why this lowering cannot emit the plan's context parallelism (empty: it can)."""
     s, algorithm = plan.strategy, plan.strategy.context_parallel.algorithm
     field = "strategy.context_parallel.algorithm"
+    if algorithm == "ring" and plan.model.mla is not None:
+        return [f"{field}: ring on MindSpore is FlashAttentionScore's ring attention, which multi-latent "
+                "attention does not run (its q/k and v widths differ); use allgather or ulysses"]
     if algorithm == "ring" and not plan.model.flash_attention:
         return [f"{field}: ring on MindSpore is FlashAttentionScore's ring attention (MindFormers' "
                 "use_ring_attention needs use_flash_attention too); set model.flash_attention: true, or use "
@@ -167,16 +168,14 @@ def _attention_core(plan: ModelPlan, qt: TensorLayout, kt: TensorLayout, vt: Ten
     return qt, kt, vt, score
 
 
-def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
-    a, w = plan.activations, {n: p.layout for n, p in plan.params.items()}
-    p = f"model.layers.{i}."
-    hidden = a["hidden"]
-    qt, kt, vt = (a[n].permute((0, 2, 1, 3)) for n in ("q", "k", "v"))      # (B, heads, T, hd)
-    q_core, k_core, v_core, score = _attention_core(plan, qt, kt, vt)
+def _gqa_ops(plan: ModelPlan, p: str, qt: TensorLayout, kt: TensorLayout, core) -> list[OpShard]:
+    """Grouped-query attention's primitives (model.Attention) in decoder layer `p`."""
+    a, w = plan.activations, {n: q.layout for n, q in plan.params.items() if n.startswith(p)}
+    q_core, k_core, v_core, score = core
     k_all, v_all = k_core.replicate_dim(2), v_core.replicate_dim(2)          # every key of the sequence
     kv_tiled = k_core.group_dims(((0,), (1,), (), (2, 3)))                   # (B, nkv, 1, T*hd)
-    tables = _select(qt, (2, 3))                                             # rotary cos/sin (T, hd)
-    ops = _norm_ops(p + "input_layernorm.", hidden, w[p + "input_layernorm.weight"])
+    tables = select(qt, (2, 3))                                              # rotary cos/sin (T, hd)
+    ops = []
     for proj, out in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
         ops.append(op_shard(f"{p}self_attn.{proj}.matmul", [flat_tokens(a["attn_input"]), w[f"{p}self_attn.{proj}.weight"]]))
         if plan.model.qkv_bias:      # (tokens, heads * hd) + bias, both split over the heads like the weight rows
@@ -184,7 +183,7 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
                                                              w[f"{p}self_attn.{proj}.bias"]]))
     if plan.model.qk_norm:           # over each head's features of (B, T, heads, hd); the weight is replicated
         for norm, out in (("q_norm", "q"), ("k_norm", "k")):
-            ops += _norm_ops(f"{p}self_attn.{norm}.", a[out], w[f"{p}self_attn.{norm}.weight"])
+            ops += norm_ops(f"{p}self_attn.{norm}.", a[out], w[f"{p}self_attn.{norm}.weight"])
     r = p + "self_attn.rotary."
     ops += [op_shard(p + "self_attn.transpose", [a["q"]]),
             op_shard(r + "split", [qt]), op_shard(r + "neg", [qt]), op_shard(r + "concat", [qt, qt]),
@@ -192,13 +191,12 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
             op_shard(p + "self_attn.tile_kv", [kv_tiled]),
             op_shard(p + "self_attn.batch_matmul_q_k", [q_core, k_all]),
             op_shard(p + "self_attn.mul", [score, None]),
-            op_shard(p + "self_attn.add", [_select(score, (2, 3)), score]),
+            op_shard(p + "self_attn.add", [select(score, (2, 3)), score]),
             op_shard(p + "self_attn.softmax", [score]),
             op_shard(p + "self_attn.batch_matmul", [score, v_all]),
             op_shard(p + "self_attn.merge_heads", [qt]),
             op_shard(p + "self_attn.o_proj.matmul", [flat_tokens(a["attn_output"]), w[p + "self_attn.o_proj.weight"]],
-                flat_tokens(hidden)),
-            op_shard(p + "add", [hidden, hidden])]
+                flat_tokens(a["hidden"]))]
     if plan.model.flash_attention and ring_attention(plan):
         # Ring attention: k/v keep their cp split of the sequence like q (the pass moves the blocks),
         # and there is no mask input. MindFormers: (dp, cp, mp) for q, k and v.
@@ -207,9 +205,24 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
         # FlashAttentionScore (BNSD): q, k, v as the BatchMatMul path reads them (keys whole along the
         # sequence), k/v with their own kv heads (the kernel serves GQA), the mask split like score rows.
         ops.append(op_shard(p + "self_attn.flash_attention", [q_core, k_all, v_all, _one_head(score)]))
-    ops += _norm_ops(p + "post_attention_layernorm.", hidden, w[p + "post_attention_layernorm.weight"])
-    if plan.model.is_moe_layer(i):
-        return ops + moe_ops(plan, i)
+    return ops
+
+
+def _layer_ops(plan: ModelPlan, p: str, moe: bool) -> list[OpShard]:
+    """Every primitive of the decoder layer at `p` (model.layers.N. or model.mtp.D.layer.)."""
+    a, w = plan.activations, {n: q.layout for n, q in plan.params.items() if n.startswith(p)}
+    hidden = a["hidden"]
+    qt, kt, vt = (a[n].permute((0, 2, 1, 3)) for n in ("q", "k", "v"))      # (B, heads, T, hd)
+    core = _attention_core(plan, qt, kt, vt)
+    ops = norm_ops(p + "input_layernorm.", hidden, w[p + "input_layernorm.weight"])
+    if plan.model.mla is not None:
+        ops += lower_mla.mla_ops(plan, p, qt, kt, vt, core)
+    else:
+        ops += _gqa_ops(plan, p, qt, kt, core)
+    ops.append(op_shard(p + "add", [hidden, hidden]))
+    ops += norm_ops(p + "post_attention_layernorm.", hidden, w[p + "post_attention_layernorm.weight"])
+    if moe:
+        return ops + moe_ops(plan, p)
     mh = a["mlp_hidden"]
     ops += [op_shard(f"{p}mlp.{proj}.matmul", [flat_tokens(a["mlp_input"]), w[f"{p}mlp.{proj}.weight"]])
             for proj in ("gate_proj", "up_proj")]
@@ -218,13 +231,36 @@ def _layer_ops(plan: ModelPlan, i: int) -> list[OpShard]:
     return ops
 
 
+def _mtp_ops(plan: ModelPlan) -> list[OpShard]:
+    """The MTP modules (mtp.MTPModule): enorm(embedding shifted by k) and hnorm(h_{k-1}) in the residual
+    stream's layout, their concat, eh_proj column-parallel over them gathered over tp (the plan's
+    mtp_proj; its output is gathered over tp into the layer's residual stream, as Megatron-core's
+    MultiTokenPredictionLayer), the decoder layer, the norm before the shared lm_head. The shift
+    concatenates along the sequence, so it reads the sequence whole."""
+    a, w, m = plan.activations, {n: q.layout for n, q in plan.params.items()}, plan.model
+    hidden = a["hidden"]
+    b, t, h = hidden.shape
+    pair = reshaped(a["attn_input"], (b, t, 2 * h))
+    whole_seq = hidden.replicate_dim(1)
+    ops = []
+    for d in range(m.mtp_layers):
+        p = f"model.mtp.{d}."
+        ops += [op_shard(p + "concat_shift", [whole_seq, whole_seq])]
+        ops += norm_ops(p + "enorm.", hidden, w[p + "enorm.weight"]) + norm_ops(p + "hnorm.", hidden, w[p + "hnorm.weight"])
+        ops += [op_shard(p + "concat", [hidden, hidden]),
+                op_shard(p + "eh_proj.matmul", [flat_tokens(pair), w[p + "eh_proj.weight"]])]
+        ops += _layer_ops(plan, p + "layer.", m.is_moe_layer(m.num_layers + d))
+        ops += norm_ops(p + "norm.", hidden, w[p + "norm.weight"])
+    return ops
+
+
 def _head_ops(plan: ModelPlan) -> list[OpShard]:
     a, params = plan.activations, plan.params
     head = params["model.embed_tokens.weight" if plan.model.tie_embeddings else "lm_head.weight"].layout
     logits = flat_tokens(a["logits"])                      # (tokens, vocab)
     rows = logits.replicate_dim(1)                   # per-token reductions
-    labels = _select(logits, (0,))
-    ops = _norm_ops("model.norm.", a["hidden"], params["model.norm.weight"].layout)
+    labels = select(logits, (0,))
+    ops = norm_ops("model.norm.", a["hidden"], params["model.norm.weight"].layout)
     ops.append(op_shard("lm_head.matmul", [flat_tokens(a["head_input"]), head]))
     ops += [op_shard("loss.max", [logits]), op_shard("loss.sub", [logits, rows]), op_shard("loss.exp", [logits]),
             op_shard("loss.sum", [logits]), op_shard("loss.log", [rows]), op_shard("loss.sub2", [logits, rows]),
@@ -234,33 +270,45 @@ def _head_ops(plan: ModelPlan) -> list[OpShard]:
 
 
 SELECTIVE_OPS = ("self_attn.tile_kv", "self_attn.batch_matmul_q_k", "self_attn.mul", "self_attn.add",
-                 "self_attn.softmax", "self_attn.batch_matmul", "mlp.sigmoid", "mlp.silu_mul")
+                 "self_attn.softmax", "self_attn.batch_matmul")
 SELECTIVE_CELLS = ("self_attn.rotary",)
+SELECTIVE_MLP = ("mlp.sigmoid", "mlp.silu_mul")
 
 
-def _moe_path(op: str) -> str:
-    """A selective-recompute op in an MoE layer: the SwiGLU activations are the experts'."""
-    return op.replace("mlp.", "mlp.experts.", 1)
+def _selective(plan: ModelPlan, layer: int) -> tuple[list[str], list[str]]:
+    """(cells, primitives) selective recompute keeps in `layer`: the attention core with its rotary
+    and the SwiGLU activation (the experts' in an MoE layer)."""
+    mla = plan.model.mla is not None
+    cells = lower_mla.SELECTIVE_CELLS if mla else SELECTIVE_CELLS
+    mlp = tuple(o.replace("mlp.", "mlp.experts.", 1) for o in SELECTIVE_MLP) if plan.model.is_moe_layer(layer) \
+        else SELECTIVE_MLP
+    ops = (lower_mla.SELECTIVE_OPS if mla else SELECTIVE_OPS) + mlp
+    p = f"model.layers.{layer}."
+    return [p + c for c in cells], [p + o for o in ops]
 
 
 def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strategy/ckpt_strategy.ckpt") -> Lowering:
     """Everything MindSpore needs to run `plan` under auto-parallel."""
     if plan.strategy.cp > 1 and cp_refusals(plan):
         raise StrategyError(cp_refusals(plan))
+    m = plan.model
     embed = plan.params["model.embed_tokens.weight"].layout
     ops = [op_shard("model.embed_tokens.gather", [embed, plan.activations["tokens"]])]
-    if plan.model.flash_attention:      # the (1, 1, T, T) causal mask tiled to the batch, whole on every rank
+    if flash_attention(plan):           # the (1, 1, T, T) causal mask tiled to the batch, whole on every rank
         t = plan.train.seq_len
         ops.append(op_shard("mask_tile", [TensorLayout.replicated((1, 1, t, t), plan.stage_mesh)]))
-    for i in range(plan.model.num_layers):
-        ops += _layer_ops(plan, i)
-    ops += _head_ops(plan)
+    for i in range(m.num_layers):
+        ops += _layer_ops(plan, f"model.layers.{i}.", m.is_moe_layer(i))
+    ops += _head_ops(plan) + _mtp_ops(plan)
+    if m.moe is not None and m.moe.expert_bias:      # each biased layer's expert loads (E,), whole on every rank
+        biased = [n for n in plan.buffers if n.endswith("e_score_correction_bias")]
+        ops.append(op_shard("stack_loads", [TensorLayout.replicated((m.moe.num_experts,), plan.stage_mesh)] * len(biased)))
 
     first, last = plan.chunks[0], plan.chunks[-1]
     stages = {"model.embed_tokens": (first.stage, first.virtual)}
-    for i in range(plan.model.num_layers):
+    for i in range(m.num_layers):
         stages[f"model.layers.{i}"] = plan.layer_stage(i)
-    for cell in ("model.norm", "lm_head", "loss"):
+    for cell in ("model.norm", "lm_head", "loss") + tuple(f"model.mtp.{d}" for d in range(m.mtp_layers)):
         stages[cell] = (last.stage, last.virtual)
 
     cells, prims = [], []
@@ -268,8 +316,9 @@ def lower(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = "strate
         if mode_i == "full":
             cells.append(f"model.layers.{i}")
         elif mode_i == "selective":
-            cells += [f"model.layers.{i}.{c}" for c in SELECTIVE_CELLS]
-            prims += [f"model.layers.{i}.{_moe_path(o) if plan.model.is_moe_layer(i) else o}" for o in SELECTIVE_OPS]
+            layer_cells, layer_prims = _selective(plan, i)
+            cells += layer_cells
+            prims += layer_prims
 
     notes = []
     s = plan.strategy

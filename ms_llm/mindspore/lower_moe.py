@@ -1,8 +1,9 @@
 """Shard strategies of one MoE layer (ms_llm/mindspore/moe.py), read off the plan as lower.py
 reads the dense layers'.
 
-Two meshes, the same ranks: the router works on the tokens as the dense layers hold them
-(split over dp and cp, whole over tp); the experts on the expert mesh (edp, ep, tp), where dp*cp
+Two meshes, the same ranks: the router works on the tokens as the residual stream holds them
+(split over dp and cp, and over tp too under sequence parallel, where Megatron-core and MindFormers
+route each rank's own sequence chunk; whole over tp otherwise); the experts on the expert mesh (edp, ep, tp), where dp*cp
 is regrouped as edp x ep with ep innermost (ms_llm/strategy/mesh.py). The tiled (E, N, H) expert
 input splits E over ep and the tokens over edp: each rank runs its E/ep experts over the tokens of
 its edp group (the all-gather dispatch over ep of MindFormers' use_allgather_dispatcher), the
@@ -10,32 +11,69 @@ expert weights are the plan's (E over ep, the experts' own tp on their width), a
 experts is an all-reduce over ep. These equal MindFormers 2.1's expert BatchMatMuls for the same
 moe_config and expert_parallel ((dp_moe, ep, 1, 1) x (ep, mp, 1), then (dp_moe, ep, 1, mp) x
 (ep, 1, mp)) and its router's token-parallel (dp*cp, 1) ops: tests/mindspore/test_ms_oracle.py compares them
-and says where the layers differ in structure.
+and says where the layers differ in structure. DeepSeek's routing (sigmoid scores renormalised for the
+losses, the expert bias replicated on every rank of the stage beside token-split scores, group-limited
+top-k, the scores gathered at the choice, routed_scaling_factor, the sequence-wise loss per sequence
+split like the tokens) is token-parallel the same way, as MindFormers 2.1's DeepSeek-V3 TopKRouter; the
+expert loads are summed over the tokens, so every rank holds the same loads and moves its biases alike.
 """
 from __future__ import annotations
 
 from functools import partial
 
-from ms_llm.mindspore.op_strategy import flat_tokens, op_shard
+from ms_llm.mindspore.op_strategy import OpShard, flat_tokens, op_shard, reshaped, select
 from ms_llm.strategy.layout import TensorLayout
 from ms_llm.strategy.plan import ModelPlan
 
 
 def _tokens(flat: TensorLayout, *trailing: int) -> TensorLayout:
     """(N, *trailing) split over the token dim as `flat` (N, H) is: a per-token router tensor."""
-    return TensorLayout((flat.shape[0], *trailing), flat.mesh, flat.placements, flat.order)
+    return reshaped(flat, (flat.shape[0], *trailing))
 
 
-def moe_ops(plan: ModelPlan, layer: int) -> list:
-    """Every primitive of layer `layer`'s MoE feed-forward, with its strategy."""
+def _deepseek_ops(plan: ModelPlan, p: str, tok, whole: TensorLayout) -> list[OpShard]:
+    """The routing primitives DeepSeek's fields add (model.moe): sigmoid scores and their renormalised
+    copy, the expert bias (whole) on the scores, group-limited top-k, the scores at the choice, the
+    scaling, the loads and the sequence-wise balance loss."""
+    moe, hidden = plan.model.moe, plan.activations["hidden"]
+    e, k, g = moe.num_experts, moe.top_k, moe.num_groups
+    ops = []
+    if moe.score_function == "sigmoid":
+        ops += [op_shard(p + "sigmoid", [tok(e)]), op_shard(p + "sum_scores", [tok(e)]),
+                op_shard(p + "div_scores", [tok(e), tok(1)])]
+    if moe.expert_bias:
+        ops += [op_shard(p + "add_bias", [tok(e), whole]), op_shard(p + "sum_load", [tok(k, e)])]
+    if g > 1:
+        keep, lg = moe.group_top_k, p + "limit_groups."
+        ops += [op_shard(lg + "topk", [tok(g, e // g)]), op_shard(lg + "sum", [tok(g, k // keep)]),
+                op_shard(lg + "topk_groups", [tok(g)]), op_shard(lg + "one_hot", [tok(keep, g), None, None]),
+                op_shard(lg + "sum_kept", [tok(keep, g)]), op_shard(lg + "tile", [tok(g, e // g)]),
+                op_shard(lg + "greater", [tok(e), None]), op_shard(lg + "select", [tok(e), tok(e), tok(e)])]
+    if moe.expert_bias or g > 1:
+        ops.append(op_shard(p + "gather", [tok(e), None, tok(k)]))
+    if moe.routed_scaling_factor != 1.0:
+        ops.append(op_shard(p + "mul_scaling", [tok(k), None]))
+    if moe.seq_aux_loss_coeff > 0:      # per sequence: (B, T, ...) split as the residual stream's (B, T)
+        b, t, _ = hidden.shape
+        seq, sa = reshaped(hidden, (b, t, e)), p + "seq_aux_loss."
+        per_seq = select(seq, (0, 2))                                    # (B, E)
+        ops += [op_shard(sa + "sum_copies", [reshaped(hidden, (b, t, k, e))]), op_shard(sa + "sum_tokens", [seq]),
+                op_shard(sa + "mean_tokens", [seq]), op_shard(sa + "mul", [per_seq, per_seq]),
+                op_shard(sa + "sum_experts", [per_seq]), op_shard(sa + "mean", [select(seq, (0,))])]
+    return ops
+
+
+def moe_ops(plan: ModelPlan, layer: str) -> list[OpShard]:
+    """Every primitive of the MoE feed-forward of decoder layer `layer` (model.layers.N. or
+    model.mtp.D.layer.), with its strategy."""
 
     m, a, params = plan.model, plan.activations, plan.params
-    p = f"model.layers.{layer}.mlp."
+    p = layer + "mlp."
     e, k, h, f = m.moe.num_experts, m.moe.top_k, m.hidden_size, m.expert_ffn_size
-    flat = flat_tokens(a["mlp_input"])                                   # (N, H): tokens over dp*cp
+    flat = flat_tokens(a["hidden"])                                      # (N, H): the residual stream's tokens
     n = flat.shape[0]
     tok = partial(_tokens, flat)
-    whole = TensorLayout.replicated((e,), plan.stage_mesh)         # per-expert load statistics
+    whole = TensorLayout.replicated((e,), plan.stage_mesh)         # per-expert load statistics, the expert bias
     em = plan.expert_mesh.without("pp")
     x_e = TensorLayout.build((e, n, h), em, ep=0, edp=1)           # tiled tokens, then expert outputs
     h_e = TensorLayout.build((e, n, f), em, ep=0, edp=1, tp=2)     # expert SwiGLU hidden
@@ -63,10 +101,11 @@ def moe_ops(plan: ModelPlan, layer: int) -> list:
             op_shard(r + "max", [tok(e)]), op_shard(r + "sub", [tok(e), tok(1)]), op_shard(r + "exp", [tok(e)]),
             op_shard(r + "sum", [tok(e)]), op_shard(r + "log", [tok()]), op_shard(r + "add", [tok(), tok()]),
             op_shard(r + "square", [tok()]), op_shard(r + "mean", [tok()])]
+    ops += _deepseek_ops(plan, p, tok, whole)
     if m.moe.shared_experts:      # a dense SwiGLU of its own width, laid out as the dense MLP
         s, mh = p + "shared_experts.", a["mlp_hidden"]
         hidden = TensorLayout(mh.shape[:-1] + (m.moe.shared_experts * f,), mh.mesh, mh.placements, mh.order)
-        ops += [op_shard(f"{s}{proj}.matmul", [flat, params[f"{s}{proj}.weight"].layout])
+        ops += [op_shard(f"{s}{proj}.matmul", [flat_tokens(a["mlp_input"]), params[f"{s}{proj}.weight"].layout])
                 for proj in ("gate_proj", "up_proj")]
         ops += [op_shard(s + "sigmoid", [hidden]), op_shard(s + "silu_mul", [hidden, hidden]), op_shard(s + "mul", [hidden, hidden]),
                 op_shard(s + "down_proj.matmul", [flat_tokens(hidden), params[s + "down_proj.weight"].layout],

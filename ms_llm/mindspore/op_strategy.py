@@ -1,13 +1,13 @@
 """Op shard strategies as MindSpore takes them, computed from the plan's TensorLayouts: split
 counts where MindSpore's default device matrix puts the ranks where the mesh does, a Layout over
-the named mesh otherwise. lower.py (dense layers) and lower_moe.py (MoE layers) build on these;
-nothing here imports MindSpore until a Layout is built."""
+the named mesh otherwise. lower.py (dense layers, MTP), lower_mla.py (multi-latent attention) and
+lower_moe.py (MoE layers) build on these; nothing here imports MindSpore until a Layout is built."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from ms_llm.strategy.layout import TensorLayout
+from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,36 @@ def flat_tokens(layout: TensorLayout) -> TensorLayout:
     return layout.group_dims((tuple(range(n - 1)), (n - 1,)))
 
 
+def select(layout: TensorLayout, dims: tuple[int, ...]) -> TensorLayout:
+    """Layout of a tensor made of `dims` of `layout` (broadcast operands such as rotary tables, masks)."""
+    placements = tuple(Shard(dims.index(p.dim)) if isinstance(p, Shard) and p.dim in dims else Replicate()
+                       for p in layout.placements)
+    return TensorLayout(tuple(layout.shape[d] for d in dims), layout.mesh, placements, layout.order)
+
+
+def reshaped(layout: TensorLayout, shape: tuple[int, ...]) -> TensorLayout:
+    """The same placements on a tensor of another shape whose split dims keep their place: a slice,
+    or trailing dims changed (a per-token tensor of another width)."""
+    return TensorLayout(tuple(shape), layout.mesh, layout.placements, layout.order)
+
+
+def whole_over(layout: TensorLayout, axis: str) -> TensorLayout:
+    """The layout gathered over mesh axis `axis` (a column-parallel matmul reads its input whole over tp)."""
+    placements = tuple(Replicate() if n == axis else p for n, p in zip(layout.mesh.names, layout.placements))
+    return TensorLayout(layout.shape, layout.mesh, placements, layout.order)
+
+
 @dataclass(frozen=True)
 class OpShard:
     """One primitive's shard(): `op` is its attribute path in LossCell(Transformer) minus `net.`;
-    `attrs` are primitive attributes the parallel passes read (add_prim_attr), set with it."""
+    `attrs` are primitive attributes the parallel passes read (add_prim_attr), set with it;
+    `layouts` the TensorLayouts the strategies were computed from (inputs, then the output; None
+    for a scalar): what each strategy means rank by rank, whichever form MindSpore is given."""
     op: str
     inputs: tuple[Strategy | tuple[()], ...]
     output: Optional[tuple[Strategy, ...]] = None
     attrs: tuple[tuple[str, object], ...] = ()
+    layouts: tuple[Optional[TensorLayout], ...] = field(default=(), compare=False)
 
     def __str__(self) -> str:
         def fmt(s):
@@ -88,4 +110,10 @@ def op_shard(op: str, inputs: list[TensorLayout | None], output: Optional[Tensor
     lift = any(isinstance(strategy_of(l), LayoutStrategy) for l in layouts)
     conv = as_layout if lift else strategy_of
     ins = tuple(() if l is None else conv(l) for l in inputs)
-    return OpShard(op, ins, None if output is None else (conv(output),), attrs)
+    return OpShard(op, ins, None if output is None else (conv(output),), attrs, tuple(inputs) + (output,))
+
+
+def norm_ops(prefix: str, x: TensorLayout, weight: TensorLayout) -> list[OpShard]:
+    """RMSNorm's primitives (layers.RMSNorm), all in the layout of the normed tensor."""
+    return [op_shard(prefix + "square", [x]), op_shard(prefix + "mean", [x]), op_shard(prefix + "add", [x, None]),
+            op_shard(prefix + "rsqrt", [x]), op_shard(prefix + "mul", [x, x]), op_shard(prefix + "mul2", [x, weight])]

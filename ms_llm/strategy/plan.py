@@ -288,12 +288,13 @@ def _activation_layouts(model: ModelConfig, s: ParallelStrategy, train: TrainCon
         "logits": lay((b, t, v), tp_dim=2),              # vocab-parallel: loss_parallel consumes it
     }
     if model.mla is not None:
-        # The latents every tp rank computes whole: q_a_proj's output (the query's low-rank path),
-        # kv_a_proj_with_mqa's (kv_lora_rank latent + the shared rotary key).
+        # The latents, whole in width on every tp rank: q_a_proj's output (the query's low-rank path),
+        # kv_a_proj_with_mqa's (kv_lora_rank latent + the shared rotary key); under sequence parallel
+        # each rank's sequence chunk only, as Megatron-core's down-projections read the sequence-parallel input.
         a = model.mla
         if a.q_lora_rank is not None:
-            acts["q_latent"] = lay((b, t, a.q_lora_rank))
-        acts["kv_latent"] = lay((b, t, a.kv_lora_rank + a.qk_rope_head_dim))
+            acts["q_latent"] = lay((b, t, a.q_lora_rank), seq_tp=sp)
+        acts["kv_latent"] = lay((b, t, a.kv_lora_rank + a.qk_rope_head_dim), seq_tp=sp)
     return acts
 
 

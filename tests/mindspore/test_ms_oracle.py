@@ -15,6 +15,16 @@ keep ours; an op listed there whose strategies turn out equal fails too, so the 
 stale. No difference found was a bug of ours; flash attention was missing and is now lowered.
 The MoE cases (MindFormers' moe_config with expert_parallel) and where the MoE layers differ in
 structure are in ms_oracle_moe.py.
+
+DeepSeek-class models are compared with MindFormers 2.1's own DeepSeek-V3 training graph
+(parallel_core's TrainingDeepseekV3ForCausalLM, built with the real degrees by
+ms_oracle_deepseek_probe.py; its primitives, the views that line them up with ours and what has no
+counterpart are in ms_oracle_deepseek.py) on four configs: dp2 x tp2 with sequence parallel and ep2,
+dp4 x ep4, the same dp2 x tp2 x ep2 over two pipeline stages (where MTP must sit with lm_head on the
+last), and dp2 x cp2 x ep2; DEEPSEEK_CHOICES names where MindFormers chooses otherwise. Two differences
+found were ours and are fixed: the plan kept the MLA latents whole over tp under sequence parallel
+(Megatron-core and MindFormers compute them on each rank's sequence chunk), and the router ran on
+tokens gathered over tp under sequence parallel (both route each rank's own chunk).
 """
 from __future__ import annotations
 
@@ -23,6 +33,7 @@ import fnmatch
 import itertools
 import json
 import math
+import operator
 import os
 import subprocess
 import sys
@@ -32,11 +43,12 @@ from typing import Callable
 import pytest
 import yaml
 
+import ms_oracle_deepseek
 import ms_oracle_moe
 from ms_llm.convert.common import ReadOptions
 from ms_llm.convert.mindformers.read import read
 from ms_llm.mindspore.lower import lower
-from ms_llm.mindspore.op_strategy import LayoutStrategy, OpShard
+from ms_llm.mindspore.op_strategy import LayoutStrategy, OpShard, as_layout, whole_over
 from ms_llm.strategy.plan import plan
 
 pytestmark = pytest.mark.mindspore
@@ -44,6 +56,7 @@ pytestmark = pytest.mark.mindspore
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
 PROBE = Path(__file__).parents[1] / "helpers" / "ms_oracle_probe.py"
+DEEPSEEK_PROBE = Path(__file__).parents[1] / "helpers" / "ms_oracle_deepseek_probe.py"
 
 MODEL = {"num_layers": 2, "hidden_size": 256, "num_heads": 8, "vocab_size": 512, "seq_length": 64,
          "intermediate_size": 512, "compute_dtype": "float32", "param_init_type": "float32"}
@@ -189,8 +202,9 @@ class Pair:
     mf: str                                     # MindFormers primitive path
     ours: tuple[tuple[str, int], ...]
     views: tuple = ()
-    out: bool = False                           # compare out_strategy too
+    out: bool = False                           # compare out_strategy too (in the view of input 0)
     align: tuple = ()                           # per MindFormers input: Blocks.of's align, or None
+    mf_inputs: tuple = ()                       # which MindFormers inputs `ours` stands against; () = 0, 1, ...
 
 
 def _same(name: str, mf: str, n: int, out: bool = False, views: tuple = (), align: tuple = ()) -> Pair:
@@ -326,6 +340,9 @@ def _choice(case: str, op: str) -> Choice | None:
     return None
 
 
+VIEWS = {**ms_oracle_moe.VIEWS, **ms_oracle_deepseek.VIEWS}
+
+
 def _view(kind, blocks: Blocks, mf_dims: int) -> Blocks:
     if kind is None:
         return blocks
@@ -334,6 +351,20 @@ def _view(kind, blocks: Blocks, mf_dims: int) -> Blocks:
     if kind == "tokens":
         return blocks.merge(((0, 1), (2,)))
     raise AssertionError(kind)
+
+
+def _blocks(view, mine, their, devices: int, first=None, align=None) -> tuple[Blocks, Blocks]:
+    """Both strategies as Blocks, lined up by `view`."""
+    if align is not None and isinstance(mine, LayoutStrategy) and isinstance(first, list):
+        theirs_blocks = Blocks.of(their, devices, first, align)
+    else:
+        theirs_blocks = Blocks.of(their, devices)
+    mine_blocks = Blocks.of(mine, devices)
+    if view == "trailing":
+        return mine_blocks, theirs_blocks.trailing(len(mine_blocks.splits))
+    if view in VIEWS:
+        return VIEWS[view](mine_blocks, theirs_blocks)
+    return _view(view, mine_blocks, len(theirs_blocks.splits)), theirs_blocks
 
 
 def compare(pair: Pair, ours: dict[str, OpShard], theirs: dict, devices: int) -> str | None:
@@ -346,32 +377,28 @@ def compare(pair: Pair, ours: dict[str, OpShard], theirs: dict, devices: int) ->
     for k, ((op, index), view) in enumerate(zip(pair.ours, views)):
         if op not in ours:
             return f"ours has no op {op}"
-        mine, their = ours[op].inputs[index], mf["in"][k]
+        mf_k = pair.mf_inputs[k] if pair.mf_inputs else k
+        mine, their = ours[op].inputs[index], mf["in"][mf_k]
         if their == [] or mine == ():
             if (their == []) != (mine == ()):
-                problems.append(f"input {k}: ours {mine}, MindFormers {their}")
+                problems.append(f"input {mf_k}: ours {mine}, MindFormers {their}")
             continue
+        if isinstance(their, dict):      # a MindFormers Layout says where each rank is: so does our layout
+            mine = as_layout(ours[op].layouts[index])
         align = pair.align[k] if pair.align else None
-        if align is not None and isinstance(mine, LayoutStrategy) and isinstance(mf["in"][0], list):
-            theirs_blocks = Blocks.of(their, devices, mf["in"][0], align)
-        else:
-            theirs_blocks = Blocks.of(their, devices)
-        mine_blocks = Blocks.of(mine, devices)
-        if view == "trailing":
-            theirs_blocks = theirs_blocks.trailing(len(mine_blocks.splits))
-        elif view in ms_oracle_moe.VIEWS:
-            mine_blocks, theirs_blocks = ms_oracle_moe.VIEWS[view](mine_blocks, theirs_blocks)
-        else:
-            mine_blocks = _view(view, mine_blocks, len(theirs_blocks.splits))
+        mine_blocks, theirs_blocks = _blocks(view, mine, their, devices, mf["in"][0], align)
         if mine_blocks != theirs_blocks:
-            problems.append(f"input {k}: ours {mine} ({mine_blocks}), MindFormers {their} ({theirs_blocks})")
+            problems.append(f"input {mf_k}: ours {mine} ({mine_blocks}), MindFormers {their} ({theirs_blocks})")
     if pair.out:
         mine_out = ours[pair.name].output
         # no out_strategy: MindSpore's MatMul default, the all-reduced (rows of a, rows of b^T)
         their_out = mf["out"] or [[mf["in"][0][0], mf["in"][1][0]]]
         if mine_out is None:
             problems.append(f"out: ours none, MindFormers {their_out}")
-        elif Blocks.of(mine_out[0], devices) != Blocks.of(their_out[0], devices):
+            return "; ".join(problems)
+        if isinstance(their_out[0], dict):
+            mine_out = (as_layout(ours[pair.name].layouts[-1]),)
+        if operator.ne(*_blocks(views[0], mine_out[0], their_out[0], devices)):
             problems.append(f"out: ours {mine_out}, MindFormers {their_out}")
     return "; ".join(problems) or None
 
@@ -501,3 +528,135 @@ def test_every_mindformers_layer_primitive_is_accounted_for(oracle):
             if short == "attention.tile_kv":      # GQA only
                 continue
             raise AssertionError(f"{case}: MindFormers primitive {name} is neither compared nor explained")
+
+
+# ---- DeepSeek-V3: MindFormers 2.1's own training graph (ms_oracle_deepseek.py) ----------------------
+
+DEEPSEEK_CHOICES = (
+    Choice(lambda dp, mp, cp, pc: mp > 1, ("model.layers.*.self_attn.tile_k", "model.mtp.*.layer.self_attn.tile_k"),
+           "the rotary key every head shares: MindFormers tiles it into all heads on every tp rank (tile_kv "
+           "(cp, dp, 1, 1)) and pe_concat then keeps the rank's heads; ours tiles it straight into the rank's own "
+           "heads (tp-fold less tiling, no slice), the concat with k_nope being the same (cp, dp, tp, 1) in both."),
+    Choice(lambda dp, mp, cp, pc: mp > 1, ("model.layers.*.mlp.shared_experts.*", "model.mtp.*.layer.mlp.shared_experts.*"),
+           "shared experts: MindFormers 2.1 replicates their weights over tp and runs them on each rank's "
+           "sequence-parallel tokens, like its routed experts (tp folded into data parallel); the plan splits them "
+           "over tp as a dense MLP (Megatron-core's SharedExpertMLP: column- then row-parallel), tp-fold less "
+           "weight and optimizer memory for one all-gather and one reduce-scatter of the tokens."),
+    Choice(lambda dp, mp, cp, pc: mp > 1, ("model.layers.*.mlp.experts.*", "model.mtp.*.layer.mlp.experts.*"),
+           "routed experts under tp: MindFormers 2.1 folds tp into the experts' data parallel (device matrix "
+           "(dp*tp/ep, ep), ep innermost over the tp ranks) and keeps each expert whole; the plan keeps ep over "
+           "dp*cp and splits each expert's width over tp (Megatron-core's default expert_tensor_parallel_size = "
+           "tensor_model_parallel_size). MindFormers' expert_parallel beyond dp*cp is the converter's warned case."),
+    Choice(lambda dp, mp, cp, pc: mp > 1, ("model.mtp.*.eh_proj.matmul",),
+           "the MTP projection eh_proj: MindFormers replicates its (H, 2H) weight and runs it on each rank's "
+           "sequence-parallel tokens; the plan makes it column-parallel over tp with its output gathered (the "
+           "plan's mtp_proj, Megatron-core's MultiTokenPredictionLayer), tp-fold less weight memory."),
+)
+
+
+def _deepseek_choice(case: str, op: str) -> Choice | None:
+    parallel = ms_oracle_deepseek.CASES[case][0]
+    dp, mp, cp, _ = ms_oracle_deepseek.degrees(parallel)
+    for c in DEEPSEEK_CHOICES:
+        if c.when(dp, mp, cp, parallel) and any(fnmatch.fnmatchcase(op, g) for g in c.ops):
+            return c
+    return None
+
+
+def _ds_pair(name: str, mf: str, ours: tuple, views: tuple = (), out: bool = False, index: tuple = ()) -> Pair:
+    return Pair(name, mf, ours, views, out, (), index)
+
+
+@pytest.fixture(scope="module")
+def deepseek_oracle(tmp_path_factory) -> dict:
+    """MindFormers' DeepSeek-V3 strategies and stages for every DeepSeek case, from one subprocess."""
+    if not (ORACLES / "mindformers").is_dir():
+        pytest.fail(".oracles/ is missing: run `make oracles` (installs MindFormers beside .venv)")
+    cases = []
+    for name, (parallel, _) in ms_oracle_deepseek.CASES.items():
+        dp, tp, cp, pp = ms_oracle_deepseek.degrees(parallel)
+        cases.append({"name": name, "devices": dp * tp * cp * pp, "stages": pp, "yaml": ms_oracle_deepseek.yaml_text(name)})
+    env = {**os.environ, "PYTHONPATH": str(ORACLES), "GLOG_v": "3"}
+    proc = subprocess.run([sys.executable, str(DEEPSEEK_PROBE), json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path_factory.mktemp("deepseek_oracle"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["mindformers"].startswith("2.1."), f"the oracle is MindFormers 2.1, .oracles has {result['mindformers']}"
+    return result["cases"]
+
+
+def deepseek_lowering(case: str):
+    """Our lowering of the same MindFormers 2.x YAML, through our MindFormers converter."""
+    conv = read(ms_oracle_deepseek.yaml_text(case), f"{case}.yaml", ReadOptions())
+    assert conv.job.model.mla is not None and conv.job.model.mtp_layers == 1 and conv.job.model.moe.expert_bias
+    return lower(plan(conv.job.model, conv.job.strategy, conv.job.train, conv.world_size))
+
+
+@pytest.mark.parametrize("case", ms_oracle_deepseek.CASES)
+def test_deepseek_lowering_matches_mindformers(case, deepseek_oracle):
+    parallel = ms_oracle_deepseek.CASES[case][0]
+    dp, tp, cp, _ = ms_oracle_deepseek.degrees(parallel)
+    ours = {o.op: o for o in deepseek_lowering(case).ops}
+    diffs, agreed, compared = [], [], 0
+    for pair in ms_oracle_deepseek.pairs(_ds_pair, parallel):
+        problem = compare(pair, ours, deepseek_oracle[case]["ops"], dp * tp * cp)
+        choice = _deepseek_choice(case, pair.name)
+        compared += 1
+        if choice is None and problem is not None:
+            diffs.append(f"{pair.name} vs {pair.mf}: {problem}")
+        elif choice is not None and problem is None:
+            agreed.append(f"{pair.name}: listed in DEEPSEEK_CHOICES ({choice.why[:60]}...) but equal to MindFormers")
+    assert not diffs and not agreed, "\n".join(diffs + agreed)
+    assert compared > 200
+
+
+def test_deepseek_mtp_sits_on_the_last_stage_beside_lm_head(deepseek_oracle):
+    """Pipeline stages: every cell both sides place, MindFormers' on its stage, ours on the same; MTP
+    with lm_head on the last stage."""
+    for case, (parallel, _) in ms_oracle_deepseek.CASES.items():
+        pp = ms_oracle_deepseek.degrees(parallel)[3]
+        low = deepseek_lowering(case)
+        assert low.cell_stages["model.mtp.0"] == low.cell_stages["lm_head"] == (pp - 1, 0)
+        if pp == 1:
+            continue
+        theirs = deepseek_oracle[case]["stages"]
+        assert {o: low.cell_stages[o][0] for o in ms_oracle_deepseek.STAGE_CELLS} == \
+            {o: theirs[m] for o, m in ms_oracle_deepseek.STAGE_CELLS.items()}
+        assert theirs["model.mtp"] == pp - 1
+
+
+def test_the_deepseek_comparison_can_fail(deepseek_oracle):
+    """The two differences the comparison found, put back, are caught: MLA's latents whole over tp under
+    sequence parallel (the down-projections on gathered tokens), and the router on tokens gathered over tp."""
+    case = "ds_dp2_tp2_sp_ep2"
+    ours = {o.op: o for o in deepseek_lowering(case).ops}
+    pairs = {p.name: p for p in ms_oracle_deepseek.pairs(_ds_pair, ms_oracle_deepseek.CASES[case][0])}
+    for name in ("model.layers.1.self_attn.q_a_proj.matmul", "model.layers.1.mlp.gate.matmul"):
+        assert compare(pairs[name], ours, deepseek_oracle[case]["ops"], 4) is None
+        good = ours[name]
+        gathered = [whole_over(good.layouts[0], "tp"), good.layouts[1]]
+        ours[name] = dataclasses.replace(good, layouts=tuple(gathered) + (None,))
+        assert "input 0" in compare(pairs[name], ours, deepseek_oracle[case]["ops"], 4)
+
+
+def test_every_mindformers_deepseek_primitive_is_accounted_for(deepseek_oracle):
+    """Each sharded primitive of MindFormers' decoder layers (dense and MoE) and MTP module is compared or
+    listed in ms_oracle_deepseek.NOT_OURS with why, so a new MindFormers primitive cannot slip by; and
+    every NOT_OURS entry names a primitive MindFormers has, so the list cannot go stale."""
+    used = set()
+    for case, (parallel, _) in ms_oracle_deepseek.CASES.items():
+        compared = {p.mf for p in ms_oracle_deepseek.pairs(_ds_pair, parallel)}
+        for name in deepseek_oracle[case]["ops"]:
+            for prefix in ("model.decoder.layers.0.", "model.decoder.layers.1.", "model.mtp.layers.0.transformer_layer.",
+                           "model.mtp.layers.0."):
+                if name.startswith(prefix):
+                    break
+            else:
+                continue
+            if name in compared:
+                continue
+            why = ms_oracle_deepseek.explained(name.removeprefix(prefix))
+            if why is None:
+                raise AssertionError(f"{case}: MindFormers primitive {name} is neither compared nor explained")
+            used.add(why)
+    assert used == set(ms_oracle_deepseek.NOT_OURS), f"NOT_OURS entries no primitive needs: {set(ms_oracle_deepseek.NOT_OURS) - used}"
