@@ -9,7 +9,7 @@ or DeepSeek-V3's (transformers' DeepseekV3TopkRouter, Megatron's topk router): s
 fp32 logits; experts chosen by score + expert bias, only from the best group_top_k of num_groups
 groups; weighted by their scores (not the bias), renormalised, times routed_scaling_factor. The
 expert bias moves after every optimizer step (TrainStep), by the loads this layer records.
-Dispatch sorts the token copies by expert, runs each local expert on its contiguous rows and
+Dispatch sorts the token copies by expert, runs the local experts together on their contiguous rows (one grouped matmul per projection) and
 scatters the weighted outputs back (dropless, or capped at capacity_factor). Under expert
 parallelism (an `ep` group) the experts are split over the group, and the sorted rows travel
 to the rank holding their expert by all-to-all and back (Megatron's all-to-all token
@@ -44,22 +44,64 @@ class StackedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
 
 
+GROUPED_MM = hasattr(torch, "_grouped_mm")     # torch >= 2.8 (CPU too); else the padded batched matmul
+
+
 class Experts(nn.Module):
-    """The routed experts, stacked. Holds all E experts until expert parallelism slices dim 0."""
+    """The routed experts, stacked. Holds all E experts until expert parallelism slices dim 0.
+
+    All local experts run together, not one by one: torch._grouped_mm over the rows' expert groups
+    (torchtitan's and Megatron's grouped GEMM), or, where the build lacks it (`grouped` False) or
+    the sizes break its 16-byte alignment, one batched matmul over the groups zero-padded to the
+    largest (E, C, H)."""
 
     def __init__(self, experts: int, hidden: int, width: int):
         super().__init__()
         self.gate_proj = StackedLinear(experts, width, hidden)
         self.up_proj = StackedLinear(experts, width, hidden)
         self.down_proj = StackedLinear(experts, hidden, width)
+        self.grouped = GROUPED_MM
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows (N, H) sorted by local expert, counts[e] rows each -> (N, H)."""
-        out = []
-        for e, chunk in enumerate(rows.split(counts)):
-            h = F.silu(chunk @ self.gate_proj.weight[e].t()) * (chunk @ self.up_proj.weight[e].t())
-            out.append(h @ self.down_proj.weight[e].t())
-        return torch.cat(out) if out else rows[:0]
+        # Autocast does not cover _grouped_mm: cast as it casts a matmul.
+        device = rows.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else rows.dtype
+        rows = rows.to(dtype)
+        w1, w3, w2 = (p.weight.to(dtype).transpose(1, 2) for p in (self.gate_proj, self.up_proj, self.down_proj))
+        if self.grouped and all(n * rows.element_size() % 16 == 0 for n in w1.shape[1:]):
+            offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+            rows = rows.contiguous()
+            h = F.silu(torch._grouped_mm(rows, w1, offs=offs)) * torch._grouped_mm(rows, w3, offs=offs)
+            return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
+        return padded_bmm(rows, counts, w1, w3, w2)
+
+
+def padded_bmm(rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor,
+               w2: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU experts as one batched matmul: each expert's rows go to its slot of an (E, C, H)
+    zero tensor, C the largest count (padding rows cost compute, not results). w1, w3 (E, H, F),
+    w2 (E, F, H); rows (N, H) sorted by expert, counts[e] rows each -> (N, H)."""
+    e, c, hidden = len(counts), max(counts, default=0), rows.shape[1]
+    sizes = torch.tensor(counts, device=rows.device)
+    expert = torch.repeat_interleave(torch.arange(e, device=rows.device), sizes)
+    first = torch.cumsum(sizes, 0) - sizes
+    slot = expert * c + torch.arange(rows.shape[0], device=rows.device) - first[expert]
+    padded = rows.new_zeros(e * c, hidden).index_copy(0, slot, rows).view(e, c, hidden)
+    h = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
+    return torch.bmm(h, w2).view(e * c, hidden)[slot]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; backward makes the gradient contiguous (_grouped_mm's backward needs 16-byte strides)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 class AuxLoss(torch.autograd.Function):
