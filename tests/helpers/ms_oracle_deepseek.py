@@ -28,7 +28,7 @@ unpermute vs our dense combine over every expert), its expert-load and balance-l
 rank-local group vs our per-sequence loss and global loads, the softmax / score primitives inside its
 fused kernel, its bias-add and SwiGLU split of fused weights, its token-shift of the MTP input ids (ours
 shifts the embeddings), dropout.
-Where MindFormers chooses otherwise, CHOICES in the test names it and why we keep ours.
+Where MindFormers chooses otherwise, DEEPSEEK_CHOICES in the test names it and why we keep ours.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from ms_llm.config.train import TrainConfig
 from ms_llm.errors import StrategyError
 from ms_llm.mindspore.apply import apply_lowering, auto_parallel, set_context
 from ms_llm.mindspore.dry_run import dry_run_text
-from ms_llm.mindspore.lower import context_args, lower
+from ms_llm.mindspore.lower import context_args, lower, write_strategy_files
 from ms_llm.mindspore.model import LossCell, Transformer
 from ms_llm.mindspore.op_strategy import LayoutStrategy
 from ms_llm.strategy.ir import ParallelStrategy
@@ -285,3 +285,22 @@ def test_ring_attention_is_refused_for_mla():
     model = dataclasses.replace(DEEPSEEK, flash_attention=True)
     with pytest.raises(StrategyError, match="multi-latent attention does not run"):
         lower(plan(model, s, TrainConfig(global_batch_size=1, micro_batch_size=1, seq_len=32)))
+
+
+def test_deepseek_strategy_files_read_back_in_mindspore(tmp_path):
+    """Per-rank strategy files of a DeepSeek plan over two stages, read by MindSpore's own
+    build_searched_strategy: the last stage's hold the MTP modules beside lm_head, MLA's up-projections
+    split by heads over tp and its down-projections whole, the experts over ep."""
+    p = _plan("ds_dp2_ep2_pp2_full")
+    write_strategy_files(p, tmp_path)
+    first = ms.parallel.build_searched_strategy(str(tmp_path / "ckpt_strategy_rank_0.ckpt"))
+    last = ms.parallel.build_searched_strategy(str(tmp_path / f"ckpt_strategy_rank_{p.world_size - 1}.ckpt"))
+    assert "model.embed_tokens.weight" in first and not any(n.startswith("model.mtp.") for n in first)
+    assert {n for n in p.params if n.startswith("model.mtp.")} <= set(last) and "lm_head.weight" in last
+    experts = last["model.mtp.0.layer.mlp.experts.gate_proj.weight"]
+    assert list(experts.dev_matrix[0].dim) == [2] and list(experts.tensor_map[0].dim) == [0, -1, -1]
+    tp = _plan("ds_dp2_tp2_ep2_sp_selective")
+    write_strategy_files(tp, tmp_path / "tp")
+    entries = ms.parallel.build_searched_strategy(str(tmp_path / "tp" / "ckpt_strategy_rank_0.ckpt"))
+    assert list(entries["model.layers.1.self_attn.q_b_proj.weight"].tensor_map[0].dim) == [0, -1]
+    assert list(entries["model.layers.1.self_attn.q_a_proj.weight"].tensor_map[0].dim) == [-1, -1]
