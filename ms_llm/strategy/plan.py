@@ -26,7 +26,8 @@ from ms_llm.strategy.validate import validate
 # bias: shards with its column-parallel weight's outputs; head_norm: q/k RMSNorm over one head's
 # features (Qwen3), replicated, its gradient summed over the tp ranks' heads. latent: MLA's
 # down-projection to a latent (q_a_proj, kv_a_proj_with_mqa), replicated: every tp rank computes
-# the whole latent from the whole attention input, and the latent's gradient is the sum over the
+# the whole latent from the whole attention input (from its sequence chunk under sequence parallel,
+# the latent then gathered over tp for the up-projection), and the latent's gradient is the sum over the
 # tp ranks' heads (the column-parallel up-projection's input gradient; the rotary key every head
 # shares); latent_norm: the RMSNorm over a latent, replicated, fed by and feeding whole latents.
 # mtp_proj: the MTP module's eh_proj, column-parallel with its output gathered over tp
