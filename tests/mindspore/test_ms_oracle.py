@@ -17,9 +17,13 @@ The MoE cases (MindFormers' moe_config with expert_parallel) and where the MoE l
 structure are in ms_oracle_moe.py.
 
 DeepSeek-class models are compared with MindFormers 2.1's own DeepSeek-V3 training graph
-(parallel_core's TrainingDeepseekV3ForCausalLM, built with the real degrees by
-ms_oracle_deepseek_probe.py; its primitives, the views that line them up with ours and what has no
-counterpart are in ms_oracle_deepseek.py) on four configs: dp2 x tp2 with sequence parallel and ep2,
+(parallel_core's TrainingDeepseekV3ForCausalLM). It is built, never compiled, with the real degrees
+by ms_oracle_deepseek_probe.py (its rank and group questions answered as rank 0 of the config), and
+what is read is each primitive's shard() from the built cells: Layouts over its (dp, cp, tp) and MoE
+(dp_ex_ep, ep) device matrices. Against a Layout our side is the TensorLayout its strategy was
+computed from (OpShard.layouts), what each rank holds whatever form MindSpore is given. Its
+primitives, the views that line them up with ours and what has no counterpart are in
+ms_oracle_deepseek.py. Four configs: dp2 x tp2 with sequence parallel and ep2,
 dp4 x ep4, the same dp2 x tp2 x ep2 over two pipeline stages (where MTP must sit with lm_head on the
 last), and dp2 x cp2 x ep2; DEEPSEEK_CHOICES names where MindFormers chooses otherwise. Two differences
 found were ours and are fixed: the plan kept the MLA latents whole over tp under sequence parallel
