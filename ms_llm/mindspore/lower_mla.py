@@ -64,8 +64,8 @@ def mla_ops(plan: ModelPlan, p: str, qt: TensorLayout, kt: TensorLayout, vt: Ten
     q_core, k_core, v_core, score = core
     k_all, v_all = k_core.replicate_dim(2), v_core.replicate_dim(2)          # every key of the sequence
     ops += [op_shard(s + "transpose_q", [a["q"]]), op_shard(s + "transpose_kv", [kv]),
-            # q's and kv's per-head column slices (B, heads, T, d); see mla.py on the latent's
-            op_shard(s + "slice", [qt])]
+            op_shard(s + "slice", [qt]),                       # q's and kv's per-head columns (B, heads, T, d)
+            op_shard(s + "slice_latent", [kv_latent])]          # the latent's kv and rotary-key columns
     ops += _rotary_ops(s + "rotary_q.", q_rot) + _rotary_ops(s + "rotary_k.", k_rot)
     ops += [op_shard(s + "concat_q", [reshaped(qt, (b, nh, t, m.qk_nope_head_dim)), q_rot]),
             op_shard(s + "tile_k", [k_tiled]),

@@ -74,7 +74,8 @@ class MLAttention(nn.Cell):
         self.transpose_q = ops.Transpose()            # (B, T, nh, d) -> (B, nh, T, d)
         self.transpose_kv = ops.Transpose()
         self.merge_heads = ops.Transpose()            # (B, nh, T, v) -> (B, T, nh, v)
-        self.slice = ops.StridedSlice()
+        self.slice = ops.StridedSlice()               # q's and kv's columns per head (B, nh, T, d)
+        self.slice_latent = ops.StridedSlice()        # the latent's (B, T, kv + rope): one strategy a primitive
         self.tile_k = ops.Tile()                      # the shared rotary key, to every head
         self.concat_q = ops.Concat(axis=-1)
         self.concat_k = ops.Concat(axis=-1)
@@ -85,26 +86,28 @@ class MLAttention(nn.Cell):
         self.softmax = ops.Softmax(axis=-1)
         self.scale = Tensor(softmax_scale(cfg), ms.float32)
 
-    def _cols(self, x, start: int, stop: int):
+    @staticmethod
+    def _cols(slice_op, x, start: int, stop: int):
         """x[..., start:stop]."""
         shape = x.shape
-        return self.slice(x, (0,) * (len(shape) - 1) + (start,), shape[:-1] + (stop,), (1,) * len(shape))
+        return slice_op(x, (0,) * (len(shape) - 1) + (start,), shape[:-1] + (stop,), (1,) * len(shape))
 
     def construct(self, x, cos, sin, mask):
         b, t, _ = x.shape
         nh = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)
         q = self.transpose_q(self.reshape(q, (b, t, nh, self.qk_dim)), (0, 2, 1, 3))      # (B, nh, T, qk)
-        q_rot = self.rotary_q(self._cols(q, self.nope, self.qk_dim), cos, sin)
-        q = self.concat_q((self._cols(q, 0, self.nope), q_rot))
+        q_rot = self.rotary_q(self._cols(self.slice, q, self.nope, self.qk_dim), cos, sin)
+        q = self.concat_q((self._cols(self.slice, q, 0, self.nope), q_rot))
 
         latent = self.kv_a_proj_with_mqa(x)                                                # (B, T, kv + rope)
-        kv = self.kv_b_proj(self.kv_a_layernorm(self._cols(latent, 0, self.kv_rank)))
+        kv = self.kv_b_proj(self.kv_a_layernorm(self._cols(self.slice_latent, latent, 0, self.kv_rank)))
         kv = self.transpose_kv(self.reshape(kv, (b, t, nh, self.nope + self.v_dim)), (0, 2, 1, 3))
-        k_rot = self.reshape(self._cols(latent, self.kv_rank, self.kv_rank + self.rope), (b, 1, t, self.rope))
+        k_rot = self.reshape(self._cols(self.slice_latent, latent, self.kv_rank, self.kv_rank + self.rope),
+                             (b, 1, t, self.rope))
         k_rot = self.rotary_k(k_rot, cos, sin)
-        k = self.concat_k((self._cols(kv, 0, self.nope), self.tile_k(k_rot, (1, nh, 1, 1))))   # (B, nh, T, qk)
-        v = self._cols(kv, self.nope, self.nope + self.v_dim)                              # (B, nh, T, v)
+        k = self.concat_k((self._cols(self.slice, kv, 0, self.nope), self.tile_k(k_rot, (1, nh, 1, 1))))
+        v = self._cols(self.slice, kv, self.nope, self.nope + self.v_dim)                  # (B, nh, T, v)
 
         score = self.add(mask, self.mul(self.batch_matmul_q_k(q, k), self.scale))          # (B, nh, T, T)
         y = self.batch_matmul(self.softmax(score), v)                                      # (B, nh, T, v)
