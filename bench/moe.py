@@ -1,18 +1,30 @@
-"""Expert parallelism on gloo: tokens/s of tiny_moe at ep1, ep2 and ep4 (4 ranks, dp 4, shared ZeRO-0),
-and where an MoE layer's time goes: the all-to-all dispatch and combine (forward and backward)
-against the experts' matmuls (forward and backward).
+"""MoE on CPU, in one run: the expert compute of a 64-expert top-4 MoE layer against a dense layer
+of the same active width, and expert parallelism on gloo (tokens/s of tiny_moe at ep1, ep2, ep4).
 
-One torchrun launch runs the three settings in turn on the same batches; each times `--steps`
-training steps after 2 warm-up steps. At ep1 every rank holds all 8 experts and sends nothing; at
-ep4 each holds 2 and exchanges 3/4 of its routed token copies.
+Expert compute: forward + backward (input and parameter gradients, a fixed upstream gradient) of
+one torch_backend.moe.MoE layer (router, dispatch, grouped experts, combine) against a dense SwiGLU
+MLP of width top_k x expert width (the same matmul FLOPs per token), on the same tokens, median of
+`--repeats` alternating rounds after a warm-up, `--threads` CPU threads. Goal: MoE / dense at most
+1.5 (an MoE computing every expert over every token costs E / top_k = 16x). Beside them: the same
+layer with the padded batched matmul (the path for torch builds without torch._grouped_mm), with
+its experts run one by one in a Python loop (how they ran before grouped compute), and
+ms_llm.mindspore.moe.MoE (a jitted forward + backward, graph mode) at the same shapes.
 
-    python bench/moe.py [--steps 8] [--seq 64]
+Expert parallelism: one torchrun launch runs ep1, ep2 and ep4 in turn on the same batches (4 ranks,
+dp 4, shared ZeRO-0); each times `--steps` training steps after 2 warm-up steps, and where an MoE
+layer's time goes: the all-to-all dispatch and combine (forward and backward) against the experts'
+matmuls (forward and backward). At ep1 every rank holds all 8 experts and sends nothing; at ep4
+each holds 2 and exchanges 3/4 of its routed token copies.
+
+    python bench/moe.py [--tokens 4096] [--repeats 5] [--threads 1] [--steps 8] [--seq 64]
+    python bench/moe.py --quick      # tiny shapes, one round: checks the bench runs, in seconds
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -21,24 +33,117 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 
 import torch_backend.moe as moe  # noqa: E402
+from ms_llm.config.model import ModelConfig, MoEConfig  # noqa: E402
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
+from ms_llm.init import init_param  # noqa: E402
 from ms_llm.job import job_from_dict  # noqa: E402
 from ms_llm.machine import Machine  # noqa: E402
 from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
 from torch_backend.apply import apply  # noqa: E402
 from torch_backend.dist import init_distributed, shutdown  # noqa: E402
 from torch_backend.launch import torchrun  # noqa: E402
+from torch_backend.layers import MLP  # noqa: E402
 from torch_backend.lower import lower  # noqa: E402
 from torch_backend.mesh import build_meshes  # noqa: E402
 from torch_backend.step import TrainStep  # noqa: E402
 
 WORLD, GLOBAL_BATCH, EPS = 4, 16, (1, 2, 4)
 TIMES = {"all_to_all": 0.0, "experts": 0.0}
+SEED = 7
+
+
+class LoopExperts(moe.Experts):
+    """The experts as they ran before grouped compute: one at a time, in a Python loop."""
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out = []
+        for e, chunk in enumerate(rows.split(counts)):
+            h = F.silu(chunk @ self.gate_proj.weight[e].t()) * (chunk @ self.up_proj.weight[e].t())
+            out.append(h @ self.down_proj.weight[e].t())
+        return torch.cat(out) if out else rows[:0]
+
+
+def layer_config(a) -> ModelConfig:
+    return ModelConfig(name="bench_moe_layer", vocab_size=64, hidden_size=a.hidden, num_layers=1, num_heads=1,
+                       ffn_hidden_size=a.top_k * a.width, dtype="float32",
+                       moe=MoEConfig(num_experts=a.experts, top_k=a.top_k, expert_ffn_hidden_size=a.width))
+
+
+def torch_sides(a, x: np.ndarray, upstream: np.ndarray) -> dict:
+    """name -> one forward + backward of that torch layer on the tokens x (1, N, H)."""
+    cfg = layer_config(a)
+    grouped, padded, loop = moe.MoE(cfg), moe.MoE(cfg), moe.MoE(cfg)
+    padded.experts.grouped = False
+    loop.experts = LoopExperts(a.experts, a.hidden, a.width)
+    dense = MLP(cfg, width=a.top_k * a.width)
+    sides = {"torch MoE, grouped": grouped, "dense SwiGLU": dense, "torch MoE, padded bmm": padded,
+             "torch MoE, loop (old)": loop}
+    tokens, grad = torch.from_numpy(x).requires_grad_(), torch.from_numpy(upstream)
+    for module in sides.values():
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(torch.from_numpy(init_param(name, tuple(p.shape), SEED)))
+    return {name: (lambda m=module: torch.autograd.grad(m(tokens), [tokens, *m.parameters()], grad))
+            for name, module in sides.items()}
+
+
+def mindspore_side(a, x: np.ndarray, upstream: np.ndarray) -> dict:
+    """ms_llm.mindspore.moe.MoE: one jitted forward + backward (input and parameter gradients)."""
+    import mindspore as ms
+
+    from ms_llm.mindspore.moe import MoE
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    ms.device_context.cpu.op_tuning.threads_num(a.threads)
+    layer = MoE(layer_config(a))
+    for name, p in layer.parameters_and_names():
+        p.set_data(ms.Tensor(init_param(name, tuple(p.shape), SEED)))
+    tokens, grad = ms.Tensor(x), ms.Tensor(upstream)
+
+    def loss(t):
+        return (layer(t) * grad).sum()
+
+    step = ms.jit(ms.value_and_grad(loss, grad_position=0, weights=layer.trainable_params()))
+    return {"MindSpore MoE layer": lambda: step(tokens)[0].asnumpy()}
+
+
+def expert_compute(a) -> None:
+    """Time every side in alternating rounds and print the table."""
+    torch.set_num_threads(a.threads)
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((1, a.tokens, a.hidden), dtype=np.float32)
+    upstream = rng.standard_normal((1, a.tokens, a.hidden), dtype=np.float32)
+    sides = torch_sides(a, x, upstream) | mindspore_side(a, x, upstream)
+    first = {}
+    for name, fn in sides.items():          # warm-up (MindSpore compiles here)
+        t = time.perf_counter()
+        fn()
+        first[name] = time.perf_counter() - t
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(a.repeats):
+        for name, fn in sides.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    dense = median["dense SwiGLU"]
+    print(f"expert compute: {a.experts} experts top-{a.top_k}, hidden {a.hidden}, expert width {a.width} "
+          f"(dense width {a.top_k * a.width}), {a.tokens} tokens, fp32, forward + backward, {a.threads} CPU "
+          f"thread(s), median of {a.repeats} alternating rounds after a warm-up")
+    print(f"{'layer':<24} {'ms':>9} {'vs dense':>9} {'first call s':>13}")
+    for name, t in median.items():
+        print(f"{name:<24} {1e3 * t:>9.1f} {t / dense:>9.2f} {first[name]:>13.2f}")
+    ratio = median["torch MoE, grouped"] / dense
+    print(f"MoE / dense: {ratio:.2f} (goal <= 1.5: {'met' if ratio <= 1.5 else 'missed'}); "
+          f"loop (old) / grouped: {median['torch MoE, loop (old)'] / median['torch MoE, grouped']:.1f}")
 
 
 class _Mark(torch.autograd.Function):
@@ -116,40 +221,62 @@ def worker(args) -> None:
     init_distributed()
     torch.set_num_threads(1)
     instrument()
-    rows = [measure(ep, args.steps, args.seq, args.tokens) for ep in EPS]
+    rows = [measure(ep, args.steps, args.seq, args.corpus) for ep in EPS]
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
     shutdown()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8, help="timed steps per setting")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--tokens", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
+def expert_parallel(args) -> None:
+    """Launch the ep1 / ep2 / ep4 workers and print their table."""
     tmp = ROOT / ".tmp"
     tmp.mkdir(exist_ok=True)
-    tokens = str(build_stdlib_corpus(tmp / "bench-data", max_bytes=1_000_000))
+    corpus = str(build_stdlib_corpus(tmp / "bench-data", max_bytes=1_000_000))
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [*torchrun(WORLD), __file__, "--worker", "--tokens", tokens, "--steps", str(args.steps), "--seq", str(args.seq)]
+    cmd = [*torchrun(WORLD), __file__, "--worker", "--corpus", corpus, "--steps", str(args.steps),
+           "--seq", str(args.seq)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         sys.exit(f"bench failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     rows = json.loads(lines[0][len("RESULT "):])
     base = rows[0]["tokens_per_s"]
-    print(f"moe: tiny_moe (8 experts, top-2, 2 MoE layers), {WORLD} gloo ranks x 1 thread, dp {WORLD}, global batch "
-          f"{GLOBAL_BATCH} x seq {args.seq}, AdamW, fp32; {args.steps} timed steps per row; per-rank ms per step")
+    print(f"expert parallel: tiny_moe (8 experts, top-2, 2 MoE layers), {WORLD} gloo ranks x 1 thread, dp {WORLD}, "
+          f"global batch {GLOBAL_BATCH} x seq {args.seq}, AdamW, fp32; {args.steps} timed steps per row; "
+          f"per-rank ms per step")
     print(f"{'setting':<8} {'tokens/s':>9} {'vs ep1':>7} {'step ms':>8} {'all-to-all ms':>14} {'experts ms':>11} "
           f"{'a2a/experts':>12}")
     for r in rows:
         ratio = r["all_to_all_ms"] / r["experts_ms"] if r["experts_ms"] else float("nan")
         print(f"ep{r['ep']:<6} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>7.2f} {r['step_ms']:>8.1f} "
               f"{r['all_to_all_ms']:>14.2f} {r['experts_ms']:>11.2f} {ratio:>12.2f}")
+
+
+QUICK = {"experts": 8, "top_k": 2, "hidden": 32, "width": 16, "tokens": 64, "repeats": 1, "steps": 1, "seq": 16}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--width", type=int, default=256, help="one expert's SwiGLU width")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens through the MoE and dense layers")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds of the expert-compute table")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of the expert-compute table, both backends")
+    p.add_argument("--steps", type=int, default=8, help="timed training steps per ep setting")
+    p.add_argument("--seq", type=int, default=64, help="sequence length of the ep settings")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, one round, one step: seconds")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--corpus", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        vars(args).update(QUICK)
+    expert_compute(args)
+    print()
+    expert_parallel(args)
 
 
 if __name__ == "__main__":

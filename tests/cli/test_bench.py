@@ -1,8 +1,9 @@
 """bench/: every script answers --help without running its benchmark; bench/_results.py writes a
 bench's output under the machine and the date (a rerun replaces that bench's section), and nothing
 for a failed one; gpu_mfu.py checks its
-arguments against the cost model before it looks for a GPU."""
+arguments against the cost model before it looks for a GPU; moe.py --quick prints its two tables."""
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,24 @@ def test_gpu_mfu_checks_model_and_fit_before_it_needs_a_gpu():
         gpu_mfu.job_for(gpu_mfu.parse_args(["--model", "llama2_13b"]), "h100")
     with pytest.raises(ConfigError, match="llama2_7b needs ~[0-9]+ GB by ms_llm's cost model, more than one 80 GB"):
         gpu_mfu.job_for(gpu_mfu.parse_args(["--model", "llama2_7b"]), "h100")
+
+
+def test_moe_bench_quick_prints_both_tables():
+    """bench/moe.py --quick: the expert-compute table (torch MoE grouped, dense, padded, loop, the
+    MindSpore layer, each timed and against dense) and the ep1 / ep2 / ep4 table, at tiny shapes."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--quick"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("expert compute: 8 experts top-2, hidden 32, expert width 16 (dense width 32), 64 tokens")
+    assert lines[1].split() == ["layer", "ms", "vs", "dense", "first", "call", "s"]
+    number = r"\s+\d+\.\d+"
+    for i, name in enumerate(["torch MoE, grouped", "dense SwiGLU", "torch MoE, padded bmm", "torch MoE, loop (old)",
+                              "MindSpore MoE layer"]):
+        assert re.fullmatch(re.escape(name) + 3 * number, lines[2 + i]), lines[2 + i]
+    assert lines[3].split()[3] == "1.00"                 # the dense layer against itself
+    assert re.fullmatch(r"MoE / dense: \d+\.\d\d \(goal <= 1\.5: (met|missed)\); loop \(old\) / grouped: \d+\.\d",
+                        lines[7]), lines[7]
+    assert lines[8] == "" and lines[9].startswith("expert parallel: tiny_moe (8 experts, top-2")
+    assert [line.split()[0] for line in lines[11:]] == ["ep1", "ep2", "ep4"]
+    assert all(len(line.split()) == 7 for line in lines[11:])
