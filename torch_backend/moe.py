@@ -9,12 +9,13 @@ or DeepSeek-V3's (transformers' DeepseekV3TopkRouter, Megatron's topk router): s
 fp32 logits; experts chosen by score + expert bias, only from the best group_top_k of num_groups
 groups; weighted by their scores (not the bias), renormalised, times routed_scaling_factor. The
 expert bias moves after every optimizer step (TrainStep), by the loads this layer records.
-Dispatch sorts the token copies by expert, runs the local experts together on their contiguous rows (one grouped matmul per projection) and
-scatters the weighted outputs back (dropless, or capped at capacity_factor). Under expert
-parallelism (an `ep` group) the experts are split over the group, and the sorted rows travel
-to the rank holding their expert by all-to-all and back (Megatron's all-to-all token
-dispatcher); under the experts' own tensor parallelism each rank holds a slice of every local
-expert's width and the combined output is summed over `tp`.
+Dispatch sorts the token copies by expert, runs the local experts together on their contiguous
+rows (one grouped matmul per projection, class Experts) and scatters the weighted outputs back
+(dropless, or capped at capacity_factor). Under expert parallelism (an `ep` group) the experts
+are split over the group, and the sorted rows travel to the rank holding their expert by
+all-to-all and back (Megatron's all-to-all token dispatcher); under the experts' own tensor
+parallelism each rank holds a slice of every local expert's width and the combined output is
+summed over `tp`.
 
 The auxiliary losses (load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) do
 not travel with the output: a pass-through autograd function adds their gradient in backward
