@@ -41,11 +41,13 @@ NOT_RUN = {
     "ms-llm prepare-data --input web.jsonl": "a user's own files (tests/data/test_prepare_data.py runs every input kind)",
     "ms-llm prepare-data --input stdlib": "tokenizes the whole standard library (tests/data/test_prepare_data.py)",
     "ms-llm convert-strategy .oracles/": "MindFormers' own configs, installed by `make oracles` "
-                                        "(tests/convert/test_convert_mindformers.py converts every pretrain config)",
+                                        "(tests/convert/test_convert_deepseek.py converts every pretrain config)",
     "python bench/": "benchmarks: `make bench` runs them",
     "python -m ms_llm train configs/train/tiny_ms_dp2.yaml": "MindSpore training on msrun "
                                                              "(tests/mindspore/test_ms_train.py)",
     "ms-llm train configs/train/tiny_torch_dp2.yaml": "torch training on torchrun (tests/torch/test_torch_train.py)",
+    "ms-llm train configs/train/tiny_deepseek_ms_dp2.yaml": "MindSpore training on msrun "
+                                                            "(tests/mindspore/test_ms_deepseek_train.py)",
 }
 
 # Commands each page must show at least, and how many must run here in all.
