@@ -11,7 +11,9 @@ import mindspore as ms
 from mindspore import nn
 
 from ms_llm.mindspore.lower import Lowering
+from ms_llm.mindspore.lower_moe import token_groups
 from ms_llm.mindspore.model import LossCell
+from ms_llm.mindspore.moe import set_token_groups
 from ms_llm.mindspore.op_strategy import LayoutStrategy
 
 
@@ -28,7 +30,10 @@ def _build(strategies):
 
 
 def apply_lowering(net: LossCell, low: Lowering) -> LossCell:
-    """Set every op's shard strategy, every cell's pipeline stage, and recompute, in place."""
+    """Set every op's shard strategy, every cell's pipeline stage, recompute and the MoE layers'
+    token groups, in place."""
+    if low.plan.model.moe is not None:
+        set_token_groups(net, token_groups(low.plan))
     for op in low.ops:
         prim = _resolve(net, op.op)
         if op.output is None:

@@ -73,6 +73,8 @@ def context_args(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = 
         "strategy_ckpt_config": {"save_file": strategy_file, "only_trainable_params": True},
         "enable_parallel_optimizer": plan.zero.stage >= 1,
     }
+    if s.ep > 1:       # the MoE dispatch's layout changes over ep become all-to-alls (lower_moe.py)
+        ctx["enable_alltoall"] = True
     if plan.zero.stage >= 1:
         ctx["parallel_optimizer_config"] = {"optimizer_level": f"level{plan.zero.stage}",
                                             "optimizer_weight_shard_size": plan.zero.group_size,

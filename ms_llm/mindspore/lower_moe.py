@@ -1,29 +1,51 @@
 """Shard strategies of one MoE layer (ms_llm/mindspore/moe.py), read off the plan as lower.py
-reads the dense layers'.
+reads the dense layers', and the layer's capacity and token groups (framework-free, so moe.py and
+the lowering share them).
 
 Two meshes, the same ranks: the router works on the tokens as the residual stream holds them
 (split over dp and cp, and over tp too under sequence parallel, where Megatron-core and MindFormers
-route each rank's own sequence chunk; whole over tp otherwise); the experts on the expert mesh (edp, ep, tp), where dp*cp
-is regrouped as edp x ep with ep innermost (ms_llm/strategy/mesh.py). The tiled (E, N, H) expert
-input splits E over ep and the tokens over edp: each rank runs its E/ep experts over the tokens of
-its edp group (the all-gather dispatch over ep of MindFormers' use_allgather_dispatcher), the
-expert weights are the plan's (E over ep, the experts' own tp on their width), and the sum over
-experts is an all-reduce over ep. These equal MindFormers 2.1's expert BatchMatMuls for the same
-moe_config and expert_parallel ((dp_moe, ep, 1, 1) x (ep, mp, 1), then (dp_moe, ep, 1, mp) x
-(ep, 1, mp)) and its router's token-parallel (dp*cp, 1) ops: tests/mindspore/test_ms_oracle.py compares them
-and says where the layers differ in structure. DeepSeek's routing (sigmoid scores renormalised for the
-losses, the expert bias replicated on every rank of the stage beside token-split scores, group-limited
-top-k, the scores gathered at the choice, routed_scaling_factor, the sequence-wise loss per sequence
-split like the tokens) is token-parallel the same way, as MindFormers 2.1's DeepSeek-V3 TopKRouter; the
-expert loads are summed over the tokens, so every rank holds the same loads and moves its biases alike.
+route each rank's own sequence chunk; whole over tp otherwise); the dispatch on the token groups,
+one per dp*cp rank (token_groups), which the expert mesh (edp, ep, tp) regroups as edp x ep with ep
+innermost (ms_llm/strategy/mesh.py). Capacity, dispatch and combine are token-parallel over the
+groups ((edp*ep, ...), as MindFormers' TopkRouterV2 splits its (dp, ...) tensors), each group's
+tokens whole over tp. The experts run on (E, groups * C, H) with E over ep and the groups over edp,
+their weights as the plan lays them out (E over ep, the width over tp). Between the two layouts sit
+the all-to-alls over ep of MindFormers' MoEV2 (with enable_alltoall): into transpose_in, whose input
+(groups, E, C, H) takes E over ep and the groups over edp, as MindFormers' transpose_5dim_ep2 takes
+its (dp_moe, ep, E, n, h) dispatch; and into transpose_out, whose input (E, groups, C, H) takes the
+groups over edp x ep again, as transpose_5dim_ep2 takes its combine. tests/mindspore/test_ms_oracle.py
+compares these with MindFormers 2.1's MoE (router, capacity CumSum, dispatch and combine gathers,
+both all-to-all transposes, expert BatchMatMuls) and says where the layers differ. DeepSeek's routing
+(sigmoid scores renormalised for the losses, the expert bias replicated on every rank of the stage
+beside token-split scores, group-limited top-k, the scores gathered at the choice,
+routed_scaling_factor, the sequence-wise loss per sequence split like the tokens) is token-parallel the
+same way, as MindFormers 2.1's DeepSeek-V3 TopKRouter; the expert loads are summed over the tokens, so
+every rank holds the same loads and moves its biases alike.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
+from ms_llm.config.model import MoEConfig
 from ms_llm.mindspore.op_strategy import OpShard, flat_tokens, op_shard, reshaped, select
 from ms_llm.strategy.layout import TensorLayout
 from ms_llm.strategy.plan import ModelPlan
+
+
+def expert_capacity(moe: MoEConfig, tokens: int) -> int:
+    """Slots per expert in a group of `tokens` tokens: ceil(capacity_factor x tokens x top_k / E)
+    (GShard, the torch backend's), at most `tokens` (an expert gets one copy of a token at most, so
+    more slots would stay empty); dropless (-1) is `tokens`, the worst case."""
+    if moe.capacity_factor < 0:
+        return tokens
+    return min(math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts), tokens)
+
+
+def token_groups(plan: ModelPlan) -> int:
+    """Capacity groups under semi_auto_parallel: one per data-parallel x context-parallel rank."""
+    em = plan.expert_mesh
+    return em.axis_size("edp") * em.axis_size("ep")
 
 
 def _tokens(flat: TensorLayout, *trailing: int) -> TensorLayout:
@@ -71,30 +93,45 @@ def moe_ops(plan: ModelPlan, layer: str) -> list[OpShard]:
     p = layer + "mlp."
     e, k, h, f = m.moe.num_experts, m.moe.top_k, m.hidden_size, m.expert_ffn_size
     flat = flat_tokens(a["hidden"])                                      # (N, H): the residual stream's tokens
-    n = flat.shape[0]
     tok = partial(_tokens, flat)
     whole = TensorLayout.replicated((e,), plan.stage_mesh)         # per-expert load statistics, the expert bias
     em = plan.expert_mesh.without("pp")
-    x_e = TensorLayout.build((e, n, h), em, ep=0, edp=1)           # tiled tokens, then expert outputs
-    h_e = TensorLayout.build((e, n, f), em, ep=0, edp=1, tp=2)     # expert SwiGLU hidden
-    w = {proj: params[f"{p}experts.{proj}.weight"].layout for proj in ("gate_proj", "up_proj", "down_proj")}
+    g = token_groups(plan)
+    n = flat.shape[0] // g                                               # tokens per group
+    c = expert_capacity(m.moe, n)
 
+    def grouped(*shape: int) -> TensorLayout:                           # (G, ...): one group per dp*cp rank
+        return TensorLayout.build((g, *shape), em, edp=0, ep=0)
+
+    rows = TensorLayout.build((e, g * c, h), em, ep=0, edp=1)           # expert rows: E over ep, groups over edp
+    hidden = TensorLayout.build((e, g * c, f), em, ep=0, edp=1, tp=2)   # expert SwiGLU hidden
+    w = {proj: params[f"{p}experts.{proj}.weight"].layout for proj in ("gate_proj", "up_proj", "down_proj")}
+    copies = grouped(n * k, e)
     ops = [op_shard(p + "gate.matmul", [flat, params[p + "gate.weight"].layout]),
            op_shard(p + "softmax", [tok(e)]), op_shard(p + "topk", [tok(e)]),
            op_shard(p + "sum_top", [tok(k)]), op_shard(p + "div", [tok(k), tok(1)]),
            op_shard(p + "one_hot", [tok(k, e), None, None]),
-           # capacity: queue positions run over the whole batch in token order
-           op_shard(p + "cumsum", [TensorLayout.replicated((n * k, e), plan.stage_mesh)]),
-           op_shard(p + "less_equal", [tok(k, e), None]), op_shard(p + "mul_kept", [tok(k, e), tok(k, e)]),
-           op_shard(p + "mul_weights", [tok(k, e), tok(k, 1)]), op_shard(p + "sum_copies", [tok(k, e)]),
-           op_shard(p + "transpose", [tok(e)]),
-           op_shard(p + "tile", [x_e]),                                  # the tiled dim splits its multiples
-           op_shard(p + "experts.bmm_gate", [x_e, w["gate_proj"]]), op_shard(p + "experts.bmm_up", [x_e, w["up_proj"]]),
-           op_shard(p + "experts.sigmoid", [h_e]), op_shard(p + "experts.silu_mul", [h_e, h_e]),
-           op_shard(p + "experts.mul", [h_e, h_e]),
-           op_shard(p + "experts.bmm_down", [h_e, w["down_proj"]]),
-           op_shard(p + "mul_combine", [x_e, TensorLayout.build((e, n, 1), em, ep=0, edp=1)]),
-           op_shard(p + "sum_experts", [x_e])]
+           # capacity, per group: queue places in token order, the kept copies, their slots
+           op_shard(p + "cumsum", [copies]), op_shard(p + "less_equal", [copies, None]),
+           op_shard(p + "mul_kept", [copies, copies]), op_shard(p + "sub_priority", [None, copies]),
+           op_shard(p + "mul_priority", [copies, copies]), op_shard(p + "sum_choices", [grouped(n, k, e)]),
+           op_shard(p + "transpose_kept", [grouped(n, e)]), op_shard(p + "topk_slots", [grouped(e, n)]),
+           op_shard(p + "mul_offsets", [TensorLayout.replicated((e,), em), None]),
+           op_shard(p + "add_slots", [copies, TensorLayout.replicated((e,), em)]),
+           op_shard(p + "mul_slots", [copies, copies]), op_shard(p + "sum_slots", [copies]),
+           op_shard(p + "sum_kept", [copies]), op_shard(p + "mul_weights", [grouped(n * k), grouped(n * k)]),
+           # dispatch into (G, E, C, H); the all-to-all over ep into each transpose
+           op_shard(p + "dispatch", [grouped(n, h), grouped(e, c)]),
+           op_shard(p + "transpose_in", [TensorLayout.build((g, e, c, h), em, edp=0, ep=1)]),
+           op_shard(p + "experts.bmm_gate", [rows, w["gate_proj"]]), op_shard(p + "experts.bmm_up", [rows, w["up_proj"]]),
+           op_shard(p + "experts.sigmoid", [hidden]), op_shard(p + "experts.silu_mul", [hidden, hidden]),
+           op_shard(p + "experts.mul", [hidden, hidden]),
+           op_shard(p + "experts.bmm_down", [hidden, w["down_proj"]]),
+           op_shard(p + "transpose_out", [TensorLayout.build((e, g, c, h), em, edp=1, ep=1)]),
+           # combine: each kept copy's slot, weighted, summed over the token's copies
+           op_shard(p + "combine", [grouped(e * c, h), grouped(n * k)]),
+           op_shard(p + "mul_combine", [grouped(n * k, h), grouped(n * k, 1)]),
+           op_shard(p + "sum_copies", [grouped(n, k, h)])]
     r = p + "router_losses."
     ops += [op_shard(r + "sum_copies", [tok(k, e)]), op_shard(r + "mean_tokens", [tok(e)]),
             op_shard(r + "mul", [whole, whole]), op_shard(r + "sum_experts", [whole]),

@@ -7,23 +7,38 @@ fp32, softmax or sigmoid scores; the choice is the scores plus, with expert_bias
 `mlp.gate.e_score_correction_bias` (a non-trainable Parameter that only steers selection; the
 training step moves it after each update, ExpertBiasUpdate); group-limited top-k keeps the best
 group_top_k of num_groups groups; the weights are the scores at the top_k, optionally
-renormalised, times routed_scaling_factor; GShard capacity in token order. Graph mode wants
-static shapes, so instead of sorting token copies by expert this layer builds the (tokens,
-experts) combine matrix, zero outside each token's kept top-k, runs every
-expert over the tokens as one BatchMatMul over the expert dimension (E, N, H) and sums the
-weighted outputs: the same result as the sorted dispatch, at E / top_k times its expert FLOPs.
-Under semi_auto_parallel (lower.py) E splits over ep and the tokens over edp, so each rank runs
-its own experts over its expert-data-parallel group's tokens (an all-gather dispatch over ep) and
-the sum over experts is an all-reduce over ep. Every computation is a Primitive attribute, so
-the lowering shards each one. The router losses (Switch load balancing, z-loss, DeepSeek-V3's
-sequence-wise loss) are returned beside the output and added to the loss (model.LossCell), as
-MindFormers adds its MoE extra_loss: their gradient is then scaled with the loss (loss scale,
-micro-batch mean) like every other. Beside them comes each expert's load (the token copies
-routed to it), which the training step sums for the bias update.
+renormalised, times routed_scaling_factor.
+
+Dispatch is capacity-based with static shapes, as MindFormers' own MoE (MoEV2) under
+semi_auto_parallel. The tokens form `token_groups` groups of n consecutive tokens (1 group on one
+device or per data-parallel rank; dp*cp groups under semi_auto_parallel, set by apply.py, so each
+rank's tokens are one group, the torch backend's capacity under data parallel). Each expert takes
+the first C = min(ceil(capacity_factor * n * top_k / E), n) copies routed to it in its group, in
+token order (GShard, torch's capacity drop; an expert cannot get more than n copies, so the min
+drops nothing): a CumSum gives each copy its place in its expert's queue. TopK over those places
+picks the token of every (expert, slot); a Gather fills the (groups, E, C, H) buffer; the experts
+run as one BatchMatMul per projection over (E, groups * C, H), so each token costs top_k x
+capacity_factor expert MLPs, not E; a Gather by each kept copy's slot brings the outputs back,
+weighted by the routing weights (0 for a dropped copy). Empty slots compute on some token and are
+never read. Under semi_auto_parallel (lower_moe.py) the buffer's groups split over dp*cp = edp x ep
+on the way in and out; the transposes to and from the experts' (E over ep, groups over edp) layout
+are where MindSpore puts the all-to-all over ep, as around MindFormers' transpose_5dim_ep2.
+
+Dropless (capacity_factor -1) is C = n: every expert has a slot for every token of its group, the
+worst case of capacity dispatch, exact, at E / top_k times the expert FLOPs of the routed copies
+(the cost of running every expert over every token). Static shapes cannot drop nothing for less:
+MindSpore 2.10's GroupedMatmul, which MindFormers' dropless path uses, has only an Ascend kernel
+(kernel selection refuses it on CPU), so it is not used here; set a capacity factor for sparse
+compute.
+
+Every computation is a Primitive attribute, so the lowering shards each one. The router losses
+(Switch load balancing, z-loss, DeepSeek-V3's sequence-wise loss) are returned beside the output
+and added to the loss (model.LossCell), as MindFormers adds its MoE extra_loss: their gradient is
+then scaled with the loss (loss scale, micro-batch mean) like every other. Beside them comes each
+expert's load (the token copies routed to it, dropped ones included, as torch counts them), which
+the training step sums for the bias update.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import mindspore as ms
@@ -31,6 +46,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.mindspore.layers import MLP, Linear
+from ms_llm.mindspore.lower_moe import expert_capacity
 
 
 class StackedLinear(nn.Cell):
@@ -42,7 +58,8 @@ class StackedLinear(nn.Cell):
 
 
 class Experts(nn.Cell):
-    """Every expert over every token it is given: (E, N, H) -> (E, N, H), SwiGLU per expert."""
+    """Each expert over its own rows: (E, M, H) -> (E, M, H), SwiGLU per expert, one BatchMatMul
+    per projection."""
 
     def __init__(self, experts: int, hidden: int, width: int):
         super().__init__()
@@ -174,12 +191,15 @@ class ExpertBiasUpdate(nn.Cell):
 
 
 class MoE(nn.Cell):
+    """The MoE feed-forward (module docstring); `token_groups` is set per layout by set_token_groups."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         m = cfg.moe
+        self.moe_config = m
         self.hidden, self.num_experts, self.top_k, self.normalize = cfg.hidden_size, m.num_experts, m.top_k, \
             m.normalize_top_k
-        self.capacity_factor = m.capacity_factor
+        self.token_groups = 1
         self.has_losses = m.aux_loss_coeff > 0 or m.z_loss_coeff > 0
         self.has_seq_loss = m.seq_aux_loss_coeff > 0
         self.sigmoid_scores, self.expert_bias = m.score_function == "sigmoid", m.expert_bias
@@ -209,15 +229,29 @@ class MoE(nn.Cell):
         if self.scaling != 1.0:
             self.mul_scaling = ops.Mul()
         self.one_hot = ops.OneHot()                          # (N, k) -> (N, k, E)
-        self.cumsum = ops.CumSum()                           # capacity: queue positions in token order
-        self.less_equal = ops.LessEqual()
+        # Capacity, per token group (G, n*k copies, E), copies in token order:
+        self.cumsum = ops.CumSum()                           # each copy's place in its expert's queue (1-based)
+        self.less_equal = ops.LessEqual()                    # within capacity C
         self.mul_kept = ops.Mul()
-        self.mul_weights = ops.Mul()
-        self.sum_copies = ops.ReduceSum(keep_dims=False)     # (N, k, E) -> (N, E)
-        self.transpose = ops.Transpose()                     # (N, E) -> (E, N)
-        self.tile = ops.Tile()                               # (1, N, H) -> (E, N, H)
+        self.sub_priority = ops.Sub()                        # C + 1 - place: the earliest copy ranks highest
+        self.mul_priority = ops.Mul()
+        self.sum_choices = ops.ReduceSum(keep_dims=False)    # (G, n, k, E) -> (G, n, E): a token's copy per expert
+        self.transpose_kept = ops.Transpose()                # -> (G, E, n)
+        self.topk_slots = ops.TopK(sorted=True)              # -> (G, E, C): the token in each slot, in queue order
+        self.mul_offsets = ops.Mul()                         # expert e's slots start at e * C
+        self.add_slots = ops.Add()                           # place + e * C - 1: each copy's slot in (E * C)
+        self.mul_slots = ops.Mul()
+        self.sum_slots = ops.ReduceSum(keep_dims=False)      # (G, n*k, E) -> (G, n*k)
+        self.sum_kept = ops.ReduceSum(keep_dims=False)       # (G, n*k, E) -> (G, n*k): 1 kept, 0 dropped
+        self.mul_weights = ops.Mul()                         # the routing weight of kept copies, 0 of dropped
+        # Dispatch, experts, combine:
+        self.dispatch = ops.Gather(batch_dims=1)             # (G, n, H) at (G, E, C) -> (G, E, C, H)
+        self.transpose_in = ops.Transpose()                  # -> (E, G, C, H): all-to-all over ep before it
+        self.transpose_out = ops.Transpose()                 # -> (G, E, C, H): all-to-all over ep before it
+        self.combine = ops.Gather(batch_dims=1)              # (G, E*C, H) at (G, n*k) -> (G, n*k, H)
         self.mul_combine = ops.Mul()
-        self.sum_experts = ops.ReduceSum(keep_dims=False)    # (E, N, H) -> (N, H)
+        self.sum_copies = ops.ReduceSum(keep_dims=False)     # (G, n, k, H) -> (G, n, H)
+        self.expert_ids = Tensor(np.arange(m.num_experts, dtype=np.float32))
         self.router_losses = RouterLosses(m.num_experts, m.top_k, m.aux_loss_coeff, m.z_loss_coeff)
         if self.has_seq_loss:
             self.seq_aux_loss = SequenceAuxLoss(m.num_experts, m.top_k, m.seq_aux_loss_coeff)
@@ -253,16 +287,7 @@ class MoE(nn.Cell):
         if self.scaling != 1.0:
             weights = self.mul_scaling(weights, self.scaling)
         chosen = self.one_hot(top, self.num_experts, self.on, self.off)          # (N, k, E)
-        kept = chosen
-        if self.capacity_factor > 0:
-            capacity = math.ceil(self.capacity_factor * n * self.top_k / self.num_experts)
-            # Position of each copy in its expert's queue, copies in token order (torch's stable sort).
-            position = self.cumsum(chosen.reshape((n * self.top_k, self.num_experts)), 0).reshape(chosen.shape)
-            kept = self.mul_kept(chosen, self.less_equal(position, capacity).astype(ms.float32))
-        combine = self.sum_copies(self.mul_weights(kept, weights.reshape((n, self.top_k, 1))), 1)   # (N, E)
-        out = self.experts(self.tile(tokens.reshape((1, n, h)), (self.num_experts, 1, 1)))    # (E, N, H)
-        weight = self.transpose(combine.astype(x.dtype), (1, 0)).reshape((self.num_experts, n, 1))
-        y = self.sum_experts(self.mul_combine(out, weight), 0).reshape((b, t, h))
+        y = self.dispatch_combine(tokens, chosen, weights.astype(x.dtype)).reshape((b, t, h))
         if self.has_shared:
             y = self.add(y, self.shared_experts(x))
         losses = self.off
@@ -275,3 +300,35 @@ class MoE(nn.Cell):
         if self.expert_bias:
             load = ops.stop_gradient(self.sum_load(chosen, (0, 1)))
         return y, losses, load
+
+    def dispatch_combine(self, tokens, chosen, weights):
+        """tokens (N, H), chosen (N, k, E) one-hot, weights (N, k) -> (N, H): the kept copies through
+        their experts by capacity dispatch, weighted and summed per token."""
+        n, h = tokens.shape
+        g, e, k = self.token_groups, self.num_experts, self.top_k
+        per = n // g                                                             # tokens per group
+        cap = expert_capacity(self.moe_config, per)
+        chosen = ops.stop_gradient(chosen).reshape((g, per * k, e))
+        place = self.cumsum(chosen, 1)                                           # (G, n*k, E)
+        kept = self.mul_kept(chosen, self.less_equal(place, cap).astype(ms.float32))
+        priority = self.mul_priority(kept, self.sub_priority(cap + 1, place))
+        per_token = self.sum_choices(priority.reshape((g, per, k, e)), 2)       # (G, n, E)
+        _, slot_tokens = self.topk_slots(self.transpose_kept(per_token, (0, 2, 1)), cap)     # (G, E, C)
+        slots = self.sum_slots(self.mul_slots(kept, self.add_slots(place, self.mul_offsets(self.expert_ids, cap) - 1)),
+                               -1).astype(ms.int32)                              # (G, n*k)
+        weights = self.mul_weights(weights.reshape((g, per * k)), self.sum_kept(kept, -1).astype(weights.dtype))
+        buffer = self.dispatch(tokens.reshape((g, per, h)), slot_tokens, 1)      # (G, E, C, H)
+        rows = self.transpose_in(buffer, (1, 0, 2, 3)).reshape((e, g * cap, h))
+        out = self.experts(rows).reshape((e, g, cap, h))
+        out = self.transpose_out(out, (1, 0, 2, 3)).reshape((g, e * cap, h))
+        copies = self.mul_combine(self.combine(out, slots, 1), weights.reshape((g, per * k, 1)))
+        return self.sum_copies(copies.reshape((g, per, k, h)), 2).reshape((n, h))
+
+
+def set_token_groups(net: nn.Cell, groups: int) -> None:
+    """Every MoE layer of `net` forms its capacity groups of tokens over `groups` groups: 1 on one
+    device and under data parallel (each rank's batch), dp*cp under semi_auto_parallel
+    (lower_moe.token_groups), where each group is one rank's tokens."""
+    for _, cell in net.cells_and_names():
+        if isinstance(cell, MoE):
+            cell.token_groups = groups
