@@ -1,22 +1,40 @@
 """The MoE part of the MindFormers oracle (tests/mindspore/test_ms_oracle.py): MindFormers 2.1's LLaMA with a
-moe_config (MoEV2: TopkRouterV2 + LlamaFeedForward with expert_num, the experts' BatchMatMuls on
-(dp_moe, E, capacity, H)) against ms_llm's MoE layer (ms_llm/mindspore/moe.py, lower_moe.py).
+moe_config (MoEV2: TopkRouterV2 + LlamaFeedForward with expert_num, capacity dispatch with static shapes,
+the experts' BatchMatMuls on (dp_moe, E, ep * capacity, H)) against ms_llm's MoE layer
+(ms_llm/mindspore/moe.py, lower_moe.py), at ep2, ep4 and ep8 with mp2 and dp.
 
-Where the layers differ in structure, and so are not compared one to one:
-- Dispatch. MindFormers gathers each expert's capacity of token slots per data-parallel group
-  ((dp, E, capacity) dispatch indices, then a chain of reshapes, transposes and strided slices
-  that MindSpore turns into the all-to-all over ep) and gathers them back for the combine. Ours
-  runs each rank's E/ep experts over every token of its edp group (its use_allgather_dispatcher)
-  and weights them with a dense (tokens, E) combine matrix; the sum over experts is an all-reduce
-  over ep. No primitive of either dispatch has a counterpart in the other.
-- Capacity. MindFormers counts each expert's queue per data-parallel group (CumSum split (dp, 1, 1));
-  ours counts it over the whole batch in token order (the single-device result, as the torch
-  backend), so our CumSum keeps the tokens whole.
+Both dispatch by capacity per token group, one group per data-parallel rank: a CumSum over each
+group's copies, a Gather of the tokens into (groups, E, C, H), the experts on E over ep and the groups
+over dp / ep (dp_moe = edp), a Gather back by each copy's slot, weighted and summed over the copies.
+The all-to-all over ep sits in the same place in both: between the dispatch Gather (groups over dp)
+and the experts (E over ep), and between the experts and the combine Gather. MindSpore puts it into
+the primitive whose input layout moves the ep split: MindFormers' transpose_5dim_ep2, called on the
+dispatch ((dp_moe, ep, E, n, h), E over ep) and on the combine ((dp_moe, E, ep, n, h), the groups
+over ep), ours transpose_in ((G, E, C, H), E over ep) and transpose_out ((E, G, C, H), G over
+edp x ep). Both transposes are compared with it, each in its own view, so moving either all-to-all is
+caught (test_the_moe_all_to_all_placement_can_fail).
+
+Compared: the router MatMul, softmax, top-k, renormalisation, one-hot, the capacity CumSum and the
+arithmetic on its (groups, copies, E) places, the slot pick (TopK against its Sort), the dispatch and
+combine Gathers, the weighting and the sum over copies, both all-to-all transposes, the z-loss
+primitives both have, and every expert primitive (three BatchMatMuls, SiLU, the up * gate Mul),
+weights included, with E over ep, the groups over edp (dp_moe) and the expert width over tp.
+
+Where the layers differ (NOT_OURS names each MindFormers primitive this leaves without a counterpart):
+- Capacity priority. MindFormers' default (kdrop, enable_sdrop off) queues every token's first choice
+  before any second choice; ours queues copies in token order (GShard's capacity as the torch backend
+  drops, so both backends drop the same copies). Same layouts, other arithmetic.
+- Capacity size. MindFormers rounds C up to a multiple of mp (its sequence-parallel and group-wise
+  paths split C over mp); ours is ceil(capacity_factor x n x k / E) (at most n), whole over tp.
+- Slot pick. MindFormers sorts per-expert keys built from a range constant and takes the token index
+  mod n, plus 1 for a zero row it prepends; ours takes TopK(C) of the kept copies' queue priorities,
+  whose indices are the token indices. Its zero row (dispatch) and zero slot per expert (combine) have no
+  counterpart: an empty slot of ours computes on some token and is never read, a dropped copy's weight is 0.
+- Expert rows. MindFormers' BatchMatMul broadcasts (dp_moe, E, ep * C, H) against (E, H, F), which only
+  Ascend does; ours runs (E, groups * C, H) (MindSpore's CPU BatchMatMul does not broadcast), so ours
+  transposes where MindFormers reshapes: transpose_in / transpose_out, the same all-to-all.
 - Router-loss arithmetic. MindFormers' z-loss takes logsumexp without subtracting the maximum and
   its load-balancing loss is per group; ours is the torch backend's (stable logsumexp, global f_e).
-What is compared: the router MatMul, softmax, top-k, renormalisation, one-hot, the z-loss
-primitives both have, and every expert primitive (three BatchMatMuls, SiLU, the up * gate Mul),
-weights included, with E over ep, tokens over edp (dp_moe) and the expert width over tp.
 """
 from __future__ import annotations
 
@@ -30,18 +48,57 @@ CASES = {
                         {"fused_rms_norm": False, "moe_config": MOE}),
     "dp4_mp2_ep4_moe": ({"data_parallel": 4, "model_parallel": 2, "expert_parallel": 4, "vocab_emb_dp": False},
                         {"moe_config": MOE}),
+    "dp8_mp2_ep8_moe": ({"data_parallel": 8, "model_parallel": 2, "expert_parallel": 8, "vocab_emb_dp": False},
+                        {"moe_config": {**MOE, "expert_num": 8}}),
 }
 
+_NEVER_CALLED = "built but never called on MoEV2's path in these cases"
+_GROUP_WISE = "group_wise_a2a (off): the all-to-all split over mp, then an all-gather; ours is the plain all-to-all"
+_SLOT_KEYS = "slot pick: sort keys from a range constant; ours ranks the kept copies by their queue places"
+_TOKEN_INDEX = "slot pick: sorted key -> token index + 1 (its zero row); ours are TopK's indices"
+_COMBINE_INDEX = "combine index expert x (C + 1) + place over its zero-padded slots and the kept test on it; " \
+                 "ours e x C + place - 1 on (groups, copies, E) (mul_offsets, add_slots, mul_slots) and sum_kept"
+_BALANCE = "load-balancing loss per data-parallel group; ours over the whole batch (the torch backend's)"
 # MindFormers primitives of an MoE decoder layer with no counterpart of ours (the docstring's why).
 NOT_OURS = {
-    "feed_forward.transpose_*": "dispatch: the all-to-all over ep written as reshape + transpose",
-    "feed_forward.stride_slice*": "dispatch: the all-to-all over ep written as strided slices",
-    "feed_forward.concat_dp": "dispatch: comp_comm_parallel's interleaved concat",
+    "feed_forward.transpose_4dim_*": _NEVER_CALLED,
+    "feed_forward.concat_dp": _NEVER_CALLED,
+    "feed_forward.stride_slice": _NEVER_CALLED,
+    "feed_forward.stride_slice_dp": _NEVER_CALLED,
+    "feed_forward.stride_slice_ep": _NEVER_CALLED,
+    "feed_forward.stride_slice_dp_mp": _NEVER_CALLED,
+    "feed_forward.stride_slice_ep_mp": _NEVER_CALLED,
+    "feed_forward.stride_slice_outer_*": _GROUP_WISE,
+    "feed_forward.transpose_5dim_ep1": _GROUP_WISE,
+    "feed_forward.transpose_mp*": "use_seq_parallel's expert path (_ffn_forward_sq), not in these cases",
+    "feed_forward.stride_slice_allgather": "use_seq_parallel's expert path (_ffn_forward_sq), not in these cases",
     "feed_forward.ffn.w13_concat": "use_fused_swiglu's concatenated w1/w3 outputs, not built by either",
     "feed_forward.router.mul": "Router's multiplicative jitter (noisy_policy), off in training",
-    "feed_forward.router.router.z_loss_func.mul": "scalar coefficient",
-    "feed_forward.router.router.*": "capacity bookkeeping per data-parallel group and the dispatch / combine "
-                                    "gathers; ours is a dense combine matrix with capacity over the batch",
+    "feed_forward.router.router.argmax": "top-1 routing; these cases route top-2 through topk, compared",
+    "feed_forward.router.router.onehot_3d": _NEVER_CALLED,
+    "feed_forward.router.router.mul_4d": _NEVER_CALLED,
+    "feed_forward.router.router.bmm_range": _NEVER_CALLED,
+    "feed_forward.router.router.transpose": _NEVER_CALLED,
+    "feed_forward.router.router.not_equal": _NEVER_CALLED,
+    "feed_forward.router.router.zeros_op": "dispatch: the zero row empty slots gather; ours leaves them unread",
+    "feed_forward.router.router.concat_3d": "dispatch: the zero row empty slots gather; ours leaves them unread",
+    "feed_forward.router.router.zeros_op_4d": "combine: a zero slot per expert for dropped copies; ours weighs them 0",
+    "feed_forward.router.router.concat": "combine: a zero slot per expert for dropped copies; ours weighs them 0",
+    "feed_forward.router.router.slice_range": _SLOT_KEYS,
+    "feed_forward.router.router.add_range": _SLOT_KEYS,
+    "feed_forward.router.router.mul_range": _SLOT_KEYS,
+    "feed_forward.router.router.add_3d": _SLOT_KEYS,
+    "feed_forward.router.router.slice": "slot pick: the first C sorted keys; ours TopK(C) returns them",
+    "feed_forward.router.router.mod": _TOKEN_INDEX,
+    "feed_forward.router.router.add_one": _TOKEN_INDEX,
+    "feed_forward.router.router.mul_2d_1d": _COMBINE_INDEX,
+    "feed_forward.router.router.add_2d": _COMBINE_INDEX,
+    "feed_forward.router.router.gt": _COMBINE_INDEX,
+    "feed_forward.router.router.reduce_mean": _BALANCE,
+    "feed_forward.router.router.reduce_mean_2d": _BALANCE,
+    "feed_forward.router.router.mul_2d": _BALANCE,
+    "feed_forward.router.router.mul": _BALANCE,
+    "feed_forward.router.router.add_eps": "the 1e-9 of its renormalisation; ours adds 1e-20 outside a primitive",
 }
 
 
@@ -51,15 +108,32 @@ def _mf_tokens(mine, theirs):
     return mine, theirs.merge(((0, 1),) + tuple((d,) for d in range(2, n)))
 
 
+def _mf_copies(mine, theirs):
+    """MindFormers' (dp, n, k, ...) per-copy tensors as ours, (groups, n * k, ...)."""
+    n = len(theirs.splits)
+    return mine, theirs.merge(((0,), (1, 2)) + tuple((d,) for d in range(3, n)))
+
+
 def _experts(mine, theirs):
-    """Our (E, N, X) expert tensors as MindFormers' (dp_moe, E, ...): tokens first; its 4-d
-    (dp_moe, E, capacity, X) merged to (dp_moe, E, capacity * X)."""
+    """Our (E, groups * C, X) expert tensors as MindFormers' (dp_moe, E, ...): rows first; its 4-d
+    (dp_moe, E, ep * capacity, X) merged to (dp_moe, E, ep * capacity * X)."""
     if len(theirs.splits) == 4:
         theirs = theirs.merge(((0,), (1,), (2, 3)))
     return mine.permute((1, 0, 2)), theirs
 
 
-VIEWS = {"mf_tokens": _mf_tokens, "experts": _experts}
+def _a2a_dispatch(mine, theirs):
+    """transpose_5dim_ep2 on the dispatch, (dp_moe, ep, E, n, h), as our transpose_in's (G, E, C, H)."""
+    return mine, theirs.merge(((0, 1), (2,), (3,), (4,)))
+
+
+def _a2a_combine(mine, theirs):
+    """transpose_5dim_ep2 on the combine, (dp_moe, E, ep, n, h), as our transpose_out's (E, G, C, H)."""
+    return mine, theirs.permute((1, 0, 2, 3, 4)).merge(((0,), (1, 2), (3,), (4,)))
+
+
+VIEWS = {"mf_tokens": _mf_tokens, "mf_copies": _mf_copies, "experts": _experts, "a2a_dispatch": _a2a_dispatch,
+         "a2a_combine": _a2a_combine}
 
 
 def tokens(n: int) -> tuple:
@@ -76,6 +150,25 @@ def pairs(pair, same, o: str, m: str) -> list:
            same(o + "sum_top", r + "reduce_sum_keep", 1, views=tokens(1)),
            same(o + "div", r + "div_3d", 2, views=tokens(2)),
            same(o + "one_hot", r + "onehot_2d", 3),
+           # capacity per group: (groups, copies, E) as its (dp, kN, E)
+           same(o + "cumsum", r + "cumsum", 1),
+           same(o + "less_equal", r + "less", 2),
+           same(o + "mul_kept", r + "mul_3d", 2),
+           same(o + "mul_priority", r + "mul_3d", 2),
+           same(o + "mul_slots", r + "mul_3d", 2),
+           same(o + "sub_priority", r + "sub_range", 2),
+           same(o + "sum_slots", r + "reduce_sum", 1),
+           same(o + "sum_kept", r + "reduce_sum", 1),
+           same(o + "transpose_kept", r + "transpose_3d", 1),
+           same(o + "topk_slots", r + "sort_range", 1),
+           same(o + "mul_weights", r + "mul_3d", 2, views=("mf_copies", "mf_copies")),
+           # dispatch, the all-to-all into the experts and back, combine
+           same(o + "dispatch", r + "dispatch_gather", 2),
+           pair(o + "transpose_in", m + "transpose_5dim_ep2", ((o + "transpose_in", 0),), ("a2a_dispatch",)),
+           pair(o + "transpose_out", m + "transpose_5dim_ep2", ((o + "transpose_out", 0),), ("a2a_combine",)),
+           same(o + "combine", r + "combine_gather", 2, views=(None, "mf_copies")),
+           same(o + "mul_combine", r + "mul_router_coeff", 2, views=("mf_copies", "mf_copies")),
+           same(o + "sum_copies", r + "sum_router_coeff", 1),
            same(o + "router_losses.exp", z + "exp", 1, views=tokens(1)),
            same(o + "router_losses.sum", z + "sum_ops", 1, views=tokens(1)),
            same(o + "router_losses.log", z + "ln", 1, views=tokens(1)),
@@ -92,5 +185,6 @@ def pairs(pair, same, o: str, m: str) -> list:
     return out
 
 
-def explained(short: str) -> bool:
-    return any(fnmatch.fnmatchcase(short, g) for g in NOT_OURS)
+def explained(short: str) -> str | None:
+    """The NOT_OURS entry that explains MindFormers primitive `short`, None if none does."""
+    return next((g for g in NOT_OURS if fnmatch.fnmatchcase(short, g)), None)

@@ -501,7 +501,8 @@ def test_the_comparison_can_fail(oracle):
 
 def test_every_mindformers_layer_primitive_is_accounted_for(oracle):
     """Each sharded primitive of a MindFormers decoder layer is compared, or is on a path ours
-    does not have (listed here with why), so a new MindFormers primitive cannot slip by."""
+    does not have (listed here with why; the MoE layer's in ms_oracle_moe.NOT_OURS, every entry of
+    which some primitive needs), so a new MindFormers primitive cannot slip by."""
     not_ours = {
         "attention.apply_rotary_emb.bmm_swap": "rotate_half as a matmul with a swap matrix; ours is split/neg/concat",
         "attention.apply_rotary_emb.mul_inc": "incremental decoding (use_past)",
@@ -515,6 +516,7 @@ def test_every_mindformers_layer_primitive_is_accounted_for(oracle):
            for t in ("transpose_back", "transpose_ulysses", "transpose_a2a", "transpose_ulysses_merger_a2a",
                      "transpose_ulysses_merger")},
     }
+    moe_used = set()
     for case, (parallel, model) in CASES.items():
         mdl = {**MODEL, **model}
         compared = {p.mf.removeprefix("model.layers.0.") for p in pairs(parallel, mdl, 1)}
@@ -523,7 +525,10 @@ def test_every_mindformers_layer_primitive_is_accounted_for(oracle):
             if not name.startswith("model.layers.0."):
                 continue
             short = name.removeprefix("model.layers.0.")
-            if short in compared or short in not_ours or ms_oracle_moe.explained(short):
+            if short in compared or short in not_ours:
+                continue
+            if "moe_config" in model and ms_oracle_moe.explained(short):
+                moe_used.add(ms_oracle_moe.explained(short))
                 continue
             # the BatchMatMul path is dead code in MindFormers once flash attention is on
             if flash and short.startswith("attention.") and short.split(".")[1] in (
@@ -532,6 +537,28 @@ def test_every_mindformers_layer_primitive_is_accounted_for(oracle):
             if short == "attention.tile_kv":      # GQA only
                 continue
             raise AssertionError(f"{case}: MindFormers primitive {name} is neither compared nor explained")
+    assert moe_used == set(ms_oracle_moe.NOT_OURS), f"NOT_OURS entries no primitive needs: " \
+                                                    f"{set(ms_oracle_moe.NOT_OURS) - moe_used}"
+
+
+def test_the_moe_all_to_all_placement_can_fail(oracle):
+    """The all-to-all over ep sits where MindFormers' does, and moving it is caught: transpose_in given the
+    dispatch's token-group layout (the all-to-all pushed past it, into the experts) and transpose_out
+    given the experts' layout (pulled past it, into the combine) both differ from transpose_5dim_ep2."""
+    case = "dp4_mp2_ep2_moe"
+    parallel, model = CASES[case]
+    ours = ours_for(parallel, model)
+    p, m = "model.layers.0.mlp.", "model.layers.0.feed_forward."
+    moe_pairs = {q.name: q for q in ms_oracle_moe.pairs(Pair, _same, p, m)}
+    moved = {"transpose_in": (4, 1, 1, 1),         # (G, E, C, H) groups over edp x ep, E whole
+             "transpose_out": (2, 2, 1, 1)}        # (E, G, C, H) E over ep, groups over edp
+    for op, strategy in moved.items():
+        pair = moe_pairs[p + op]
+        assert compare(pair, ours, oracle[case], 8) is None
+        good = ours[p + op]
+        ours[p + op] = OpShard(good.op, (strategy,))
+        assert "input 0" in compare(pair, ours, oracle[case], 8), op
+        ours[p + op] = good
 
 
 # ---- DeepSeek-V3: MindFormers 2.1's own training graph (ms_oracle_deepseek.py) ----------------------
