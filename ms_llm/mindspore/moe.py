@@ -74,9 +74,9 @@ class Experts(nn.Cell):
         self.mul = ops.Mul()
 
     def construct(self, x):
-        gate = self.bmm_gate(x, self.gate_proj.weight)                           # (E, N, F)
+        gate = self.bmm_gate(x, self.gate_proj.weight)                           # (E, M, F)
         h = self.mul(self.silu_mul(gate, self.sigmoid(gate)), self.bmm_up(x, self.up_proj.weight))
-        return self.bmm_down(h, self.down_proj.weight)                           # (E, N, H)
+        return self.bmm_down(h, self.down_proj.weight)                           # (E, M, H)
 
 
 class RouterLosses(nn.Cell):

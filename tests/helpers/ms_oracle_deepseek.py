@@ -23,8 +23,8 @@ concats, the attention core's q/k/v (our BatchMatMuls against FlashAttentionScor
 the scaling), the routed experts' weights, the shared experts, the residual adds; beside them the
 embedding, the final norm, lm_head, the loss and, with pipeline parallel, which stage holds each cell
 (MTP with lm_head on the last).
-Not comparable (no counterpart; NOT_OURS says which primitive): the dispatch (its all-to-all permute /
-unpermute vs our dense combine over every expert), its expert-load and balance-loss bookkeeping per
+Not comparable (no counterpart; NOT_OURS says which primitive): the dispatch (its dropless all-to-all permute /
+unpermute vs our capacity dispatch, compared with MindFormers' own capacity MoE in ms_oracle_moe.py), its expert-load and balance-loss bookkeeping per
 rank-local group vs our per-sequence loss and global loads, the softmax / score primitives inside its
 fused kernel, its bias-add and SwiGLU split of fused weights, its token-shift of the MTP input ids (ours
 shifts the embeddings), dropout.
