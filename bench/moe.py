@@ -60,14 +60,15 @@ SEED = 7
 
 
 class LoopExperts(moe.Experts):
-    """The experts as they ran before grouped compute: one at a time, in a Python loop."""
+    """The experts as they ran before grouped compute: one at a time, in a Python loop, the
+    outputs times their routing weights after."""
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: list[int], scale: torch.Tensor) -> torch.Tensor:
         out = []
         for e, chunk in enumerate(rows.split(counts)):
             h = F.silu(chunk @ self.gate_proj.weight[e].t()) * (chunk @ self.up_proj.weight[e].t())
             out.append(h @ self.down_proj.weight[e].t())
-        return torch.cat(out) if out else rows[:0]
+        return (torch.cat(out) if out else rows[:0]) * scale[:, None]
 
 
 def layer_config(a) -> ModelConfig:
@@ -174,11 +175,11 @@ def instrument() -> None:
         TIMES["all_to_all"] += time.perf_counter() - t
         return out
 
-    def experts(self, rows, counts):
+    def experts(self, rows, counts, scale):
         box: dict = {}
         rows = _Mark.apply(rows, "end", box)
         t = time.perf_counter()
-        out = raw_experts(self, rows, counts)
+        out = raw_experts(self, rows, counts, scale)
         TIMES["experts"] += time.perf_counter() - t
         return _Mark.apply(out, "start", box)
 

@@ -63,34 +63,37 @@ class Experts(nn.Module):
         self.down_proj = StackedLinear(experts, hidden, width)
         self.grouped = GROUPED_MM
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows (N, H) sorted by local expert, counts[e] rows each -> (N, H)."""
+    def forward(self, rows: torch.Tensor, counts: list[int], scale: torch.Tensor) -> torch.Tensor:
+        """rows (N, H) sorted by local expert, counts[e] rows each, scale (N,) their routing
+        weights -> (N, H) weighted outputs. The weights scale the activation before down_proj
+        (Megatron's activation_func_with_probs): an (N, F) product, not an (N, H) one."""
         # Autocast does not cover _grouped_mm: cast as it casts a matmul.
         device = rows.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else rows.dtype
-        rows = rows.to(dtype)
+        rows, scale = rows.to(dtype), scale.to(dtype)[:, None]
         w1, w3, w2 = (p.weight.to(dtype).transpose(1, 2) for p in (self.gate_proj, self.up_proj, self.down_proj))
         if self.grouped and all(n * rows.element_size() % 16 == 0 for n in w1.shape[1:]):
             offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
             rows = rows.contiguous()
             h = F.silu(torch._grouped_mm(rows, w1, offs=offs)) * torch._grouped_mm(rows, w3, offs=offs)
-            return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
-        return padded_bmm(rows, counts, w1, w3, w2)
+            return _ContiguousGrad.apply(torch._grouped_mm(h * scale, w2, offs=offs))
+        return padded_bmm(rows, counts, scale, w1, w3, w2)
 
 
-def padded_bmm(rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor,
+def padded_bmm(rows: torch.Tensor, counts: list[int], scale: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor) -> torch.Tensor:
     """The SwiGLU experts as one batched matmul: each expert's rows go to its slot of an (E, C, H)
     zero tensor, C the largest count (padding rows cost compute, not results). w1, w3 (E, H, F),
-    w2 (E, F, H); rows (N, H) sorted by expert, counts[e] rows each -> (N, H)."""
+    w2 (E, F, H); rows (N, H) sorted by expert, counts[e] rows each, scale (N, 1) -> (N, H)."""
     e, c, hidden = len(counts), max(counts, default=0), rows.shape[1]
     sizes = torch.tensor(counts, device=rows.device)
     expert = torch.repeat_interleave(torch.arange(e, device=rows.device), sizes)
     first = torch.cumsum(sizes, 0) - sizes
     slot = expert * c + torch.arange(rows.shape[0], device=rows.device) - first[expert]
     padded = rows.new_zeros(e * c, hidden).index_copy(0, slot, rows).view(e, c, hidden)
+    padded_scale = scale.new_zeros(e * c, 1).index_copy(0, slot, scale).view(e, c, 1)
     h = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
-    return torch.bmm(h, w2).view(e * c, hidden)[slot]
+    return torch.bmm(h * padded_scale, w2).view(e * c, hidden)[slot]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -275,8 +278,8 @@ class MoE(nn.Module):
             order = order[keep]
         counts = torch.bincount(flat[order], minlength=self.num_experts)
         rows = tokens[order // self.top_k]                                     # (M, H) sorted by expert
-        out = self.run_experts(rows, counts) * weights.flatten()[order, None]
-        y = torch.zeros_like(tokens).index_add_(0, order // self.top_k, out)
+        out = self.run_experts(rows, counts, weights.flatten()[order])
+        y = torch.zeros_like(tokens).index_add_(0, order // self.top_k, out.to(tokens.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         y = y.view(B, T, H)
@@ -324,22 +327,24 @@ class MoE(nn.Module):
         position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
         return position < capacity
 
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by global expert (counts per expert) -> their expert outputs, same order.
-        Under tp, rows are replicated and each rank computes a partial sum over its width slice
-        (Megatron's copy-to / reduce-from tensor-parallel region around column / row parallel)."""
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert (counts per expert), scale their routing weights -> their
+        weighted expert outputs, same order. Under tp, rows and weights are replicated and each rank
+        computes a partial sum over its width slice (Megatron's copy-to / reduce-from tensor-parallel
+        region around column / row parallel)."""
         if self.tp_group is not None:
-            rows = _CopyToTp.apply(rows, self.tp_group)
+            rows, scale = _CopyToTp.apply(rows, self.tp_group), _CopyToTp.apply(scale, self.tp_group)
         if self.ep_group is None:
-            out = self.experts(rows, counts.tolist())
+            out = self.experts(rows, counts.tolist(), scale)
         else:
-            out = self.dispatch_and_run(rows, counts)
+            out = self.dispatch_and_run(rows, counts, scale)
         if self.tp_group is not None:
             out = _ReduceFromTp.apply(out, self.tp_group)
         return out
 
-    def dispatch_and_run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """All-to-all the rows to the ranks holding their experts, run, and send the results back."""
+    def dispatch_and_run(self, rows: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """All-to-all the rows (and their routing weights) to the ranks holding their experts, run,
+        and send the results back."""
         group = self.ep_group
         ep = dist.get_world_size(group)
         local = self.num_experts // ep
@@ -350,10 +355,11 @@ class MoE(nn.Module):
         send = counts.view(ep, local).sum(1).tolist()
         recv = counts_in.sum(1).tolist()
         received = all_to_all(rows, send, recv, group)                        # grouped by (source, expert)
+        received_scale = all_to_all(scale, send, recv, group)
         # Regroup by (expert, source) so each local expert's rows are contiguous, and back after.
         chunk_expert = torch.arange(local, device=rows.device).repeat(ep)     # expert of each (s, e) chunk
         by_chunk = torch.repeat_interleave(chunk_expert, counts_in.flatten())
         regroup = torch.argsort(by_chunk, stable=True)
-        out = self.experts(received[regroup], counts_in.sum(0).tolist())
+        out = self.experts(received[regroup], counts_in.sum(0).tolist(), received_scale[regroup])
         restored = torch.empty_like(out).index_copy_(0, regroup, out)
         return all_to_all(restored, recv, send, group)
