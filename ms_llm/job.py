@@ -7,7 +7,8 @@
     train: {global_batch_size: 8, steps: 20}
 
 A string section is a path relative to the YAML file, else a name under configs/<section>s/.
-Everything is read with yaml.safe_load; every error names the file and the key path.
+Everything is read with yaml.SafeLoader, bounded (BoundedLoader: a 600-byte "billion laughs" of
+aliases is refused, not expanded); every error names the file and the key path.
 Command-line overrides (`--set train.steps=100`, `--model NAME`) are set in the mapping before
 it is validated, so a bad one gets the error the same line in the YAML would.
 """
@@ -15,24 +16,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import shlex
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import yaml
 
 from ms_llm.config.model import ModelConfig
-from ms_llm.config.schema import from_dict, spec, to_dict
+from ms_llm.config.schema import from_dict, shown, spec, to_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.errors import ConfigError, MsLlmError
+from ms_llm.strategy.devices import DEVICES, get_device
 from ms_llm.strategy.ir import ParallelStrategy
 
 CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"
 SECTIONS = {"model": ModelConfig, "strategy": ParallelStrategy, "train": TrainConfig}
 SECTION_DIRS = {"model": "models", "strategy": "strategies", "train": "train"}
+# A job name is a path component (runs/<name>-<time>, /dev/shm/ms_llm/<name>-...): no separator, no
+# '..', nothing a shell or a file system treats specially, and short enough for NAME_MAX (255) with
+# the time or the memory tier's suffix added.
+JOB_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +50,15 @@ class JobConfig:
     model: ModelConfig = field(metadata={"doc": "Model shape."})
     strategy: ParallelStrategy = field(default_factory=ParallelStrategy, metadata={"doc": "Parallel strategy."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training settings."})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not JOB_NAME.fullmatch(self.name) or self.name.startswith("."):
+            raise ConfigError(f"name: got {shown(self.name)}; a job name is 1-128 characters from A-Z a-z 0-9 . _ - "
+                              "and does not start with '.' (it names the run folder, runs/<name>-<time>)")
+        try:
+            get_device(self.device)
+        except ConfigError:
+            raise ConfigError(f"device: unknown device {shown(self.device)}; known: {', '.join(DEVICES)}") from None
 
 
 def read_text(path: Path) -> str:
@@ -58,10 +74,83 @@ def read_text(path: Path) -> str:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
 
 
+MAX_YAML_VALUES = 100_000     # in one document, aliases expanded: a job holds a few hundred
+MAX_YAML_DEPTH = 64           # collections and values one inside another: a job nests about 5 deep
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a document holding more than MAX_YAML_VALUES values or
+    nesting deeper than MAX_YAML_DEPTH once its aliases are expanded, and an alias inside the
+    collection it names. An alias composes to the node it names, shared: 12 levels of 9 aliases
+    each are a 600-byte file that loads at once and holds 9**12 values, and every walk of it
+    (validation, the repr in an error message) then runs out of time or memory. Each aliased
+    node is measured once (memoized), so the bound costs a few operations per node."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._values = 0
+        self._open: list[Optional[str]] = []                # anchors of the collections being composed
+        self._measured: dict[int, tuple[int, int]] = {}     # id(node) -> (values, depth), aliases expanded
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in self._open:
+                raise _refused(event, f"an alias refers to the collection that holds it (*{event.anchor})")
+            if event.anchor in self.anchors:                # else the composer names the undefined alias
+                values, depth = self._measure(self.anchors[event.anchor])
+                self._count(values, len(self._open) + depth, event, "its aliases expand to")
+            return super().compose_node(parent, index)
+        self._count(1, len(self._open) + 1, event, "it holds")
+        if not isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            return super().compose_node(parent, index)
+        self._open.append(event.anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._open.pop()
+
+    def _count(self, values: int, depth: int, event: yaml.Event, what: str) -> None:
+        self._values += values
+        if self._values > MAX_YAML_VALUES:
+            raise _refused(event, f"{what} more than {MAX_YAML_VALUES} values, far past any job (an alias bomb?)")
+        if depth > MAX_YAML_DEPTH:
+            raise _refused(event, f"nested deeper than {MAX_YAML_DEPTH} levels")
+
+    def _measure(self, node: yaml.Node) -> tuple[int, int]:
+        """Values and levels under `node`, aliases expanded (its own aliases were bounded when
+        composed, so this recursion is at most MAX_YAML_DEPTH deep)."""
+        got = self._measured.get(id(node))
+        if got is None:
+            if isinstance(node, yaml.ScalarNode):
+                got = (1, 1)
+            else:
+                children = node.value if isinstance(node, yaml.SequenceNode) else [n for kv in node.value for n in kv]
+                sizes = [self._measure(child) for child in children]
+                got = (1 + sum(v for v, _ in sizes), 1 + max((d for _, d in sizes), default=0))
+            self._measured[id(node)] = got
+        return got
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """An integer; one of more than 4300 digits (past Python's conversion limit) is refused."""
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(node.value)} digits",
+                                                    node.start_mark) from None
+
+
+BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
+
+
+def _refused(event: yaml.Event, problem: str) -> yaml.YAMLError:
+    return yaml.composer.ComposerError(None, None, problem, event.start_mark)
+
+
 def parse_yaml(text: str, source: str | Path) -> Any:
-    """yaml.safe_load with an error that names the file and line."""
+    """yaml.safe_load (bounded: BoundedLoader) with an error that names the file and line."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=BoundedLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -82,7 +171,7 @@ def find_section_file(section: str, ref: str, base: Path | None) -> Path:
         if c.is_file():
             return c
     known = sorted(p.stem for p in folder.glob("*.yaml"))
-    raise ConfigError(f"{section}: {ref!r} is neither a file nor a name in configs/{SECTION_DIRS[section]} "
+    raise ConfigError(f"{section}: {shown(ref)} is neither a file nor a name in configs/{SECTION_DIRS[section]} "
                       f"(known: {', '.join(known)})")
 
 
@@ -112,7 +201,7 @@ def load_section(section: str, value: Any, base: Path | None = None, where: str 
 
 def job_from_dict(data: Any, base: Path | None = None, where: str = "") -> JobConfig:
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}expected a mapping with model / strategy / train sections, got {data!r}")
+        raise ConfigError(f"{where}expected a mapping with model / strategy / train sections, got {shown(data)}")
     if "model" not in data:
         raise ConfigError(f"{where}model: missing; name a file in configs/models or give the sizes inline")
     data = {k: load_section(k, v, base, where) if k in SECTIONS else v for k, v in data.items()}
@@ -185,7 +274,7 @@ def _set(data: dict, o: Override, base: Path | None) -> None:
         if depth == 0 and key in SECTIONS and isinstance(child, str):
             child = read_section(key, child, base)[1]
         if child is not None and not isinstance(child, dict) and cls is not None:
-            raise ConfigError(f"{path}: got {child!r}; expected a mapping of {cls.__name__} fields")
+            raise ConfigError(f"{path}: got {shown(child)}; expected a mapping of {cls.__name__} fields")
         node[key] = child if isinstance(child, dict) else {}
         node = node[key]
     value = o.value

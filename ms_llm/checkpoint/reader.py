@@ -16,7 +16,7 @@ verified and sealed (seal.py) are read without a second checksum pass.
 """
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import math
 import os
@@ -30,11 +30,12 @@ from ms_llm.checkpoint.shards import Piece
 from ms_llm.checkpoint.storage import commit as commit_mod
 from ms_llm.checkpoint.storage.boxes import Region, byte_run, intersect, local_slices
 from ms_llm.checkpoint.storage.collector import collector_paused
-from ms_llm.checkpoint.storage.format import INDEX, Index, ShardEntry, TensorEntry, decode_state
+from ms_llm.checkpoint.storage.format import INDEX, Index, ShardEntry, TensorEntry, decode_state, parse_shard
+from ms_llm.checkpoint.storage.index_parts import part_name
 from ms_llm.checkpoint.storage.safetensors_io import TensorSpan, open_shard_file, read_header, storage_dtype
 from ms_llm.checkpoint.storage.seal import Seal
 from ms_llm.checkpoint.storage.transfer import BoxMove, Checked, Move, Mover, RunMove, Shard, check_shard
-from ms_llm.checkpoint.storage.untrusted import confined
+from ms_llm.checkpoint.storage.untrusted import confined, parse_json, read_regular
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.errors import CheckpointError, MsLlmError
@@ -63,13 +64,9 @@ class Checkpoint:
             path = confined(self.folder, INDEX, "the index")
             try:
                 with collector_paused():
-                    data = json.loads(path.read_text())
+                    data = parse_json(read_regular(path), str(path))
             except FileNotFoundError:
                 raise CheckpointError(f"{self.folder}: no {INDEX}; not a committed checkpoint") from None
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-                raise CheckpointError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
-            except OSError as exc:
-                raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
             index = Index.from_json(data, str(path), self.folder)
         self.index: Index = index
         self._files: dict[str, OpenFile] = {}
@@ -107,6 +104,10 @@ class Checkpoint:
     @property
     def config(self) -> dict[str, Any]:
         return self.index.config
+
+    def rank_states(self) -> dict[int, dict[str, Any]]:
+        """Every rank's own state, by rank."""
+        return {r: decode_state(s) for r, s in self.index.rank_states.items()}
 
     def rank_state(self, rank: int) -> Optional[dict[str, Any]]:
         """What rank `rank` saved as its own state (RNG), or None when it had none or the
@@ -178,12 +179,29 @@ class Checkpoint:
         return arrays
 
     def verify(self) -> None:
-        """Check every block of every shard, and that each file's safetensors header says what
-        the index does (tools and tests; loading checks what it reads)."""
-        for entry in self.index.tensors.values():
-            for shard in entry.shards:
-                self._header_span(self._open_file(shard.file, entry.name), entry, shard)
-                check_shard(self._shard(entry, shard), self._checked)
+        """Raise CheckpointError listing problems(), one per line, if there are any."""
+        found = self.problems()
+        if found:
+            raise CheckpointError("\n".join(found))
+
+    def problems(self) -> list[str]:
+        """What a load of any rank would refuse, one line each, nothing twice (tools and tests;
+        a load checks what it reads): every index part (a rank's same-layout load reads its own
+        and those its record names in `also`, whether or not the head names it as a tensor's
+        saver), every shard a part or a tensor lists (its entry, the file's safetensors header
+        saying what the index does, every checksum block) and each tensor's shards covering it.
+        The training state is the trainer's to check (ms_llm/run/saved_state.py)."""
+        found: dict[str, None] = {}
+        checks: list[Callable[[], None]] = []
+        if self.index.parts is not None:
+            checks += [functools.partial(self._verify_part, rank) for rank in range(len(self.index.parts.records))]
+        checks += [functools.partial(self._verify_tensor, name) for name in self.index.tensors]
+        for check in checks:
+            try:
+                check()
+            except CheckpointError as exc:
+                found.setdefault(" ".join(str(exc).splitlines()), None)
+        return list(found)
 
     def close(self) -> None:
         for file in self._files.values():
@@ -199,6 +217,23 @@ class Checkpoint:
         self.close()
 
     # ---- internals ---------------------------------------------------------------------
+    def _verify_part(self, rank: int) -> None:
+        """Every shard index part `rank` lists, as a same-layout load of that rank would find it."""
+        where = str(self.folder / part_name(rank))
+        for name, shards in self.index.parts.part(rank).items():
+            entry = self.index.tensors[name]
+            for i, raw in enumerate(shards):
+                self._verify_shard(entry, parse_shard(raw, (where, i), name, entry.shape, entry.itemsize))
+
+    def _verify_tensor(self, name: str) -> None:
+        entry = self.index.tensors[name]
+        for shard in entry.shards:                  # going through all of them checks they cover the tensor
+            self._verify_shard(entry, shard)
+
+    def _verify_shard(self, entry: TensorEntry, shard: ShardEntry) -> None:
+        self._header_span(self._open_file(shard.file, entry.name), entry, shard)
+        check_shard(self._shard(entry, shard), self._checked)
+
     def _plan(self, name: str, want: Region | Piece, out: Optional[np.ndarray]) -> tuple[np.ndarray, list[Move]]:
         """Check the request, allocate (or check) the destination, and list the moves that fill it."""
         entry = self.entry(name)

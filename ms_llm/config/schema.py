@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -29,6 +30,16 @@ def spec(default: Any = dataclasses.MISSING, doc: str = "", *, ge: float | None 
 
 
 SCALAR_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 6, 6, 6
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 80, 80, 40
+
+
+def shown(value: Any) -> str:
+    """repr(value) for an error message: at most 100 characters, and reprlib looks at 6 items of
+    3 levels only, however large or deep the value (a YAML alias can make it 34 MB long)."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def scalar(kind: type, value: Any) -> Any:
@@ -43,7 +54,7 @@ def scalar(kind: type, value: Any) -> Any:
     ok = {bool: isinstance(value, bool), int: numeric and isinstance(value, int), float: numeric,
           str: isinstance(value, str)}[kind]
     if not ok:
-        raise ValueError(f"got {value!r}; expected {SCALAR_NAMES[kind]}")
+        raise ValueError(f"got {shown(value)}; expected {SCALAR_NAMES[kind]}")
     return float(value) if kind is float else value
 
 
@@ -79,14 +90,14 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return _convert(option, value, path)
             except ConfigError:
                 continue
-        raise ConfigError(f"{path}: got {value!r}; allowed: {_type_name(tp)}")
+        raise ConfigError(f"{path}: got {shown(value)}; allowed: {_type_name(tp)}")
     if origin is Literal:
         if any(value == a and type(value) is type(a) for a in get_args(tp)):
             return value
-        raise ConfigError(f"{path}: got {value!r}; allowed: {_type_name(tp)}")
+        raise ConfigError(f"{path}: got {shown(value)}; allowed: {_type_name(tp)}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: got {value!r}; expected a list of {_type_name(get_args(tp)[0])}")
+            raise ConfigError(f"{path}: got {shown(value)}; expected a list of {_type_name(get_args(tp)[0])}")
         item = get_args(tp)[0]
         return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
@@ -94,12 +105,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is type(None):
         if value is None:
             return None
-        raise ConfigError(f"{path}: got {value!r}; expected null")
+        raise ConfigError(f"{path}: got {shown(value)}; expected null")
     if tp in SCALAR_NAMES:
         try:
             return scalar(tp, value)
         except ValueError:
-            raise ConfigError(f"{path}: got {value!r}; expected {SCALAR_NAMES[tp]}") from None
+            raise ConfigError(f"{path}: got {shown(value)}; expected {SCALAR_NAMES[tp]}") from None
     raise TypeError(f"unsupported config type {tp!r} at {path}")
 
 
@@ -113,18 +124,18 @@ def _check_range(f: dataclasses.Field, value: Any, path: str) -> None:
     else:
         _check_number(meta, value, path)
     if meta.get("choices") and value not in meta["choices"]:
-        raise ConfigError(f"{path}: got {value!r}; allowed: {', '.join(map(repr, meta['choices']))}")
+        raise ConfigError(f"{path}: got {shown(value)}; allowed: {', '.join(map(repr, meta['choices']))}")
 
 
 def _check_number(meta: dict, value: float, path: str) -> None:
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{path}: got {value!r}; expected a finite number")
+        raise ConfigError(f"{path}: got {shown(value)}; expected a finite number")
     ge, le = meta.get("ge"), meta.get("le")
-    shown = repr(value) if len(repr(value)) <= 24 else f"{value:.3g}"
+    text = repr(value) if len(repr(value)) <= 24 else f"{value:.3g}"
     if ge is not None and value < ge:
-        raise ConfigError(f"{path}: got {shown}; must be >= {ge}")
+        raise ConfigError(f"{path}: got {text}; must be >= {ge}")
     if le is not None and value > le:
-        raise ConfigError(f"{path}: got {shown}; must be <= {le}")
+        raise ConfigError(f"{path}: got {text}; must be <= {le}")
 
 
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
@@ -134,7 +145,7 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path or cls.__name__}: got {data!r}; expected a mapping of {cls.__name__} fields")
+        raise ConfigError(f"{path or cls.__name__}: got {shown(data)}; expected a mapping of {cls.__name__} fields")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     moved = [k for k in data if k in getattr(cls, "MOVED_KEYS", {})]     # keys older configs used

@@ -39,6 +39,7 @@ from ms_llm.run.loss_scale import LossScaler
 from ms_llm.run.lr import lr_at
 from ms_llm.run.memory_tier import MemoryTier, restore_folders
 from ms_llm.run.metrics import MetricsLogger
+from ms_llm.run.saved_state import check_saved_state
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +156,13 @@ class TrainerCheckpoints:
             log.warning("removed %s, left by an interrupted save", folder)
 
     def _check_state(self, ckpt: Checkpoint) -> None:
-        """The training-state record is untrusted input too: a malformed one is a CheckpointError,
-        so the previous checkpoint is tried."""
+        """The training-state record is untrusted input too: a field a resume could not use
+        (saved_state.py) is a CheckpointError, so the previous checkpoint is tried."""
         saved = ckpt.state
+        check_saved_state(saved, ckpt.rank_states(), ckpt.step, str(ckpt.folder / INDEX))
         try:
-            position = (self.sampler.step_of(SamplerState.from_dict(saved["sampler"])) if "sampler" in saved
+            position = (self.sampler.step_of(SamplerState.from_dict(saved["sampler"])) if saved.get("sampler")
                         else ckpt.step)
-            int(saved.get("optimizer_step", ckpt.step))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{ckpt.folder}: training state is malformed ({type(exc).__name__}: {exc})") from None
         if position != ckpt.step:

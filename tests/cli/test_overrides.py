@@ -26,10 +26,10 @@ def ms_llm(*args):
 
 
 def test_values_are_read_as_yaml_and_typed_by_the_field():
-    job = load("train.steps=100", "train.optimizer.lr=0.01", "model.tie_embeddings=true", "name=run 7",
+    job = load("train.steps=100", "train.optimizer.lr=0.01", "model.tie_embeddings=true", "name=run.7",
                "train.data.paths=[a, b]", "train.data.weights=[1, 3]", "device=h100")
     t = job.train
-    assert (t.steps, t.optimizer.lr, job.model.tie_embeddings, job.name, job.device) == (100, 0.01, True, "run 7",
+    assert (t.steps, t.optimizer.lr, job.model.tie_embeddings, job.name, job.device) == (100, 0.01, True, "run.7",
                                                                                           "h100")
     assert t.data.paths == ("a", "b") and t.data.weights == (1.0, 3.0)
     assert t.seq_len == 128 and t.optimizer.weight_decay == 0.0       # the rest of the file stays
@@ -102,13 +102,13 @@ def test_an_override_the_plan_cannot_run_gets_the_plans_error():
 
 
 def test_the_run_folder_config_holds_the_overrides_and_loads_again(tmp_path):
-    overrides = parse_overrides(["train.steps=2", "strategy.zero.stage=1", "name=with spaces"], "tiny")
+    overrides = parse_overrides(["train.steps=2", "strategy.zero.stage=1", "model.name=with spaces"], "tiny")
     job, _, run = prepare(TrainRequest(JOB, run_dir=tmp_path / "run", overrides=overrides))
     text = run.config.read_text()
     assert text.splitlines()[0] == ("# overrides, applied below: --model tiny --set train.steps=2 "
-                                    "--set strategy.zero.stage=1 --set 'name=with spaces'")
+                                    "--set strategy.zero.stage=1 --set 'model.name=with spaces'")
     back = load_job(run.config)
-    assert back == job and (back.train.steps, back.strategy.zero.stage, back.name) == (2, 1, "with spaces")
+    assert back == job and (back.train.steps, back.strategy.zero.stage, back.model.name) == (2, 1, "with spaces")
 
 
 def test_plan_prints_the_changed_plan():

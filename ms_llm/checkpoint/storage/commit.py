@@ -34,7 +34,7 @@ from ms_llm.checkpoint.storage.checksum import DEFAULT as CHECKSUM
 from ms_llm.checkpoint.storage.collector import collector_paused
 from ms_llm.checkpoint.storage.format import INDEX, check_coverage, encode_head
 from ms_llm.checkpoint.storage.index_parts import PartRecord, part_name
-from ms_llm.checkpoint.storage.untrusted import confined
+from ms_llm.checkpoint.storage.untrusted import confined, read_regular
 from ms_llm.durable import fsync_dir, write_durable
 from ms_llm.errors import CheckpointError
 from ms_llm.processes import die_with_parent
@@ -282,10 +282,10 @@ def latest(root: Path) -> Optional[Path]:
     logged and the newest committed folder is used instead."""
     pointer = Path(root) / LATEST
     try:
-        name = confined(root, LATEST, "the 'latest' pointer").read_text().strip()
+        name = read_regular(confined(root, LATEST, "the 'latest' pointer")).decode().strip()
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
         raise CheckpointError(f"{pointer}: cannot read ({exc})") from None
     folder = confined(root, name, f"'{LATEST}' (the pointer to the newest checkpoint)")
     if not _STEP_DIR.match(name) or not (folder / INDEX).is_file():

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 from ms_llm.checkpoint.storage.checksum import ALGORITHMS, DEFAULT as CHECKSUM
 from ms_llm.checkpoint.storage.collector import collector_paused
-from ms_llm.checkpoint.storage.untrusted import MAX_COUNT, confined, integer, integers
+from ms_llm.checkpoint.storage.untrusted import MAX_COUNT, confined, integer, integers, parse_json, read_regular
 from ms_llm.errors import CheckpointError
 
 PART_FORMAT = "ms_llm.checkpoint.part"
@@ -182,7 +182,7 @@ class IndexParts:
         if len(self._parts) < len(self.records) and any(rank not in self._parts for rank in ranks):
             with collector_paused():        # else collections between parts traverse all parsed so far
                 for rank in ranks:
-                    self._part(rank)
+                    self.part(rank)
         return self._gather(ranks, name)
 
     def parsed(self) -> list[int]:
@@ -202,14 +202,15 @@ class IndexParts:
     def _gather(self, ranks, name: str) -> RawShards:
         entries, files = [], []
         for rank in ranks:
-            found = self._part(rank).get(name)
+            found = self.part(rank).get(name)
             if found:
                 entries += found
                 file = self._files.get(rank) or self._files.setdefault(rank, str(self.folder / part_name(rank)))
                 files.append((file, len(found)))
         return RawShards(entries, files)
 
-    def _part(self, rank: int) -> dict[str, list]:
+    def part(self, rank: int) -> dict[str, list]:
+        """Part `rank`'s raw shard entries by tensor name, read and checked when first asked for."""
         part = self._parts.get(rank)
         if part is None:
             part = self._parts[rank] = self._read(rank)
@@ -220,20 +221,15 @@ class IndexParts:
         record, name = self.records[rank], part_name(rank)
         path = confined(self.folder, name, f"index part of rank {rank}")
         try:
-            data = path.read_bytes()
+            data = read_regular(path)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: missing; {self._where} names {len(self.records)} index parts and this "
                                   "load needs the shards listed in it (copy the whole checkpoint folder)") from None
-        except OSError as exc:
-            raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
         if len(data) != record.nbytes or ALGORITHMS[CHECKSUM](data, 0) != record.crc:
             raise CheckpointError(f"{path}: {len(data)} bytes that do not match the size ({record.nbytes}) and "
                                   f"{CHECKSUM} {self._where} records; the part is damaged or from another save")
-        try:
-            with collector_paused():
-                tree = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
+        with collector_paused():
+            tree = parse_json(data, str(path))
         if (not isinstance(tree, dict) or tree.get("format") != PART_FORMAT or tree.get("rank") != rank
                 or tree.get("step") != self.step or not isinstance(tree.get("tensors"), dict)):
             raise CheckpointError(f"{path}: not the index part of rank {rank} at step {self.step}")

@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import struct
 from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from ms_llm.checkpoint.storage.untrusted import CheckedOnUse, integers
+from ms_llm.checkpoint.storage.untrusted import CheckedOnUse, integers, open_regular, parse_json
 from ms_llm.errors import CheckpointError
 
 # Our dtype name -> (safetensors code, numpy storage dtype).
@@ -110,10 +109,7 @@ def read_header(path: str) -> tuple[Mapping[str, TensorSpan], dict[str, str], in
     unreadable, a value in it is not what the format allows, or a tensor's bytes lie past
     the end of the file (a truncated write)."""
     text, size = _header_text(path)
-    try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({type(exc).__name__}: {exc})") from None
+    header = parse_json(text, f"{path}: safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is a {type(header).__name__}, not a JSON object")
     base = 8 + len(text)
@@ -124,19 +120,11 @@ def read_header(path: str) -> tuple[Mapping[str, TensorSpan], dict[str, str], in
 
 
 def open_shard_file(path: str) -> tuple[int, os.stat_result]:
-    """A descriptor of the shard file and its fstat; only a regular file is opened (a FIFO would
-    block a read), else a CheckpointError naming it."""
+    """A descriptor of the shard file and its fstat (untrusted.open_regular: a regular file only)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        return open_regular(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: shard file is missing") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{path}: not a regular file")
-    return fd, st
 
 
 def _header_text(path: str) -> tuple[bytes, int]:

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ms_llm.checkpoint.storage.untrusted import integers
+from ms_llm.checkpoint.storage.untrusted import integers, parse_json, read_regular
 from ms_llm.errors import CheckpointError
 
 SEAL = "sealed.json"
@@ -37,7 +37,7 @@ class Seal:
         if not (folder.parent / KEEPER_LOCK).is_file():
             return cls()
         try:
-            data = json.loads((folder / SEAL).read_text())
+            data = parse_json(read_regular(folder / SEAL), str(folder / SEAL))
             return cls({name: integers(v, str(folder / SEAL), name, hi=1 << 63, length=4)
                         for name, v in data["files"].items()})
         except (OSError, ValueError, TypeError, KeyError, AttributeError, CheckpointError):
