@@ -42,6 +42,13 @@ SECTION_DIRS = {"model": "models", "strategy": "strategies", "train": "train"}
 JOB_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
+def job_name_from(text: str) -> str:
+    """A valid job name made from `text` (a converted file's stem, a peer's model name): other
+    characters become '_', leading dots go, the rest is cut to 128."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".")[:128]
+    return name or "job"
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     name: str = spec("job", "Run name; the default run folder is runs/<name>-<time>.")

@@ -13,7 +13,7 @@ from typing import Any
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import SCALAR_NAMES, scalar
 from ms_llm.errors import InputError, MsLlmError
-from ms_llm.job import JobConfig, job_from_dict
+from ms_llm.job import JobConfig, job_from_dict, job_name_from
 
 MISSING = object()
 DTYPES = ("float32", "bfloat16", "float16")
@@ -234,7 +234,7 @@ def cp_algorithm(job: JobConfig, target: str, warnings: list[str]) -> str:
 def make_job(fields: Fields, *, name: str, model: ModelConfig | dict, strategy: dict, train: dict,
              device: str = "h100", backend: str = "torch") -> JobConfig:
     """JobConfig from plain sections; a range or type error names the IR field and the source key."""
-    data = {"name": name, "device": device, "backend": backend, "model": model, "strategy": strategy,
+    data = {"name": job_name_from(name), "device": device, "backend": backend, "model": model, "strategy": strategy,
             "train": train}
     try:
         return job_from_dict(data)

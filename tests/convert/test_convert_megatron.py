@@ -195,3 +195,12 @@ def test_shell_subset():
     assert launch.args == ["--x", "1", "--y", "two", "words", "--z", "--from-b", "--world", "32"]
     with pytest.raises(ConversionError, match="no command that runs a .py program"):
         launch_command("echo hello\n", "s.sh")
+
+
+def test_a_file_name_that_is_no_job_name_is_made_one(tmp_path):
+    """The job is named after the converted file: spaces and other characters a run folder's name
+    cannot hold become '_', a leading dot goes."""
+    for file_name, job_name in (("my llama (v2).sh", "my_llama__v2_"), (".hidden run.sh", "hidden_run")):
+        path = tmp_path / file_name
+        path.write_text((FIXTURES / "megatron_llama3_8b.sh").read_text())
+        assert load(path).job.name == job_name
