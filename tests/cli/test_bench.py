@@ -73,15 +73,16 @@ def test_moe_bench_quick_prints_both_tables():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("expert compute: 8 experts top-2, hidden 32, expert width 16 (dense width 32), 64 tokens")
-    assert lines[1].split() == ["layer", "ms", "vs", "dense", "first", "call", "s"]
+    assert lines[0].startswith("expert compute: 8 experts top-2, hidden 32, expert width 16 (dense width 32), "
+                               "64 tokens")
+    assert lines[1].split() == ["layer", "wall", "ms", "vs", "dense", "CPU", "ms", "vs", "dense", "first", "call", "s"]
     number = r"\s+\d+\.\d+"
     for i, name in enumerate(["torch MoE, grouped", "dense SwiGLU", "torch MoE, padded bmm", "torch MoE, loop (old)",
                               "MindSpore MoE layer"]):
-        assert re.fullmatch(re.escape(name) + 3 * number, lines[2 + i]), lines[2 + i]
-    assert lines[3].split()[3] == "1.00"                 # the dense layer against itself
-    assert re.fullmatch(r"MoE / dense: \d+\.\d\d \(goal <= 1\.5: (met|missed)\); loop \(old\) / grouped: \d+\.\d",
-                        lines[7]), lines[7]
+        assert re.fullmatch(re.escape(name) + 5 * number, lines[2 + i]), lines[2 + i]
+    assert lines[3].split()[3] == lines[3].split()[5] == "1.00"      # the dense layer against itself
+    assert re.fullmatch(r"MoE / dense: \d+\.\d\d wall, \d+\.\d\d CPU \(goal <= 1\.5 wall: (met|missed)\); "
+                        r"loop \(old\) / grouped: \d+\.\d", lines[7]), lines[7]
     assert lines[8] == "" and lines[9].startswith("expert parallel: tiny_moe (8 experts, top-2")
     assert [line.split()[0] for line in lines[11:]] == ["ep1", "ep2", "ep4"]
     assert all(len(line.split()) == 7 for line in lines[11:])
