@@ -85,6 +85,10 @@ def _moe(plan: ModelPlan, ascend: bool) -> list[str]:
     if plan.model.moe is None:
         return []
     engine, problems = _engine(plan, ascend)[0], []
+    if ascend and plan.model.moe.capacity_factor < 0:
+        problems.append("model.moe.capacity_factor: -1 (dropless) gives every expert a slot for every token on "
+                        "Ascend (E / top_k times the expert work: moe.py's worst-case capacity; GroupedMatmul's "
+                        "dropless path is not lowered yet); set a capacity factor, e.g. 1.25")
     if engine == SHARED:
         problems.append("strategy.zero: MindSpore trains MoE through its compiled step only (the shared ZeRO "
                         "engine leaves the experts outside its partition); use zero.stage 0 without engine "

@@ -30,7 +30,7 @@ CPU, CUDA, ASCEND = Machine("cpu"), Machine("cuda"), Machine("ascend")
 MODEL = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
              max_seq_len=16, dtype="float32")
 FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
-MOE4 = {"moe": {"num_experts": 4}}
+MOE4 = {"moe": {"num_experts": 4, "capacity_factor": 1.25}}
 MOE_MODEL = {**MODEL, **MOE4}
 FP16 = {"param_dtype": "float32", "compute_dtype": "float16", "loss_scale": "dynamic"}
 FIELD = re.compile(r"^(strategy|model|train)(\.\w+)*: ")
@@ -145,6 +145,8 @@ MS_REFUSALS = [
     ("moe-shared", {"dp": 2, "zero": {"stage": 1}, "precision": FP32}, 2, MOE4, [CPU],
      r"^strategy\.zero: MindSpore trains MoE through its compiled step only"),
     ("moe-ep", {"dp": 2, "ep": 2, "precision": FP32}, 2, MOE4, [CPU], r"^strategy: ep=2 needs"),
+    ("moe-dropless", {"dp": 2, "ep": 2}, 2, {"moe": {"num_experts": 4}}, [ASCEND],
+     r"^model\.moe\.capacity_factor: -1 \(dropless\) gives every expert a slot for every token on Ascend"),
     ("zero-bubble", {"pp": 2, "pipeline": {"schedule": "zero_bubble"}, "precision": FP32}, 2, {}, [ASCEND],
      r"^strategy\.pipeline\.schedule: MindSpore has no 'zero_bubble' scheduler"),
     ("shared-with-tp", {"dp": 2, "tp": 2, "zero": {"stage": 1, "engine": "shared"}}, 4, {}, [ASCEND],
