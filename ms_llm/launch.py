@@ -20,6 +20,7 @@ failures that repeat, shrink and grow, recovery time in metrics.jsonl).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -40,9 +41,10 @@ from ms_llm.errors import ConfigError, RunFolderError, StrategyError
 from ms_llm.job import JobConfig, Override, dump_yaml, flags, job_to_dict, load_job
 from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
+from ms_llm.run.folder import RunLock
 from ms_llm.run.heartbeat import read_heartbeats
 from ms_llm.run.memory_tier import MemoryTier
-from ms_llm.run.metrics import run_summary
+from ms_llm.run.metrics import run_summary, whole_end
 from ms_llm.strategy.plan import ModelPlan, plan
 
 
@@ -207,11 +209,15 @@ def write_config(job: JobConfig, run: RunFolder, overrides: tuple[Override, ...]
         raise RunFolderError(f"run folder {run.root}: cannot write config.yaml ({exc.strerror or exc})") from None
 
 
-def prepare(req: TrainRequest) -> tuple[JobConfig, ModelPlan, RunFolder]:
-    """Resolve, ask the backend, then (only then) create the run folder and write config.yaml."""
+def prepare(req: TrainRequest, held: Optional[contextlib.ExitStack] = None) -> tuple[JobConfig, ModelPlan, RunFolder]:
+    """Resolve, ask the backend, then (only then) create the run folder and write config.yaml.
+    With `held`, the run folder's lock is taken first and kept in it: a folder another job holds
+    is left untouched."""
     job, p = resolve(req)
     check(job.backend, p)
     run = RunFolder.create(job.name, req.run_dir)
+    if held is not None:
+        held.enter_context(RunLock(run, req.nodes.rank))
     job = with_corpus(job, run)
     write_config(job, run, req.overrides)
     return job, p, run
@@ -250,12 +256,18 @@ def train(req: TrainRequest) -> int:
         rc = dry_run(job, p, req.run_dir)
         print(f"dry run: nothing launched ({job.backend} backend, {p.world_size} process(es))")
         return rc
-    job, p, run = prepare(req)
+    with contextlib.ExitStack() as held:          # the run folder is this job's until it ends
+        job, p, run = prepare(req, held)
+        return launch(req, job, p, run)
+
+
+def launch(req: TrainRequest, job: JobConfig, p: ModelPlan, run: RunFolder) -> int:
+    """This node's workers started, restarted or supervised until the job ends; its last line."""
     nodes = req.nodes
     where = f", node {nodes.rank} of {nodes.count} ({nodes.local(p.world_size)} here)" if nodes.count > 1 else ""
     print(f"ms-llm train: {job.name} on {job.backend}, {p.world_size} process(es){where}, mesh {p.mesh.describe()}, "
           f"run folder {run.root}", flush=True)
-    since, started = run.metrics.stat().st_size if run.metrics.is_file() else 0, time.time()
+    since, started = whole_end(run.metrics), time.time()     # a torn tail the workers drop is not counted
     try:
         if req.elastic is not None:
             from ms_llm.elastic.supervisor import Supervisor

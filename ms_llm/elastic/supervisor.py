@@ -46,6 +46,7 @@ from ms_llm.job import JobConfig
 from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, SUPERVISOR_ENV, Nodes
 from ms_llm.processes import descendants, kill_all
 from ms_llm.run import RunFolder
+from ms_llm.run.metrics import append_record
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan
 
@@ -100,13 +101,8 @@ class Supervisor:
 
     def record(self, **fields) -> None:
         """One line in metrics.jsonl, appended whole (rank 0 appends to the same file)."""
-        line = (json.dumps({"time": time.time(), **fields}) + "\n").encode()
         try:
-            fd = os.open(self.run.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+            append_record(self.run.metrics, {"time": time.time(), **fields})
         except OSError as exc:                 # a full disk: the console has it already
             self.log(f"could not append to {self.run.metrics} ({exc.strerror or exc})")
 

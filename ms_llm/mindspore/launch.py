@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -36,6 +35,7 @@ from ms_llm.mindspore.compile_cache import RUN_ENV, job_cache
 from ms_llm.nodes import GATE_ENV, Nodes, collective_timeout_s, free_port, worker_env
 from ms_llm.processes import descendants, die_with_parent, kill_all
 from ms_llm.run import RunFolder, StepMetrics
+from ms_llm.run.metrics import read_records, whole_end
 from ms_llm.strategy.plan import ModelPlan
 
 WORKER = "ms_llm.mindspore.worker"
@@ -62,20 +62,17 @@ def _follow(run: RunFolder, proc: subprocess.Popen, total: int, every: int, gate
         if proc.poll() is not None:
             return
         time.sleep(0.1)
-    seen = len(run.metrics.read_text().splitlines()) if run.metrics.is_file() else 0
+    seen = whole_end(run.metrics)          # whole lines only: a torn tail the workers drop is not counted
+    fields = {f.name for f in dataclasses.fields(StepMetrics)} - {"extra"}
     while True:
         done = proc.poll() is not None
-        if run.metrics.is_file():
-            lines = run.metrics.read_text().splitlines()
-            for line in lines[seen:]:
-                rec = json.loads(line)
-                if "step" in rec and "loss" in rec:
-                    fields = {f.name for f in dataclasses.fields(StepMetrics)} - {"extra"}
-                    m = StepMetrics(**{k: v for k, v in rec.items() if k in fields},
-                                    extra={k: v for k, v in rec.items() if k not in fields})
-                    if m.step % every == 0 or m.step == total or m.step == 1 or "val_loss" in m.extra:
-                        print(m.line(total), flush=True)
-            seen = len(lines)
+        records, seen = read_records(run.metrics, seen)
+        for rec in records:
+            if "step" in rec and "loss" in rec:
+                m = StepMetrics(**{k: v for k, v in rec.items() if k in fields},
+                                extra={k: v for k, v in rec.items() if k not in fields})
+                if m.step % every == 0 or m.step == total or m.step == 1 or "val_loss" in m.extra:
+                    print(m.line(total), flush=True)
         if done:
             return
         time.sleep(0.5)

@@ -9,10 +9,15 @@
         heartbeat/         one liveness file per rank (ms_llm.run.heartbeat)
         data/              the tokenized default corpus cache
         compile_cache/     MindSpore's compiled graphs, one folder per job, world and version
+        .lock.node<R>      who holds the folder (RunLock): one job per folder and node
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,3 +85,58 @@ class RunFolder:
     @property
     def launcher_log(self) -> Path:
         return self.root / "launcher.log"
+
+
+class RunLock:
+    """An exclusive lock on a run folder for the life of one job on one node: a second job there
+    would delete the first's checkpoint temp folders, race its heartbeat renames and record every
+    step twice. flock on <run>/.lock.node<R>, which holds the holder's pid, host and start; the
+    kernel drops the lock when its holder dies, so a killed job leaves no stale lock. Node ranks
+    lock apart: the nodes of one job share the folder."""
+
+    def __init__(self, run: RunFolder, node_rank: int = 0):
+        self.path = run.root / f".lock.node{node_rank}"
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunFolderError(f"run folder {self.path.parent}: cannot create {self.path.name} "
+                                 f"({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self.holder(fd)
+            os.close(fd)
+            raise RunFolderError(f"run folder {self.path.parent} is in use by {holder}; wait for that job or stop "
+                                 "it, or give another --run-dir") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self.fd = fd
+        return self
+
+    @staticmethod
+    def holder(fd: int) -> str:
+        """'pid P on host H since T' from the lock file (what a holder that just took it has not
+        yet written is 'another job')."""
+        try:
+            h = json.loads(os.pread(fd, 4096, 0))
+            since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(h["since"])))
+            return f"pid {int(h['pid'])} on host {h['host']} since {since}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "another job"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):       # a full disk: the lock goes with the descriptor
+                os.ftruncate(self.fd, 0)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -2,7 +2,9 @@
 identical for both backends."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import resource
 import sys
 from dataclasses import asdict, dataclass, field
@@ -81,11 +83,11 @@ class MetricsLogger:
 
     def __init__(self, path: Path | None, total_steps: int, every: int, stream: TextIO = sys.stdout):
         self.path, self.total, self.every, self.stream = path, total_steps, every, stream
-        self._file = None
+        self._file: int | None = None           # an O_APPEND descriptor: each record is one write
         self._tensorboard = None
         if path is not None:
             _drop_torn_tail(Path(path))
-            self._file = open(path, "a")
+            self._file = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             self._tensorboard = TensorBoardLog(Path(path).with_name("tensorboard"), stream)
 
     def log(self, m: StepMetrics, force: bool = False) -> None:
@@ -100,13 +102,12 @@ class MetricsLogger:
             self._write(fields)
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        append_line(self._file, record)
         self._tensorboard.write(record)
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            os.close(self._file)
             self._file = None
             self._tensorboard.close()
 
@@ -121,21 +122,78 @@ def _drop_torn_tail(path: Path) -> None:
                 f.truncate(data.rfind(b"\n") + 1)
 
 
+def append_line(fd: int, record: dict) -> None:
+    """`record` as one line, in one write on an O_APPEND descriptor: rank 0 and the elastic
+    supervisor append to the same file and neither splits the other's line. After a torn last line
+    (a writer killed mid-write, a full disk) the record starts on a line of its own; a short write
+    (the disk filled up in between) is an ENOSPC error, its bytes left for the readers to skip."""
+    line = (json.dumps(record) + "\n").encode()
+    end = os.fstat(fd).st_size
+    if end and os.pread(fd, 1, end - 1) != b"\n":
+        line = b"\n" + line
+    if os.write(fd, line) != len(line):
+        raise OSError(errno.ENOSPC, f"short write of a metrics record ({len(line)} bytes)")
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One whole line appended to metrics.jsonl by a process that does not keep it open."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        append_line(fd, record)
+    finally:
+        os.close(fd)
+
+
+def read_records(path: Path, since: int = 0) -> tuple[list[dict], int]:
+    """The whole records after byte `since`, and the offset after the last whole line, where the
+    next read starts. A last line without its newline is still being written, or torn, and is left
+    out; a line that is not a JSON object (a torn record a later append ended, the rest of a record
+    an offset fell inside) is skipped."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(since)
+            data = f.read()
+    except FileNotFoundError:
+        return [], since
+    whole = data[:data.rfind(b"\n") + 1]
+    records = []
+    for line in whole.split(b"\n"):
+        try:
+            record = json.loads(line)
+        except ValueError:                     # bad bytes or JSON, an empty line
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records, since + len(whole)
+
+
+def whole_end(path: Path) -> int:
+    """The offset after the last whole line of metrics.jsonl (0 when there is none): a reader that
+    starts here still starts at a record once a restarted rank 0 drops a torn tail."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            while end > 0:
+                start = max(0, end - 65536)
+                f.seek(start)
+                chunk = f.read(end - start)
+                if (i := chunk.rfind(b"\n")) >= 0:
+                    return start + i + 1
+                end = start
+    except FileNotFoundError:
+        pass
+    return 0
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """Whole records only: a last line without its newline is still being written."""
-    lines = Path(path).read_text().split("\n")[:-1]
-    return [json.loads(line) for line in lines if line.strip()]
+    """Every whole record (read_records)."""
+    return read_records(path)[0]
 
 
 def run_summary(path: Path, since: int) -> str:
     """The `done:` line of one launch, from the step records written after byte `since` of
     metrics.jsonl (the same for both backends: the launcher prints it, not a worker)."""
-    if not Path(path).is_file():
-        return ""
-    with open(path, "rb") as f:
-        f.seek(since)
-        lines = f.read().decode(errors="replace").split("\n")[:-1]
-    steps = [r for r in (json.loads(line) for line in lines if line.strip()) if "loss" in r and "step" in r]
+    steps = [r for r in read_records(path, since)[0] if "loss" in r and "step" in r]
     if not steps:
         return ""
     first, last = steps[0], steps[-1]
