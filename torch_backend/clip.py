@@ -2,9 +2,13 @@
 
 Gradients are grouped by (mesh, placements): one norm per group (a DTensor norm is reduced
 over the axes that shard it), the squares summed, then summed over pipeline stages,
-which hold disjoint parameters.
+which hold disjoint parameters but for the embedding copy of the MTP modules' stage
+(torch_backend.parallelize.tied): `uncounted`, clipped like the rest but left out of the norm,
+which the first stage's embedding counts.
 """
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -13,7 +17,7 @@ from torch import nn
 from torch_backend.dist import is_dtensor
 
 
-def _groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+def _groups(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
     groups: dict[object, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None:
@@ -24,11 +28,13 @@ def _groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None,
+                   uncounted: tuple[nn.Parameter, ...] = ()) -> torch.Tensor:
     """Total 2-norm of all gradients (before clipping); scales them to max_norm if above (0 = off)."""
     groups = _groups(params)
+    skip = {id(p) for p in uncounted}
     total = torch.zeros((), dtype=torch.float32, device=groups[0][0].grad.device if groups else "cpu")
-    for group in groups:
+    for group in _groups(p for p in params if id(p) not in skip):
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
         if is_dtensor(norm):
             norm = norm.full_tensor()

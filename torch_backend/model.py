@@ -110,6 +110,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # False on a pipeline stage that keeps embed_tokens only for its MTP modules (the last
+        # stage's copy, torch_backend.pipeline.cut_chunk): its input is hidden states.
+        self.takes_tokens = True
         cos, sin = rotary_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -117,14 +120,14 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens (B, T) -> logits (B, T, V); a pipeline stage takes / returns hidden states
-        (B, T, H) when it has no embedding / no head. `targets` (B, T), when training a model with
+        (B, T, H) when it takes no tokens / has no head. `targets` (B, T), when training a model with
         multi-token prediction: its loss trains with the logits (mtp.MTP, moe.AuxLoss)."""
         if positions is None:
             cos, sin = self.rope_cos, self.rope_sin                 # each attention takes its first T rows
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         emb = None
-        if self.model.embed_tokens is not None:
+        if self.takes_tokens:
             x = emb = self.model.embed_tokens(x)
         for layer in self.model.layers.values():
             x = layer(x, cos, sin)
@@ -132,6 +135,8 @@ class Transformer(nn.Module):
             x = self.model.norm(x)
         mtp = None
         if targets is not None and self.model.mtp is not None and torch.is_grad_enabled():
+            if emb is None:      # the last pipeline stage: token i (i >= 1) is target i - 1; token 0 is never read
+                emb = F.pad(self.model.embed_tokens(targets[:, :-1]), (0, 0, 1, 0))
             mtp = self.model.mtp.loss(emb, x, targets, self.lm_head, cos, sin)
         if self.lm_head is not None:
             x = self.lm_head(x)

@@ -22,14 +22,19 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 def cut_chunk(cfg: ModelConfig, chunk: ChunkPlan) -> Transformer:
-    """The model (built on the current default device, meta normally) reduced to one chunk."""
+    """The model (built on the current default device, meta normally) reduced to one chunk. The
+    chunk of the MTP modules keeps model.embed_tokens for them when it is not the first: a copy,
+    initialised as the first chunk's, whose gradient the embedding group sums with the first's
+    (torch_backend.parallelize.tied, Megatron-core's embedding group), so the two stay equal. It
+    looks up the targets (token i + 1 at position i): no tokens travel between stages."""
     model = Transformer(cfg)
-    if not chunk.has_embedding:
+    model.takes_tokens = chunk.has_embedding
+    if not chunk.has_embedding and not chunk.has_mtp:
         model.model.embed_tokens = None
     if not chunk.has_head:
         model.model.norm = None
         model.lm_head = None
-    if not chunk.has_mtp:          # the MTP modules sit beside lm_head (support refuses them under pp)
+    if not chunk.has_mtp:          # the MTP modules sit beside lm_head
         model.model.mtp = None
     for key in list(model.model.layers.keys()):
         if int(key) not in chunk.layers:
@@ -39,7 +44,9 @@ def cut_chunk(cfg: ModelConfig, chunk: ChunkPlan) -> Transformer:
 
 def build_schedule(low: TorchLowering, parts: list[nn.Module], chunks: tuple[ChunkPlan, ...], group,
                    device: torch.device, loss_fn) -> _PipelineSchedule:
-    """The lowering's schedule over this rank's `parts` (one per chunk of `chunks`)."""
+    """The lowering's schedule over this rank's `parts` (one per chunk of `chunks`). It leaves the
+    gradients as backward made them (scale_grads off): TrainStep weights each micro-batch's loss
+    by 1/micro_batches instead, which also reaches gradients an engine already took out of autograd."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -48,5 +55,5 @@ def build_schedule(low: TorchLowering, parts: list[nn.Module], chunks: tuple[Chu
     stages = [PipelineStage(part, chunk.index, n_stages, device, group=group) for part, chunk in zip(parts, chunks)]
     cls: type[_PipelineSchedule] = getattr(pipelining, low.schedule)      # e.g. Schedule1F1B
     if issubclass(cls, PipelineScheduleSingle):
-        return cls(stages[0], n_microbatches=low.micro_batches, loss_fn=loss_fn)
-    return cls(stages, n_microbatches=low.micro_batches, loss_fn=loss_fn)
+        return cls(stages[0], n_microbatches=low.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=low.micro_batches, loss_fn=loss_fn, scale_grads=False)

@@ -8,18 +8,21 @@ holds, whatever engine runs data parallelism:
     states sit where their parameter sits (ZeroRedundancyOptimizer: whole, on the owner);
   - the shared ZeRO engine: its flat segments are cut into the pieces ms_llm.zero's
     ZeroPlan says each rank owns (Adam moments, fp32 master, ZeRO-3 weight shards).
+The embedding's copy on the MTP modules' pipeline stage (and its optimizer states) is held,
+not saved: the first stage saves the embedding once, and a load fills both copies.
 Names are the checkpoint's (Hugging Face weights, optim.<state>.<weight>), so a run resumes
 under any strategy, engine or world size, and from MindSpore checkpoints.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ms_llm.checkpoint import Piece, Region, layout_piece, optim_name
+from ms_llm.checkpoint import Piece, Region, layout_piece, optim_name, split_optim_name
 from ms_llm.checkpoint.zero_state import engine_slices
 from ms_llm.errors import CheckpointError
 from ms_llm.run.checkpoints import Held
@@ -127,7 +130,23 @@ def training_state(step_fn: TrainStep, plan: ModelPlan, rank: int, create: bool 
         if name not in held:                # ZeRO-3 shards of the shared engine are already in
             held[name] = (_piece(name, p, plan, rank, name), p)
     held.update(_buffers(step_fn, plan, rank))
-    return held
+    return _copies_held(held, weights, plan, rank)
+
+
+def _copies_held(held: Held, weights: dict[str, torch.Tensor], plan: ModelPlan, rank: int) -> Held:
+    """The weights of another pipeline stage this rank keeps a copy of (the MTP modules'
+    embedding), with their optimizer states: not primary, so their own stage saves them."""
+    stage = plan.mesh.coords(rank)["pp"]
+    copies = {n for n in weights if plan.params[n].stage != stage}
+    if not copies:
+        return held
+    out = {}
+    for name, (piece, t) in held.items():
+        weight = (split_optim_name(name) or (None, name))[1]
+        if weight in copies:
+            piece = dataclasses.replace(piece, primary=False)
+        out[name] = (piece, t)
+    return out
 
 
 def _buffers(step_fn: TrainStep, plan: ModelPlan, rank: int) -> Held:

@@ -21,7 +21,6 @@ from torch import nn
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import OptimizerConfig
-from ms_llm.errors import StrategyError
 from ms_llm.run import LossScaler, lr_at
 from torch_backend.apply import Lowered, cross_entropy, local_value
 from torch_backend.moe import MoE
@@ -72,11 +71,8 @@ class TrainStep:
         self.moe = [mod for part in lowered.parts for mod in part.modules() if isinstance(mod, MoE)]
         self.aux_weight = (1.0 if meshes.coord("tp") == 0 else 0.0) / (s.dp * s.cp)
         # Multi-token prediction: its loss rides on the logits like the router losses, held where
-        # the loss is (weighted alike), and is reported apart.
+        # the loss is (weighted alike; under pipeline parallel, the last stage), and is reported apart.
         self.mtp = [mod for part in lowered.parts for mod in part.modules() if isinstance(mod, MTP)]
-        if self.mtp and lowered.schedule is not None:
-            raise StrategyError("model.mtp_layers: the torch backend trains multi-token prediction without pipeline "
-                                "parallelism only (strategy.pp 1)")
         self.mtp_loss: Optional[torch.Tensor] = None          # the last step's global mean MTP loss
         # Aux-loss-free balancing: row i of the loads all-reduced each step is router bias_names[i].
         self.bias_names = biased_routers(self.plan.model)
@@ -98,17 +94,23 @@ class TrainStep:
         """Accumulate gradients of the local batch (B, T); return this rank's mean loss."""
         m, n = self.m, self.plan.micro_batches
         tokens, targets = self.context_share(tokens, targets)
-        for owner in self.moe + self.mtp:   # a schedule divides every gradient by n itself; the loop below does not
-            owner.aux_scale = (1.0 if self.loss_scale is None else self.loss_scale.scale) / (1 if m.schedule else n)
+        # Each micro-batch's losses are weighted 1/n (times the fp16 loss scale) before backward, the
+        # schedule's too: it does not divide gradients by n afterwards (pipeline.build_schedule), which
+        # gradients already taken out of autograd (the shared ZeRO engine's sharded buckets) would miss.
+        scale = (1.0 if self.loss_scale is None else self.loss_scale.scale) / n
+        for owner in self.moe + self.mtp:
+            owner.aux_scale = scale
         if m.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (tokens,) if m.has_first else ()
             # The schedule's last backward need not end the step (reduce_grads does), so
             # engines that reduce from backward hooks accumulate through all of it.
-            scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
+            # The stage of the MTP modules gets the targets as a forward argument too (split into
+            # micro-batches like the inputs): its MTP loss rides on the logits the loss_fn reads.
+            mtp_targets = {"targets": targets} if self.mtp else {}
             with m.dp.sync(m.parts[0], last=False), m.loss_context(), m.autocast():
                 m.schedule.step(*args, target=targets if m.has_last else None, losses=losses,
-                                loss_kwargs={"scale": scale})
+                                loss_kwargs={"scale": scale}, **mtp_targets)
             if not losses:
                 return torch.zeros((), device=m.device)
             return torch.stack([local_value(l).detach().float() for l in losses]).mean() / scale

@@ -60,10 +60,14 @@ def _lowering(plan: ModelPlan) -> list[str]:
     if plan.model.moe is not None and s.sequence_parallel:
         problems.append("strategy.sequence_parallel: the torch MoE layer routes the whole sequence of each rank; "
                         "use sequence_parallel: false with model.moe")
-    if plan.model.mtp_layers and s.pp > 1:
-        problems.append("model.mtp_layers: under pipeline parallel the MTP modules need a copy of the embedding on "
-                        "the last stage, which the torch backend does not keep; use strategy.pp: 1 with MTP, "
-                        "or mtp_layers: 0")
+    if plan.model.mtp_layers and s.pp > 1 and len(plan.embedding_stages()) == 1:
+        problems.append(f"strategy.pipeline.schedule: {s.pipeline.schedule} puts the MTP modules on the first "
+                        "rank beside the embedding (DualPipe's placement); the torch backend keeps their copy of "
+                        "the embedding on another stage only; use schedule 1f1b, gpipe or interleaved_1f1b with MTP")
+    if plan.model.mtp_layers and s.cp > 1:
+        problems.append("strategy.cp: the MTP modules shift each sequence by up to mtp_layers tokens, across the "
+                        "shards of the cp ranks, which the torch backend does not exchange; use cp: 1 with "
+                        "model.mtp_layers")
     if plan.model.mla is not None and s.cp > 1:
         problems.append("strategy.cp: the torch backend's context-parallel attention cores are not wired into "
                         "multi-latent attention; use cp: 1 with model.mla")

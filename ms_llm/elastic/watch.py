@@ -8,6 +8,8 @@ the override when given, else `factor` times the median step time measured from 
 so far, never below `floor_s`. Until a rank's first step (imports, rendezvous, compile,
 checkpoint load) the startup timeout applies instead. A stopped process (SIGSTOP) writes no
 beat and is caught the same way; so are the survivors of a dead peer blocked in a collective.
+A hang names the rank that holds the others up (a stopped process, else the rank a step behind),
+not only the peers waiting for it, whose heartbeats stop too.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class LaunchWatch:
                                                                            sorted(failed.items())), failed)
         now = time.time()
         limit = self.timeouts.hang(self.step_time())
-        late = []
+        late, stale = [], []
         for r in self.ranks:
             b = beats.get(r)
             if b is None:
@@ -83,12 +85,35 @@ class LaunchWatch:
                 if now - b["time"] > self.timeouts.startup_s:
                     late.append(f"rank {r} did not reach its first step in {self.timeouts.startup_s:.0f} s")
             elif b["phase"] == "train" and now - b["time"] > limit:
-                how = " (the process is stopped)" if stopped(int(b["pid"])) else ""
-                late.append(f"rank {r} made no progress after step {b['step']} for {now - b['time']:.1f} s "
-                            f"(timeout {limit:.1f} s){how}")
-        if late:
-            return Failure("hang", (), done, "; ".join(late))
-        return None
+                stale.append(r)
+        if not late and not stale:
+            return None
+        culprits = self.culprits(beats) if stale else ()
+        lines = [self._stopped_line(r, beats[r], now) for r in culprits]
+        for r in stale:
+            if r not in culprits:
+                waits = f", waiting for rank {', '.join(map(str, culprits))}" if culprits else ""
+                lines.append(f"rank {r} made no progress after step {beats[r]['step']} for "
+                             f"{now - beats[r]['time']:.1f} s (timeout {limit:.1f} s){waits}")
+        return Failure("hang", culprits, done, "; ".join(late + lines))
+
+    def culprits(self, beats: dict[int, dict]) -> tuple[int, ...]:
+        """The ranks whose heartbeat stopped, not the peers that wait for them in a collective (whose
+        heartbeats stop too, and may pass the timeout first): the stopped processes, else the ranks a
+        step behind the others; none when the heartbeats cannot tell."""
+        training = {r: beats[r] for r in self.ranks if beats.get(r, {}).get("phase") == "train"}
+        halted = tuple(r for r, b in training.items() if stopped(int(b["pid"])))
+        if halted:
+            return halted
+        low = min((b["step"] for b in training.values()), default=0)
+        behind = tuple(r for r, b in training.items() if b["step"] == low)
+        return behind if len(behind) < len(training) else ()
+
+    @staticmethod
+    def _stopped_line(rank: int, beat: dict, now: float) -> str:
+        how = " (the process is stopped)" if stopped(int(beat["pid"])) else ""
+        return (f"rank {rank}'s heartbeat stopped after step {beat['step']}, {now - beat['time']:.1f} s ago{how}: "
+                f"it holds the others up")
 
     def all_done(self) -> bool:
         return all(self.beats.get(r, {}).get("phase") == "done" for r in self.ranks)

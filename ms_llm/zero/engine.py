@@ -9,9 +9,11 @@ Per bucket and step (see ms_llm.zero.schedule):
   backward  gradients are packed rank-major into the bucket; a full bucket is reduced
             (reduce-scatter over the shard group, all-reduce over replicas), buckets in a
             fixed order so every rank issues the same collectives in the same order;
-  step      global gradient norm from each element's primary copy; the optimizer updates
-            this rank's segment (fp32 master when parameters are low precision or states
-            are offloaded); ZeRO-1/2 all-gather the updated parameters, ZeRO-3 keeps the shard.
+  step      a tied copy's gradient (the MTP stage's embedding, Megatron-core's embedding
+            group) summed with its original's; global gradient norm from each element's
+            primary copy; the optimizer updates this rank's segment (fp32 master when
+            parameters are low precision or states are offloaded); ZeRO-1/2 all-gather the
+            updated parameters, ZeRO-3 keeps the shard.
 Unsharded buckets (every bucket at stage 0) stay allocated where the backend can alias
 them: the model's parameters and gradients are views of them (like DDP's
 gradient_as_bucket_view), so neither packing nor unpacking copies anything.
@@ -77,7 +79,9 @@ class ZeroEngine:
         self._inflight: list[tuple[Bucket, Tensor, Handle]] = []
         self._reduce_order = list(reversed(self.buckets))
         self._slot = {s.name: (b, s) for b in self.buckets for s in b.slots}
-        self._unit = {e.name: e.unit for e in zplan.entries}
+        stage = zplan.pipeline_stage(rank)
+        self._unit = {e.name: e.unit for e in zplan.entries if e.stage == stage}
+        self._tied = zplan.tied_names()
         missing = sorted(set(self._slot) - set(params))
         if missing:
             raise KeyError(f"ZeRO engine: the model has no parameter {missing[0]!r} the plan expects")
@@ -91,8 +95,8 @@ class ZeroEngine:
     def _make_groups(self, world_size: int) -> dict[str, Any]:
         """Every rank creates every group in the same order (torch.distributed requires it)."""
         mine = {}
-        for kind in ("shard", "replicate", "dp"):
-            for ranks in self.zplan.groups[kind]:
+        for kind in ("shard", "replicate", "dp", "embedding"):
+            for ranks in self.zplan.groups.get(kind, ()):
                 handle = self.comm.new_group(ranks) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     mine[kind] = handle
@@ -281,6 +285,7 @@ class ZeroEngine:
         rank, skips the update: parameters, optimizer states and the step count stay as they are."""
         cfg, ops = self.config, self.ops
         grads = {b.index: self._grad(b) for b in self.buckets}
+        self._sum_tied(grads)
         norm = None
         if cfg.grad_clip > 0 or loss_scale is not None:
             norm = math.sqrt(self.grad_norm(grads) ** 2 + extra_sq_norm) / (loss_scale or 1.0)
@@ -331,6 +336,20 @@ class ZeroEngine:
                 ops.unpack(pbuf, 0, b.segment, s, self.params[s.name])
             ops.free(pbuf)
         return norm
+
+    def _sum_tied(self, grads: dict[int, Tensor]) -> None:
+        """The embedding group: the first stage's embedding and its tied copy on the MTP modules'
+        stage hold the same elements at the same shard index, each reduced over its own dp ranks;
+        summed, both take the whole gradient and the same update (the copy is not in the norm)."""
+        group = self.groups.get("embedding")
+        if group is None:
+            return
+        for b in self.buckets:
+            for s in b.slots:
+                if s.name in self._tied:
+                    g = self.ops.read(grads[b.index], s.offset, s.numel)
+                    self.comm.all_reduce(g, group)
+                    grads[b.index] = self.ops.write(grads[b.index], s.offset, g)
 
     def _drop_grads(self, b: Bucket) -> None:
         """After the step: free the gradient buffers, or zero the one the model's gradients

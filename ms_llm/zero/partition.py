@@ -29,6 +29,7 @@ from ms_llm.strategy.plan import ModelPlan, ZeroPartition, zero_layout
 ALIGN_BYTES = 64            # each rank segment starts on a 64-byte boundary of its bucket
 DP_AXES = ("dp_replicate", "dp_shard", "cp")   # ranks holding the same parameters
 EXPERT_KINDS = ("expert_column", "expert_row")  # MoE routed experts: outside the partition
+EMBEDDING = "model.embed_tokens.weight"          # copied to the MTP modules' pipeline stage
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class ParamEntry:
     unit: str                      # ZeRO-3 gather unit: 'embed', 'layer.N', 'final'
     module: str                    # FQN of the module whose forward reads the parameter
     dtype: str
+    # A copy of a parameter another pipeline stage holds (the embedding the MTP modules read on
+    # their stage, Megatron-core's embedding group): the engine sums its gradient with the
+    # original's over groups["embedding"]; it counts in no norm and no checkpoint (not primary).
+    tied: bool = False
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -138,7 +143,9 @@ def zero_dim(entry_layout: TensorLayout, zero_layout: TensorLayout, axes: tuple[
 
 
 def entries_from_plan(plan: ModelPlan) -> list[ParamEntry]:
-    """Parameters in model order (embedding, layers, final norm, head) with their units."""
+    """Parameters in model order (embedding, layers, final norm, head, MTP modules) with their
+    units, then the embedding's copy on the MTP modules' stage (ModelPlan.embedding_stages), in
+    its final unit, whose modules read it."""
     dtype = plan.strategy.precision.param_dtype
     out = []
     for p in plan.params.values():
@@ -152,6 +159,11 @@ def entries_from_plan(plan: ModelPlan) -> list[ParamEntry]:
             unit, module = "final", p.name.rsplit(".", 1)[0]
         out.append(ParamEntry(p.name, p.layout, zero_dim(p.layout, p.zero_layout, plan.zero.axes),
                               p.stage, p.chunk, unit, module, dtype))
+    embed = plan.params.get(EMBEDDING)
+    for chunk in plan.chunks:
+        if embed is not None and chunk.has_mtp and chunk.stage != embed.stage:
+            out.append(ParamEntry(EMBEDDING, embed.layout, zero_dim(embed.layout, embed.zero_layout, plan.zero.axes),
+                                  chunk.stage, chunk.index, "final", EMBEDDING.rsplit(".", 1)[0], dtype, tied=True))
     return out
 
 
@@ -221,10 +233,11 @@ def build_buckets(entries: list[ParamEntry], group_size: int, bucket_mb: float, 
     units = []
     for name in dict.fromkeys(e.unit for e in entries):
         members = [e for e in entries if e.unit == name]
-        names = {e.name for e in members}
+        held = {(e.name, e.stage) for e in members}        # a tied copy's name is its original's
         units.append(Unit(name, members[0].stage, members[0].chunk,
                           tuple(dict.fromkeys(e.module for e in members)), tuple(e.name for e in members),
-                          tuple(b.index for b in buckets if any(s.name in names for s in b.slots))))
+                          tuple(b.index for b in buckets
+                                if any((s.name, buffers[b.buffer].stage) in held for s in b.slots))))
     return tuple(buffers), tuple(buckets), tuple(units)
 
 
@@ -240,3 +253,17 @@ def zero_groups(mesh: MeshSpec, zero: ZeroPartition) -> dict[str, list[list[int]
 
     replicate = tuple(a for a in DP_AXES if a not in zero.axes)
     return {"shard": groups(zero.axes), "replicate": groups(replicate), "dp": groups(DP_AXES)}
+
+
+def embedding_groups(mesh: MeshSpec, stages: tuple[int, ...]) -> list[list[int]]:
+    """Megatron-core's embedding groups: for each position of the stage mesh, its ranks on the
+    pipeline stages `stages` that hold the embedding (ModelPlan.embedding_stages); none with
+    fewer than two such stages.
+
+    Worked example, 8 ranks as (pp, dp) = (4, 2), stages (0, 3): [0, 6] [1, 7].
+    >>> embedding_groups(MeshSpec(("pp", "dp_shard"), (4, 2)), (0, 3))
+    [[0, 6], [1, 7]]
+    """
+    if len(stages) < 2:
+        return []
+    return [[g[s] for s in stages] for g in rank_groups(mesh.shape, (mesh.names.index("pp"),))]

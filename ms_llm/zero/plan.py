@@ -15,7 +15,8 @@ from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.mesh import DENSE_AXES, MeshSpec
 from ms_llm.strategy.plan import ModelPlan, ZeroPartition, zero_partition
 from ms_llm.zero.partition import (
-    Bucket, FlatBuffer, ParamEntry, Slot, Unit, build_buckets, entries_from_plan, entries_from_shapes, zero_groups)
+    Bucket, FlatBuffer, ParamEntry, Slot, Unit, build_buckets, embedding_groups, entries_from_plan, entries_from_shapes,
+    zero_groups)
 from ms_llm.zero.schedule import Collective, grad_collectives, param_collectives
 
 
@@ -28,8 +29,9 @@ class OwnedPiece:
     tensor (for a sharded piece it equals the parameter's zero_layout.shard_box). When
     `contiguous`, the box is the flat range [local_offset, local_offset + numel) of the
     TP-local tensor. `primary` marks exactly one rank among all ranks holding identical
-    copies (replicas across dp_replicate, tp-replicated parameters, replicated buckets):
-    the one a checkpoint writer or a norm computation should count.
+    copies (replicas across dp_replicate, tp-replicated parameters, replicated buckets, the
+    embedding's tied copy on another pipeline stage): the one a checkpoint writer or a norm
+    computation should count.
     """
     name: str
     rank: int
@@ -53,7 +55,7 @@ class ZeroPlan:
     buffers: tuple[FlatBuffer, ...]
     buckets: tuple[Bucket, ...]
     units: tuple[Unit, ...]
-    groups: dict[str, list[list[int]]]
+    groups: dict[str, list[list[int]]]   # shard, replicate, dp, embedding (ranks of the tied entries)
     dp_cp_size: int                # ranks whose gradients are averaged
 
     # ---- ranks and groups ------------------------------------------------------------
@@ -77,8 +79,13 @@ class ZeroPlan:
         stage = self.pipeline_stage(rank)
         return tuple(u for u in self.units if u.stage == stage)
 
-    def entry(self, name: str) -> ParamEntry:
-        return next(e for e in self.entries if e.name == name)
+    def entry(self, name: str, stage: Optional[int] = None) -> ParamEntry:
+        """The parameter's entry (on pipeline stage `stage`, where a tied copy shares its name)."""
+        return next(e for e in self.entries if e.name == name and stage in (None, e.stage))
+
+    def tied_names(self) -> frozenset[str]:
+        """Parameters with a tied copy, whose gradients the engine sums over groups['embedding']."""
+        return frozenset(e.name for e in self.entries if e.tied)
 
     def slot(self, name: str) -> tuple[Bucket, Slot]:
         for b in self.buckets:
@@ -107,6 +114,8 @@ class ZeroPlan:
 
     # ---- ownership ---------------------------------------------------------------------
     def _is_primary(self, entry: ParamEntry, sharded: bool, rank: int) -> bool:
+        if entry.tied:
+            return False
         coords = self.mesh.coords(rank)
         copies = ["dp_replicate"] + [a for a in ("dp_shard", "cp") if not (sharded and a in self.zero.axes)]
         if not _splits(entry, "tp"):
@@ -119,8 +128,9 @@ class ZeroPlan:
         stage_rank = self._stage_rank(rank)
         buf_start = bucket.start + index * bucket.segment
         out = []
+        stage = self.buffers[bucket.buffer].stage
         for s in bucket.slots:
-            entry = self.entry(s.name)
+            entry = self.entry(s.name, stage)
             box = s.piece_box(index)
             tp_offsets, _ = entry.layout.shard_box(stage_rank)
             global_box = (tuple(a + b for a, b in zip(tp_offsets, box[0])), box[1])
@@ -188,7 +198,10 @@ def build_zero_plan(entries: list[ParamEntry], mesh: MeshSpec, zero: ZeroPartiti
     dp_cp = 1
     for a in ("dp_replicate", "dp_shard", "cp"):
         dp_cp *= mesh.axis_size(a)
-    return ZeroPlan(zero.stage, mesh, zero, tuple(entries), buffers, buckets, units, zero_groups(mesh, zero), dp_cp)
+    tied = {e.name for e in entries if e.tied}
+    groups = zero_groups(mesh, zero)
+    groups["embedding"] = embedding_groups(mesh, tuple(sorted({e.stage for e in entries if e.name in tied})))
+    return ZeroPlan(zero.stage, mesh, zero, tuple(entries), buffers, buckets, units, groups, dp_cp)
 
 
 def zero_plan_for_params(params: list[tuple[str, tuple[int, ...], str, str]], strategy: ParallelStrategy,

@@ -1,5 +1,10 @@
 """The restart policy both launchers share (a real worker crash is in test_checkpoint_resume)."""
 import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -9,6 +14,7 @@ from ms_llm.elastic import check_restarts, with_restarts
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
 from ms_llm.errors import ConfigError
 from ms_llm.job import job_from_dict
+from ms_llm.processes import stopped
 from ms_llm.run import RunFolder
 from ms_llm.run.heartbeat import Heartbeat
 
@@ -172,3 +178,41 @@ def test_a_recovery_counts_ranks_that_stepped_then_failed(tmp_path):
     beats[1].fail(11, ConnectionResetError("peer closed"))
     watch.current()
     assert watch.first_new_step(4)
+
+
+def _beats(folder: Path, beats: dict[int, tuple[int, int, float]]) -> None:
+    """Heartbeat files as workers write them: rank -> (pid, step, seconds since its last beat)."""
+    folder.mkdir(exist_ok=True)
+    for rank, (pid, step, age) in beats.items():
+        (folder / f"rank_{rank:05d}.json").write_text(json.dumps(
+            {"rank": rank, "pid": pid, "host": "n0", "step": step, "phase": "train", "time": time.time() - age}))
+
+
+def test_a_hang_names_the_rank_whose_heartbeat_stopped_not_the_one_that_waited(tmp_path):
+    """The waiting rank's heartbeat stops too and may pass the timeout first: the report still names
+    the rank that holds it up, a step behind or a stopped process."""
+    timeouts, me = Timeouts(hang_s=4.0), os.getpid()
+    _beats(tmp_path / "behind", {0: (me, 6, 4.5), 1: (me, 5, 3.9)})
+    watch = LaunchWatch(tmp_path / "behind", range(2), time.time() - 60, timeouts)
+    failure = watch.poll()
+    assert (failure.kind, failure.ranks) == ("hang", (1,))
+    assert re.fullmatch(r"rank 1's heartbeat stopped after step 5, \d\.\d s ago: it holds the others up; rank 0 "
+                        r"made no progress after step 6 for \d\.\d s \(timeout 4\.0 s\), waiting for rank 1",
+                        failure.detail), failure.detail
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        while not stopped(sleeper.pid):
+            time.sleep(0.01)
+        _beats(tmp_path / "stopped", {0: (me, 5, 4.5), 1: (sleeper.pid, 5, 3.8)})
+        failure = LaunchWatch(tmp_path / "stopped", range(2), time.time() - 60, timeouts).poll()
+        assert failure.ranks == (1,)
+        assert re.match(r"rank 1's heartbeat stopped after step 5, \d\.\d s ago \(the process is stopped\)",
+                        failure.detail), failure.detail
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    _beats(tmp_path / "even", {0: (me, 5, 4.5), 1: (me, 5, 3.8)})     # nothing tells them apart: the late one
+    failure = LaunchWatch(tmp_path / "even", range(2), time.time() - 60, timeouts).poll()
+    assert failure.ranks == ()
+    assert re.fullmatch(r"rank 0 made no progress after step 5 for \d\.\d s \(timeout 4\.0 s\)", failure.detail)

@@ -10,7 +10,8 @@ The order is fixed, as in torchtitan, because each step must see what the previo
   3. activation checkpointing: hooks the TP-parallel layers, so recompute re-runs them;
   4. torch.compile per layer: after AC so the compiled region includes the recompute;
   5. data parallel / ZeRO (DDP, ZeroRedundancyOptimizer, FSDP2, or the shared engine):
-     last, it replicates or shards the final parameters and hooks their gradients.
+     last, it replicates or shards the final parameters and hooks their gradients; then the
+     engine joins the embedding group, whose copies (MTP under pp) it sums after reducing.
 """
 from __future__ import annotations
 
@@ -48,4 +49,6 @@ def parallelize(parts: list[nn.Module], low: TorchLowering, plan: ModelPlan, mes
         apply_ac(part, low)
         if low.compile:
             apply_compile(part)
-    return dp.wrap(parts)
+    parts = dp.wrap(parts)
+    dp.tie_embedding(plan, parts)
+    return parts

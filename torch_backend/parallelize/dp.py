@@ -3,10 +3,11 @@
 The trainer only ever calls, in this order:
 
     parts = dp.wrap(parts)                      once, after TP / AC / compile
+    dp.tie_embedding(plan, parts)               once: the embedding group (MTP under pipeline parallel)
     optimizer = dp.make_optimizer(params, cls, kwargs)
     per step:
         with dp.sync(part, last):               around each micro-batch's forward + backward
-        dp.reduce_grads(parts)                  after the last backward
+        dp.reduce_grads(parts)                  after the last backward (and the embedding group's sum)
         norm = dp.step(optimizer, params, lr, grad_clip, pp_group, loss_scale)
                                                 clip (fp16: unscale, skip on overflow), update, clear grads
 
@@ -40,6 +41,7 @@ from torch_backend.lower import DataParallelPlan
 from torch_backend.mesh import Meshes
 from torch_backend.parallelize.ep import ExpertGrads, expert_params
 from torch_backend.parallelize.precision import DTYPES
+from torch_backend.parallelize.tied import EmbeddingGroup, embedding_group
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -48,16 +50,23 @@ if TYPE_CHECKING:
 class DataParallel:
     """No data parallelism (dp = 1): gradients are complete after backward."""
     name = support.NONE
+    embedding: Optional[EmbeddingGroup] = None     # this rank's embedding group, when it holds a copy
 
     def wrap(self, parts: list[nn.Module]) -> list[nn.Module]:
         return parts
+
+    def tie_embedding(self, plan: ModelPlan, parts: list[nn.Module]) -> None:
+        """Join the embedding group, where the plan copies the embedding to the MTP modules' stage."""
+        self.embedding = embedding_group(plan, parts)
 
     def sync(self, part: nn.Module, last: bool) -> ContextManager:
         """Context for one micro-batch; `last` marks the one whose backward must reduce."""
         return nullcontext()
 
     def reduce_grads(self, parts: list[nn.Module]) -> None:
-        """Engines that reduce inside backward have nothing left to do here."""
+        """Engines that reduce inside backward have only the embedding copies' sum left to do."""
+        if self.embedding is not None:
+            self.embedding.sum_grads()
 
     def make_optimizer(self, params: Iterable, cls: type, kwargs: dict) -> Optional[torch.optim.Optimizer]:
         return cls(params, **kwargs)
@@ -72,11 +81,12 @@ class DataParallel:
         back, and a non-finite norm (global, so every rank agrees) skips the update."""
         for group in optimizer.param_groups:
             group["lr"] = lr
+        copy = self.embedding.uncounted if self.embedding is not None else ()
         if loss_scale is None:
-            norm = clip_grad_norm(params, grad_clip, pp_group)
+            norm = clip_grad_norm(params, grad_clip, pp_group, copy)
             optimizer.step()
         else:
-            norm = unscale_and_clip(params, grad_clip, loss_scale, pp_group)
+            norm = unscale_and_clip(params, grad_clip, loss_scale, pp_group, copy)
             if torch.isfinite(norm):
                 optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -84,10 +94,11 @@ class DataParallel:
 
 
 @torch.no_grad()
-def unscale_and_clip(params: list[nn.Parameter], grad_clip: float, loss_scale: float, pp_group) -> torch.Tensor:
+def unscale_and_clip(params: list[nn.Parameter], grad_clip: float, loss_scale: float, pp_group,
+                     uncounted: tuple[nn.Parameter, ...] = ()) -> torch.Tensor:
     """Global norm of the true gradients; when finite, gradients become the true ones, clipped,
     in one multiply (grad_clip 0 = off)."""
-    norm = clip_grad_norm(params, 0.0, pp_group) / loss_scale
+    norm = clip_grad_norm(params, 0.0, pp_group, uncounted) / loss_scale
     if torch.isfinite(norm):
         coef = min(1.0, grad_clip / (norm.item() + 1e-6)) if grad_clip > 0 else 1.0
         for p in params:
@@ -187,10 +198,14 @@ class SharedZero(DataParallel):
         from torch_backend.zero import ZeroDataParallel
 
         self.engine = ZeroDataParallel(parts, self.zplan, dist.get_rank(), self.config, self.device)
-        experts = expert_params(parts, self.plan)     # outside the partition: reduced over their own group
-        if experts:
-            self.experts = ExpertGrads(experts, self.plan, self.meshes)
+        # Experts are outside the partition: reduced over their own group. Every rank of a model with
+        # experts joins their norm, a stage without MoE layers (DeepSeek's dense first layers) with none.
+        if self.plan.model.moe is not None:
+            self.experts = ExpertGrads(expert_params(parts, self.plan), self.plan, self.meshes)
         return parts
+
+    def tie_embedding(self, plan, parts):
+        """The engine sums the embedding copies itself (ms_llm.zero: the copy is a tied entry)."""
 
     def sync(self, part, last):
         return nullcontext() if last else self.engine.no_sync()

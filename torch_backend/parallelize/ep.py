@@ -48,7 +48,8 @@ class ExpertGrads:
     every expert weight the plan's optimizer_layout gives it (ms_llm.strategy.plan._expert_zero),
     holding 1/edp of the optimizer states, and all-gathers the updated slices. The weight stays
     the source of truth: a slice is copied from it before each update (so a checkpoint load of
-    the weights needs nothing else)."""
+    the weights needs nothing else). A rank without experts (its pipeline stage has no MoE layer)
+    holds none and no optimizer, but joins the norm."""
 
     def __init__(self, params: dict[str, nn.Parameter], plan: ModelPlan, meshes: Meshes):
         s = plan.strategy
@@ -70,7 +71,8 @@ class ExpertGrads:
         return {n: self.shards[n][1] if n in self.shards else p for n, p in self.params.items()}
 
     def make_optimizer(self, cls: type, kwargs: dict) -> None:
-        self.optimizer = cls(list(self.state_params().values()), **kwargs)
+        if self.params:
+            self.optimizer = cls(list(self.state_params().values()), **kwargs)
 
     @torch.no_grad()
     def reduce(self) -> float:
@@ -87,6 +89,8 @@ class ExpertGrads:
     @torch.no_grad()
     def step(self, lr: float, norm: Optional[float], grad_clip: float, loss_scale: Optional[float]) -> None:
         """The engine's update rule: skip on a non-finite norm, else clip by the global norm and step."""
+        if self.optimizer is None:
+            return
         if norm is not None and not math.isfinite(norm):
             self._drop_grads()
             return
