@@ -9,7 +9,9 @@ process's CPU time beside it (steadier where other work shares the cores). Goal:
 1.5 (an MoE computing every expert over every token costs E / top_k = 16x). Beside them: the same
 layer with the padded batched matmul (the path for torch builds without torch._grouped_mm), with
 its experts run one by one in a Python loop (how they ran before grouped compute), and
-ms_llm.mindspore.moe.MoE (a jitted forward + backward, graph mode) at the same shapes.
+ms_llm.mindspore.moe.MoE (a jitted forward + backward, graph mode) at the same shapes: with capacity
+factor 1.25 (its static-shape token dispatch) and dropless, whose worst-case capacity gives every
+expert a slot for every token, the work the MindSpore layer did before it dispatched tokens.
 
 Expert parallelism: one torchrun launch runs ep1, ep2 and ep4 in turn on the same batches (4 ranks,
 dp 4, shared ZeRO-0); each times `--steps` training steps after 2 warm-up steps, and where an MoE
@@ -72,10 +74,11 @@ class LoopExperts(moe.Experts):
         return (torch.cat(out) if out else rows[:0]) * scale[:, None]
 
 
-def layer_config(a) -> ModelConfig:
+def layer_config(a, capacity_factor: float = -1.0) -> ModelConfig:
     return ModelConfig(name="bench_moe_layer", vocab_size=64, hidden_size=a.hidden, num_layers=1, num_heads=1,
                        ffn_hidden_size=a.top_k * a.width, dtype="float32",
-                       moe=MoEConfig(num_experts=a.experts, top_k=a.top_k, expert_ffn_hidden_size=a.width))
+                       moe=MoEConfig(num_experts=a.experts, top_k=a.top_k, expert_ffn_hidden_size=a.width,
+                                     capacity_factor=capacity_factor))
 
 
 def torch_sides(a, x: np.ndarray, upstream: np.ndarray) -> dict:
@@ -96,8 +99,12 @@ def torch_sides(a, x: np.ndarray, upstream: np.ndarray) -> dict:
             for name, module in sides.items()}
 
 
+MS_SIDES = {"MindSpore MoE, cap 1.25": 1.25, "MindSpore MoE, dropless": -1.0}
+
+
 def mindspore_side(a, x: np.ndarray, upstream: np.ndarray) -> dict:
-    """ms_llm.mindspore.moe.MoE: one jitted forward + backward (input and parameter gradients)."""
+    """ms_llm.mindspore.moe.MoE at each capacity factor of MS_SIDES: one jitted forward + backward
+    (input and parameter gradients)."""
     import mindspore as ms
 
     from ms_llm.mindspore.moe import MoE
@@ -105,16 +112,20 @@ def mindspore_side(a, x: np.ndarray, upstream: np.ndarray) -> dict:
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     ms.device_context.cpu.op_tuning.threads_num(a.threads)
-    layer = MoE(layer_config(a))
-    for name, p in layer.parameters_and_names():
-        p.set_data(ms.Tensor(init_param(name, tuple(p.shape), SEED)))
     tokens, grad = ms.Tensor(x), ms.Tensor(upstream)
 
-    def loss(t):
-        return (layer(t) * grad).sum()
+    def side(capacity_factor: float):
+        layer = MoE(layer_config(a, capacity_factor))
+        for name, p in layer.parameters_and_names():
+            p.set_data(ms.Tensor(init_param(name, tuple(p.shape), SEED)))
 
-    step = ms.jit(ms.value_and_grad(loss, grad_position=0, weights=layer.trainable_params()))
-    return {"MindSpore MoE layer": lambda: step(tokens)[0].asnumpy()}
+        def loss(t):
+            return (layer(t) * grad).sum()
+
+        step = ms.jit(ms.value_and_grad(loss, grad_position=0, weights=layer.trainable_params()))
+        return lambda: step(tokens)[0].asnumpy()
+
+    return {name: side(capacity_factor) for name, capacity_factor in MS_SIDES.items()}
 
 
 def expert_compute(a) -> None:
@@ -151,6 +162,10 @@ def expert_compute(a) -> None:
     print(f"MoE / dense: {ratio:.2f} wall, {cpu_ms['torch MoE, grouped'] / dense_cpu:.2f} CPU "
           f"(goal <= 1.5 wall: {'met' if ratio <= 1.5 else 'missed'}); "
           f"loop (old) / grouped: {wall_ms['torch MoE, loop (old)'] / wall_ms['torch MoE, grouped']:.1f}")
+    ms_ratio = wall_ms["MindSpore MoE, cap 1.25"] / dense
+    print(f"MindSpore MoE (capacity 1.25) / torch dense: {ms_ratio:.2f} wall "
+          f"(goal <= 1.5 wall: {'met' if ms_ratio <= 1.5 else 'missed'}); dropless / capacity 1.25: "
+          f"{wall_ms['MindSpore MoE, dropless'] / wall_ms['MindSpore MoE, cap 1.25']:.1f}")
 
 
 class _Mark(torch.autograd.Function):

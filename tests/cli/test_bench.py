@@ -78,11 +78,13 @@ def test_moe_bench_quick_prints_both_tables():
     assert lines[1].split() == ["layer", "wall", "ms", "vs", "dense", "CPU", "ms", "vs", "dense", "first", "call", "s"]
     number = r"\s+\d+\.\d+"
     for i, name in enumerate(["torch MoE, grouped", "dense SwiGLU", "torch MoE, padded bmm", "torch MoE, loop (old)",
-                              "MindSpore MoE layer"]):
+                              "MindSpore MoE, cap 1.25", "MindSpore MoE, dropless"]):
         assert re.fullmatch(re.escape(name) + 5 * number, lines[2 + i]), lines[2 + i]
     assert lines[3].split()[3] == lines[3].split()[5] == "1.00"      # the dense layer against itself
     assert re.fullmatch(r"MoE / dense: \d+\.\d\d wall, \d+\.\d\d CPU \(goal <= 1\.5 wall: (met|missed)\); "
-                        r"loop \(old\) / grouped: \d+\.\d", lines[7]), lines[7]
-    assert lines[8] == "" and lines[9].startswith("expert parallel: tiny_moe (8 experts, top-2")
-    assert [line.split()[0] for line in lines[11:]] == ["ep1", "ep2", "ep4"]
-    assert all(len(line.split()) == 7 for line in lines[11:])
+                        r"loop \(old\) / grouped: \d+\.\d", lines[8]), lines[8]
+    assert re.fullmatch(r"MindSpore MoE \(capacity 1\.25\) / torch dense: \d+\.\d\d wall \(goal <= 1\.5 wall: "
+                        r"(met|missed)\); dropless / capacity 1\.25: \d+\.\d", lines[9]), lines[9]
+    assert lines[10] == "" and lines[11].startswith("expert parallel: tiny_moe (8 experts, top-2")
+    assert [line.split()[0] for line in lines[13:]] == ["ep1", "ep2", "ep4"]
+    assert all(len(line.split()) == 7 for line in lines[13:])
