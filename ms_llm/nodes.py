@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm a
 COLLECTIVE_TIMEOUT_ENV = "MS_LLM_COLLECTIVE_TIMEOUT_S"    # set by the elastic supervisor for its workers
 COLLECTIVE_TIMEOUT_S = 600.0                              # otherwise: a dead peer blocks a collective this long
 GATE_ENV = "MS_LLM_GATE"         # a standby worker's gate file: it waits, imports done, until the file exists
-SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # the elastic supervisor: its workers exit when it is gone
+SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # the launcher or elastic supervisor: its workers exit when it is gone
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,9 @@ def wait_for_gate() -> bool:
 
 
 def exit_with_supervisor() -> None:
-    """In a worker started by the elastic supervisor: a thread that ends this process the moment
-    the supervisor is gone (killed with SIGKILL, its machine lost), so no worker outlives it.
+    """In a worker: a thread that ends this process the moment the process that started its launch
+    (`ms-llm train`, plain or the elastic supervisor) is gone (killed with SIGKILL, its machine
+    lost), so no worker outlives it, orphaned.
     A pidfd (not the PID, which the system may reuse) wakes the thread; nothing polls."""
     pid = os.environ.get(SUPERVISOR_ENV)
     if not pid:
@@ -122,10 +123,11 @@ def tmp_dir(run: RunFolder, nodes: Nodes) -> Path:
 
 def worker_env(run: RunFolder, nodes: Nodes, extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     """Temporary files (torchrun, inductor) inside the run folder; this interpreter first on PATH
-    (msrun starts `python`); this checkout importable; `extra` on top (the supervisor's)."""
+    (msrun starts `python`); this checkout importable; the workers bound to this process's life
+    (exit_with_supervisor); `extra` on top (the supervisor's)."""
     tmp = tmp_dir(run, nodes)
     tmp.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmp), **(extra or {}))
+    env = dict(os.environ, TMPDIR=str(tmp), **{SUPERVISOR_ENV: str(os.getpid())}, **(extra or {}))
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor"))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

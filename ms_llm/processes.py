@@ -92,12 +92,15 @@ def die_with_parent(cmd: list[str], sig: int = signal.SIGKILL) -> list[str]:
 
 def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool = True) -> subprocess.Popen:
     """Start `cmd`, by default in a session of its own (the elastic supervisor stops it and
-    everything below it by PID; it dies with the supervisor), echoing its merged output to the
+    everything below it by PID), dying with this process either way, echoing its merged output to the
     console and to `log` from a thread."""
     out = open(log, "a")
     out.write("$ " + " ".join(cmd) + "\n")
     out.flush()
-    proc = subprocess.Popen(die_with_parent(cmd) if session else cmd, env=env, stdout=subprocess.PIPE,
+    # In a session of its own the supervisor stops it by PID (SIGKILL on its death will do); in this
+    # one, SIGTERM on the launcher's death lets torchrun stop its workers as it does on Ctrl-C.
+    cmd = die_with_parent(cmd) if session else die_with_parent(cmd, signal.SIGTERM)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=session)
 
     def echo() -> None:

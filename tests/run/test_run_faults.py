@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import yaml
 from ms_llm.data import build_stdlib_corpus
 from ms_llm.errors import RunFolderError
 from ms_llm.mindspore.launch import _follow
-from ms_llm.processes import descendants, kill_all
+from ms_llm.processes import alive, descendants, kill_all
 from ms_llm.run import RunFolder
 from ms_llm.run.folder import RunLock
 from ms_llm.run.heartbeat import read_heartbeats
@@ -129,6 +130,12 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def _files(run: Path) -> list[Path]:
+    """The run folder's files but those the running job rewrites or adds as it goes (heartbeats,
+    torchrun's and the compilers' temporary files)."""
+    return sorted(q for q in (p.relative_to(run) for p in run.rglob("*")) if not {"heartbeat", "tmp"} & set(q.parts))
+
+
 def test_a_second_job_in_a_held_run_folder_names_the_holder_and_touches_nothing(tmp_path):
     config, run = _torch_job(tmp_path, steps=100_000, interval=100_000), tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run)], cwd=ROOT,
@@ -136,7 +143,7 @@ def test_a_second_job_in_a_held_run_folder_names_the_holder_and_touches_nothing(
     try:
         _wait_training(run, first)
         config_stat = (run / "config.yaml").stat()
-        files = sorted(p.relative_to(run) for p in run.rglob("*") if "heartbeat" not in p.parts)
+        files = _files(run)
         for flags in ((), ("--elastic",)):
             second = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run),
                                      *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -145,7 +152,7 @@ def test_a_second_job_in_a_held_run_folder_names_the_holder_and_touches_nothing(
             assert f"is in use by pid {first.pid} on host {socket.gethostname()} since " in line, line
             assert "ms-llm train: error: run folder" in line and second.stdout == ""
         assert (run / "config.yaml").stat().st_mtime_ns == config_stat.st_mtime_ns
-        assert sorted(p.relative_to(run) for p in run.rglob("*") if "heartbeat" not in p.parts) == files
+        assert _files(run) == files, set(_files(run)) ^ set(files)
         assert first.poll() is None
     finally:
         _stop(first)
@@ -169,3 +176,24 @@ def test_the_lock_of_a_killed_job_is_released_by_the_kernel(tmp_path):
     assert lock.fd is None
     with RunLock(run, node_rank=1), RunLock(run, node_rank=0):     # the nodes of one job lock apart
         pass
+
+
+def test_workers_of_a_killed_plain_launcher_exit_within_seconds(tmp_path):
+    """kill -9 of `ms-llm train` (no --elastic): torchrun gets SIGTERM from the kernel and every
+    worker sees its launcher gone; nothing is left running, orphaned."""
+    config, run = _torch_job(tmp_path, steps=100_000, interval=100_000), tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        worker = _wait_training(run, launcher)["pid"]
+        below = descendants(launcher.pid)
+        assert worker in below and len(below) >= 2              # torchrun (behind its trampoline) and the worker
+    finally:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(alive(p) for p in below):
+        time.sleep(0.1)
+    left = [p for p in below if alive(p)]
+    kill_all(left)
+    assert left == []
