@@ -95,7 +95,7 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
     with open(run.launcher_log, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(die_with_parent(cmd, signal.SIGTERM) if session else cmd, stdout=log,
+        proc = subprocess.Popen(die_with_parent(cmd, signal.SIGTERM), stdout=log,        # gone with this process
                                 stderr=subprocess.STDOUT, env=env, cwd=run.root, start_new_session=session)
     proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every, gate),
                                  name="msrun-progress", daemon=True)

@@ -80,11 +80,11 @@ def test_the_progress_follower_prints_the_steps_written_after_a_torn_tail(tmp_pa
     assert [line.split("|")[0].split()[1] for line in out] == ["3/4", "4/4"]
 
 
-def _torch_job(tmp: Path, steps: int, interval: int) -> Path:
+def _torch_job(tmp: Path, steps: int, interval: int, backend: str = "torch") -> Path:
     tokens = build_stdlib_corpus(tmp / "corpus")
     model = dict(name="faults", vocab_size=264, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
                  ffn_hidden_size=32, max_seq_len=16, dtype="float32")
-    job = {"name": "faults", "backend": "torch", "device": "cpu", "model": model,
+    job = {"name": "faults", "backend": backend, "device": "cpu", "model": model,
            "strategy": {"dp": 1, "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
            "train": {"global_batch_size": 2, "micro_batch_size": 2, "seq_len": 8, "steps": steps, "seed": 3,
                      "log_every": 1, "optimizer": {"name": "adamw", "lr": 1e-3},
@@ -178,16 +178,17 @@ def test_the_lock_of_a_killed_job_is_released_by_the_kernel(tmp_path):
         pass
 
 
-def test_workers_of_a_killed_plain_launcher_exit_within_seconds(tmp_path):
-    """kill -9 of `ms-llm train` (no --elastic): torchrun gets SIGTERM from the kernel and every
-    worker sees its launcher gone; nothing is left running, orphaned."""
-    config, run = _torch_job(tmp_path, steps=100_000, interval=100_000), tmp_path / "run"
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mindspore", marks=pytest.mark.slow)])
+def test_workers_of_a_killed_plain_launcher_exit_within_seconds(tmp_path, backend):
+    """kill -9 of `ms-llm train` (no --elastic): torchrun or msrun gets SIGTERM from the kernel
+    and every worker sees its launcher gone; nothing is left running, orphaned."""
+    config, run = _torch_job(tmp_path, steps=100_000, interval=100_000, backend=backend), tmp_path / "run"
     launcher = subprocess.Popen([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run)],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         worker = _wait_training(run, launcher)["pid"]
         below = descendants(launcher.pid)
-        assert worker in below and len(below) >= 2              # torchrun (behind its trampoline) and the worker
+        assert worker in below and len(below) >= 2              # torchrun or msrun, and the worker
     finally:
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
