@@ -131,9 +131,10 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _files(run: Path) -> list[Path]:
-    """The run folder's files but those the running job rewrites or adds as it goes (heartbeats,
-    torchrun's and the compilers' temporary files)."""
-    return sorted(q for q in (p.relative_to(run) for p in run.rglob("*")) if not {"heartbeat", "tmp"} & set(q.parts))
+    """The run folder's files but those the running job adds as it goes (heartbeats, TensorBoard
+    events, torchrun's and the compilers' temporary files)."""
+    going = {"heartbeat", "tensorboard", "tmp"}
+    return sorted(q for q in (p.relative_to(run) for p in run.rglob("*")) if not going & set(q.parts))
 
 
 def test_a_second_job_in_a_held_run_folder_names_the_holder_and_touches_nothing(tmp_path):
