@@ -63,11 +63,8 @@ def read_run(folder: Path) -> Run:
     job = load_job(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
     run = Run(folder, job.backend if job else "?",
               strategy_summary(plan(job.model, job.strategy, job.train)) if job else "?", {})
-    try:
-        records = read_metrics(folder / "metrics.jsonl")
-    except ValueError as exc:
-        raise ConfigError(f"{folder / 'metrics.jsonl'}: not JSON lines ({exc})") from None
-    for r in (r for r in records if isinstance(r, dict)):
+    records = read_metrics(folder / "metrics.jsonl")          # whole JSON objects only: nothing to refuse
+    for r in records:
         if isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float)):
             run.steps[r["step"]] = r
         elif isinstance(r.get("resumed_step"), int):

@@ -6,6 +6,7 @@ import time
 import uuid
 
 from ms_llm.cli import main
+from ms_llm.run.folder import RunFolder, RunLock
 from ms_llm.run.memory_tier import MemoryTier
 
 
@@ -43,3 +44,18 @@ def test_clean_stops_the_keeper_and_removes_leftovers(tmp_path, capsys):
 def test_clean_names_a_folder_that_is_no_run(tmp_path, capsys):
     assert main(["clean", str(tmp_path)]) == 2
     assert "config.yaml" in capsys.readouterr().err
+
+
+def test_clean_refuses_a_run_folder_a_job_holds(tmp_path, capsys):
+    """A running job's half-written checkpoint is the one it is saving: clean leaves it alone and
+    names the holder; once the job is gone it cleans."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000020.tmp").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"name: clean-held-{uuid.uuid4().hex[:8]}\n")
+    with RunLock(RunFolder(run), 1):
+        assert main(["clean", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert "is in use by pid" in err and "Traceback" not in err
+        assert (run / "checkpoints" / "step_00000020.tmp").is_dir()
+    assert main(["clean", str(run)]) == 0
+    assert not (run / "checkpoints" / "step_00000020.tmp").exists()
