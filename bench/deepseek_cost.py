@@ -8,6 +8,7 @@ The estimate is the plan's as `ms-llm plan` prints it. The rows after it price, 
 what DeepSeek ran that the IR does not express (FP8 GEMMs, DualPipe's all-to-all overlap and bubble),
 each added to the row above, to show where the gap lies. No hardware runs: the cost model only.
 """
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ def tokens_per_s(tokens_per_step: int, step_s: float, world: int) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()     # --help only
     job = load_job(JOB)
     device = get_device(job.device)
     p = plan(job.model, job.strategy, job.train)
