@@ -23,6 +23,8 @@ os.environ.setdefault("TMPDIR", str(ROOT / ".tmp"))
 LONGEST_FIRST = (
     "checkpoint/test_checkpoint_resume.py", "elastic/test_elastic_faults.py", "mindspore/test_zero_mindspore.py",
     "torch/test_torch_matrix.py", "mindspore/test_ms_worker.py", "elastic/test_multinode.py",
+    "mindspore/test_ms_deepseek.py", "mindspore/test_ms_deepseek_train.py", "mindspore/test_ms_moe.py",
+    "mindspore/test_ms_compile_cache.py", "torch/test_torch_deepseek_matrix.py",
     "torch/test_torch_fp16.py", "mindspore/test_ms_train.py", "cli/test_readme.py", "torch/test_torch_moe_matrix.py",
     "torch/test_zero_torch.py", "convert/test_convert_peers.py", "data/test_data_train.py", "cli/test_boundary.py",
     "cli/test_fuzz.py", "torch/test_torch_cp_long.py",
