@@ -348,6 +348,7 @@ def test_expert_bias_update_balances_the_load():
 
 
 # ---- the trainer: the expert biases are checkpointed and a resume repeats the run exactly ----
+@pytest.mark.slow
 def test_resume_restores_the_expert_biases_exactly(tmp_path):
     """ms_llm.mindspore.worker at world 1, a tiny DeepSeek (MLA, sigmoid groups with the expert
     bias, MTP), 2 micro-batches a step, a checkpoint every 3 steps: started again from step 3

@@ -100,6 +100,7 @@ def _train(config: Path, run: Path, steps: int) -> subprocess.CompletedProcess:
                            "--steps", str(steps)], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_torn_metrics_tail_exits_0_with_every_record_whole(tmp_path):
     config, run = _torch_job(tmp_path, steps=2, interval=2), tmp_path / "run"
     first = _train(config, run, 2)
@@ -137,6 +138,7 @@ def _files(run: Path) -> list[Path]:
     return sorted(q for q in (p.relative_to(run) for p in run.rglob("*")) if not going & set(q.parts))
 
 
+@pytest.mark.slow
 def test_a_second_job_in_a_held_run_folder_names_the_holder_and_touches_nothing(tmp_path):
     config, run = _torch_job(tmp_path, steps=100_000, interval=100_000), tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run)], cwd=ROOT,
@@ -179,7 +181,8 @@ def test_the_lock_of_a_killed_job_is_released_by_the_kernel(tmp_path):
         pass
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("mindspore", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
 def test_workers_of_a_killed_plain_launcher_exit_within_seconds(tmp_path, backend):
     """kill -9 of `ms-llm train` (no --elastic): torchrun or msrun gets SIGTERM from the kernel
     and every worker sees its launcher gone; nothing is left running, orphaned."""
