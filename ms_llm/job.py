@@ -157,7 +157,7 @@ def _refused(event: yaml.Event, problem: str) -> yaml.YAMLError:
 def parse_yaml(text: str, source: str | Path) -> Any:
     """yaml.safe_load (bounded: BoundedLoader) with an error that names the file and line."""
     try:
-        return yaml.load(text, Loader=BoundedLoader)
+        return yaml.load(text, Loader=BoundedLoader)          # BoundedLoader is a yaml.SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

@@ -181,7 +181,7 @@ def whole_end(path: Path) -> int:
                     return start + i + 1
                 end = start
     except FileNotFoundError:
-        pass
+        return 0                                 # no metrics yet: a reader starts at the top
     return 0
 
 
