@@ -1,0 +1,58 @@
+"""The peers' training-checkpoint formats `ms-llm import-run` and `export-run` know, and where each
+format's code lives.
+
+A format module exposes exactly:
+    detect(folder: Path) -> bool            cheap: file names, a small JSON or a header only
+    read_run(folder: Path, config: Optional[Path]) -> ForeignRun     (run_state.py)
+    write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path
+                                            a folder the peer's own trainer loads
+Modules that read torch pickles live in torch_backend/, the MindSpore one in ms_llm/mindspore/: each
+is imported only when its format is asked for or probed, so this module imports neither framework.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+from ms_llm.errors import CheckpointError
+
+PEERS: dict[str, str] = {
+    "megatron": "torch_backend.interop.megatron",
+    "deepspeed": "torch_backend.interop.deepspeed",
+    "torchtitan": "torch_backend.interop.torchtitan",
+    "mindformers": "ms_llm.mindspore.interop.mindformers",
+}
+
+
+def peer_module(fmt: str) -> ModuleType:
+    """The module of format `fmt`; one line when the name is unknown or its framework is missing."""
+    if fmt not in PEERS:
+        raise CheckpointError(f"format {fmt!r} is not one ms_llm reads or writes; use one of {', '.join(PEERS)}")
+    try:
+        return importlib.import_module(PEERS[fmt])
+    except ImportError as exc:
+        framework = "MindSpore" if fmt == "mindformers" else "torch"
+        need = f"; the {fmt} format needs {framework} installed" if exc.name in ("torch", "mindspore") else ""
+        raise CheckpointError(f"format {fmt!r}: {PEERS[fmt]} cannot be imported ({exc}){need}") from None
+
+
+def detect_format(folder: str | Path) -> str:
+    """The format whose module recognises `folder`. Formats whose module cannot be imported here
+    (no torch, no MindSpore) are skipped; none matching is one line naming the formats tried."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: no such file or folder")
+    tried, unavailable = [], []
+    for fmt in PEERS:
+        try:
+            module = peer_module(fmt)
+        except CheckpointError:
+            unavailable.append(fmt)
+            continue
+        tried.append(fmt)
+        if module.detect(folder):
+            return fmt
+    skipped = f" ({', '.join(unavailable)} not available here)" if unavailable else ""
+    raise CheckpointError(f"{folder}: not a checkpoint of a format ms_llm knows ({', '.join(tried) or 'none'}"
+                          f"{skipped}); pass --format {'|'.join(PEERS)} if you know it")
