@@ -14,8 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "parallel-strategy IR.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from ms_llm.commands import (checkpoint, clean, convert, demo, estimate, interval, plan, prepare_data, report,
-                                 search, train, verify)
+    from ms_llm.commands import (checkpoint, clean, convert, demo, estimate, export_run, import_run, interval, plan,
+                                 prepare_data, report, search, train, verify)
     for name, module, summary in (
             ("plan", plan, "validate a job and print mesh, memory, communication and time per rank"),
             ("train", train, "train a job: resolve it into the run folder, start its workers on this machine "
@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("estimate", estimate, "per-device memory breakdown and step time of one or more strategies"),
             ("search", search, "search parallel strategies with the cost model and rank them"),
             ("convert-checkpoint", checkpoint, "export / import Hugging Face, MindSpore, DCP; reshard"),
+            ("import-run", import_run, "continue a Megatron-LM, DeepSpeed, torchtitan or MindFormers run: its checkpoint "
+                                       "and config as an ms_llm checkpoint and job"),
+            ("export-run", export_run, "an ms_llm checkpoint as a run the peer's trainer continues, or HF weights"),
             ("checkpoint", verify, "checkpoint verify DIR [--step N]: read a checkpoint as every rank's resume would"),
             ("ckpt-interval", interval, "checkpoint interval minimising expected lost time per hour"),
             ("prepare-data", prepare_data, "tokenize text (JSONL, text, Parquet, HF datasets, MindRecord) into an "

@@ -53,6 +53,7 @@ def detect_format(folder: str | Path) -> str:
         tried.append(fmt)
         if module.detect(folder):
             return fmt
-    skipped = f" ({', '.join(unavailable)} not available here)" if unavailable else ""
-    raise CheckpointError(f"{folder}: not a checkpoint of a format ms_llm knows ({', '.join(tried) or 'none'}"
-                          f"{skipped}); pass --format {'|'.join(PEERS)} if you know it")
+    looked = [f"not {' / '.join(tried)}"] if tried else []
+    looked += [f"{', '.join(unavailable)} cannot be read here (their code does not import)"] if unavailable else []
+    raise CheckpointError(f"{folder}: not a checkpoint of a format ms_llm knows ({'; '.join(looked)}); name it with "
+                          f"--format {'|'.join(PEERS)}")
