@@ -176,6 +176,7 @@ def write_file(path: str, entries: list[tuple[str, str, tuple[int, ...]]], fetch
                 raise CheckpointError(f"{path}: tensor {span.key!r} came as {array.dtype} {array.shape}, "
                                       f"expected {span.dtype} {span.shape}")
             f.write(memoryview(array).cast("B"))
+            del array                   # before the next fetch: one tensor in memory, not two
         f.flush()
         os.fsync(f.fileno())
     return spans[-1].start + spans[-1].nbytes if spans else len(head)
