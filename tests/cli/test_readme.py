@@ -34,6 +34,10 @@ NOT_RUN = {
     "ms-llm train configs/train/llama3_70b_h100_dp8_tp8_pp4.yaml --run-dir /shared": "needs 32 machines with GPUs",
     "ms-llm convert-checkpoint /shared/": "a cluster run's checkpoints (docs/checkpoints.md runs every conversion "
                                          "on a tiny run it trains)",
+    "ms-llm import-run /shared/": "a peer's run (tests/checkpoint/test_import_run.py and each format's tests import "
+                                  "runs the peers write)",
+    "ms-llm train runs/imported/job.yaml": "an imported run (tests/checkpoint/test_import_run.py trains one)",
+    "ms-llm export-run /shared/": "a cluster run's checkpoints (tests/checkpoint/test_import_run.py exports one)",
     "ms-llm train job.yaml": "a user's own job (the same flags run in tests/checkpoint/test_checkpoint_resume.py)",
     "ms-llm train job.yaml --run-dir runs/a --elastic": "a user's own job (--elastic runs in "
                                                         "tests/elastic/test_elastic_faults.py)",
