@@ -8,9 +8,9 @@ from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import OptimizerConfig, TrainConfig
 from ms_llm.strategy.ir import OffloadSpec, ParallelStrategy, PrecisionSpec, ZeroSpec
 
-MODEL = ModelConfig(name="zero-test", vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+MODEL = ModelConfig(name="zero-test", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     ffn_hidden_size=128, max_seq_len=32, dtype="float32")
-GLOBAL_BATCH, SEQ, STEPS, MICRO = 8, 16, 3, 2
+GLOBAL_BATCH, SEQ, STEPS, MICRO = 8, 16, 2, 2
 LR = {"sgd": 0.5, "adamw": 1e-2}
 
 

@@ -49,10 +49,9 @@ def test_mindspore_engine_matches_torch_single_process(run, case):
     ref_params, ref_losses = reference(optimizer_config(opt, clip_for(opt)))
     got = json.loads((run / f"{case_name(case)}.json").read_text())
     assert got["losses"] == pytest.approx(ref_losses, abs=1e-5, rel=0)
-    if opt == "sgd":
-        params = load_file(run / f"{case_name(case)}.safetensors")
-        worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
-        assert worst <= 1e-6, worst
+    params = load_file(run / f"{case_name(case)}.safetensors")
+    worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    assert worst <= (1e-6 if opt == "sgd" else 1e-4), worst    # the last update too (lr 1e-2: a lost one is 1e-2)
     if stage == "3":
         units = MODEL.num_layers + 2
         assert got["gathers"] == STEPS * MICRO * (2 * units - 1)     # per layer, forward and backward
@@ -87,12 +86,12 @@ def test_ms_llm_train_runs_the_shared_engine(tmp_path):
     job_file = tmp_path / "job.yaml"
     strategy = {"dp": 2, "zero": {"stage": 3, "engine": "shared"},
                 "precision": {"param_dtype": "float32", "compute_dtype": "float32"}}
-    job_file.write_text(yaml.safe_dump(JOB | {"strategy": strategy}))
+    job_file.write_text(yaml.safe_dump(JOB | {"strategy": strategy, "train": JOB["train"] | {"steps": 3}}))
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(job_file), "--backend", "mindspore",
                            "--run-dir", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     want = torch_reference(load_job(job_file), load_tokens(build_stdlib_corpus(tmp_path / "data")))
-    assert len(got) == len(want) == 5
+    assert len(got) == len(want) == 3
     assert np.abs(np.array(got) - np.array(want)).max() <= 1e-4, (got, want)

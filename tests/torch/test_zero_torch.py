@@ -68,9 +68,8 @@ def test_matches_single_process_training(runs, references, world, case):
     if dtype != "float32":
         assert losses == pytest.approx(ref_losses, abs=3e-2)   # bf16 weights: only close
         return
-    if opt == "sgd":
-        worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
-        assert worst <= 1e-6, worst
+    worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    assert worst <= (1e-6 if opt == "sgd" else 1e-4), worst    # the last update too (lr 1e-2: a lost one is 1e-2)
     assert losses == pytest.approx(ref_losses, abs=1e-5, rel=0)
 
 
