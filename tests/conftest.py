@@ -3,8 +3,11 @@
 Tests live in one folder per area (strategy, torch, mindspore, checkpoint, convert, data,
 elastic, run, cli); the worker, probe and shared-case scripts they start or import live in
 tests/helpers, which is importable from every test and from the workers themselves."""
+import json
 import os
+import resource
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,7 @@ LONGEST_FIRST = (
     "mindspore/test_ms_compile_cache.py", "torch/test_torch_deepseek_matrix.py",
     "torch/test_torch_fp16.py", "mindspore/test_ms_train.py", "cli/test_readme.py", "torch/test_torch_moe_matrix.py",
     "torch/test_zero_torch.py", "convert/test_convert_peers.py", "data/test_data_train.py", "cli/test_boundary.py",
-    "cli/test_fuzz.py", "torch/test_torch_cp_long.py",
+    "cli/test_fuzz.py", "torch/test_torch_cp_long.py", "checkpoint/test_import_run.py",
 )
 
 
@@ -44,3 +47,26 @@ def shared_compile_cache(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(ROOT / "tests").as_posix(), len(rank)))
+
+
+# MS_LLM_TEST_CPU_LOG=<file>: one JSON line per test with the CPU seconds it used, its own and its
+# finished subprocesses' (torchrun / msrun and their workers), and its wall seconds. The suite is
+# CPU-bound on small machines, so this (not wall time under -n) says which tests cost the most.
+CPU_LOG = os.environ.get("MS_LLM_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> float:
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_LOG:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    with open(CPU_LOG, "a") as log:
+        log.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 2),
+                              "wall_s": round(time.monotonic() - wall, 2)}) + "\n")
