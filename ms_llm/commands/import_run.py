@@ -77,6 +77,7 @@ def write_import(run: ForeignRun, out: Path, *, overwrite: bool = False) -> tupl
     doc, notes = job_document(run, root.resolve())
     job = job_from_dict(doc, None, f"{run.source} config as an ms_llm job: ")
     _same_shapes(job.model, run.model, run.source)
+    _same_data_position(run, job.train)
     if job.train.steps <= run.step:
         notes.append(f"train.steps is {job.train.steps}, not past the imported step {run.step}: training would stop "
                      f"at once; raise it (ms-llm train {job_path} --steps N)")
@@ -93,8 +94,14 @@ def job_document(run: ForeignRun, checkpoints: Path) -> tuple[dict, list[str]]:
         doc = dict(run.job)
     else:
         steps = run.step + TrainConfig().steps
+        train = {"steps": steps}
+        sampler = run.state.get("sampler")
+        if sampler:                              # the data order the peer's position counts in
+            train["seed"] = sampler["seed"]
+            if sampler["epoch"] == 0 and run.step and sampler["position"] % run.step == 0:
+                train["global_batch_size"] = sampler["position"] // run.step
         doc = {"name": job_name_from(f"{run.source}_{run.model.name}"), "model": to_dict(run.model, full=True),
-               "train": {"steps": steps}}
+               "train": train}
         notes.append(f"no --config: {JOB_FILE} holds the model with ms_llm's default strategy and training settings "
                      f"(train.steps {steps}); set the batch, learning rate and data before training")
     train = dict(doc.get("train") or {})
@@ -113,3 +120,19 @@ def _same_shapes(ours: ModelConfig, theirs: ModelConfig, source: str) -> None:
         if a != b:
             raise ConfigError(f"model: the {source} config gives {name} {a}, the checkpoint holds {b}; "
                               "a config of another model?")
+
+
+def _same_data_position(run: ForeignRun, train: TrainConfig) -> None:
+    """The peer's data position is the job's step: same seed and, in the first epoch, as many
+    global batches consumed as the checkpoint's steps (the resume holds the two to each other and
+    would refuse the import otherwise)."""
+    sampler = run.state.get("sampler")
+    if not sampler:
+        return
+    if sampler["seed"] != train.seed:
+        raise ConfigError(f"train.seed: the {run.source} run's data order used seed {sampler['seed']}, the job "
+                          f"{train.seed}; keep the seed to continue on the same data")
+    if sampler["epoch"] == 0 and sampler["position"] // train.global_batch_size != run.step:
+        raise ConfigError(f"train.global_batch_size: the {run.source} run consumed {sampler['position']} samples, "
+                          f"{sampler['position'] // train.global_batch_size} steps of {train.global_batch_size}, but "
+                          f"its checkpoint is of step {run.step}; give the peer's global batch size")

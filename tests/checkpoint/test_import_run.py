@@ -125,7 +125,7 @@ def test_a_read_that_differs_from_its_header_names_the_tensor(tmp_path):
     with pytest.raises(CheckpointError, match=r"'model.norm.weight' read as float16 \(32,\), but its header says "
                                               r"float32 \(32,\)"):
         write_foreign_run(run, tmp_path)
-    assert not (tmp_path / "latest").exists()
+    assert list(tmp_path.iterdir()) == []                  # the half-written step is gone
 
 
 def test_registry_names_the_folder_and_every_format(tmp_path):
@@ -144,6 +144,7 @@ def test_without_a_config_the_job_holds_the_model_and_loads_the_import(tmp_path)
     job_path, folder, notes = write_import(foreign(peer_arrays()), tmp_path / "imported")
     job = load_job(job_path)
     assert job.model == TINY and job.train.steps > STEP
+    assert (job.train.seed, job.train.global_batch_size) == (7, BATCH)     # the peer's data position's
     assert job.train.checkpoint.load == str((tmp_path / "imported" / "checkpoints").resolve())
     assert folder == tmp_path / "imported" / "checkpoints" / "step_00000004"
     assert any("no --config" in n for n in notes)
@@ -155,6 +156,17 @@ def test_a_config_of_another_model_is_refused(tmp_path):
     job = {"name": "other", "model": dict(MODEL, hidden_size=64)}
     with pytest.raises(ConfigError, match=r"model: the megatron config gives model.embed_tokens.weight \[264, 64\], "
                                           r"the checkpoint holds \[264, 32\]"):
+        write_import(foreign(peer_arrays(), job=job), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_job_that_would_read_other_data_is_refused(tmp_path):
+    job = {"name": "other", "model": MODEL, "train": {"seed": 7, "global_batch_size": 8}}
+    with pytest.raises(ConfigError, match="train.global_batch_size: the megatron run consumed 16 samples, 2 steps of 8, "
+                                          "but its checkpoint is of step 4"):
+        write_import(foreign(peer_arrays(), job=job), tmp_path)
+    job["train"] = {"seed": 8, "global_batch_size": BATCH}
+    with pytest.raises(ConfigError, match="train.seed: the megatron run's data order used seed 7, the job 8"):
         write_import(foreign(peer_arrays(), job=job), tmp_path)
     assert list(tmp_path.iterdir()) == []
 

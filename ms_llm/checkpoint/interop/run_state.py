@@ -88,8 +88,12 @@ def write_foreign_run(run: ForeignRun, dst_root: str | Path, *, overwrite: bool 
         sums[name] = block_checksums(memoryview(array).cast("B"), BLOCK_BYTES)
         return array
 
-    write_file(str(confined(dst_root, f"{folder.name}/{rank_file(0)}", "a shard file")), entries, fetch,
-               FILE_METADATA)
+    try:
+        write_file(str(confined(dst_root, f"{folder.name}/{rank_file(0)}", "a shard file")), entries, fetch,
+                   FILE_METADATA)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)      # nothing half-written left behind
+        raise
     shards, tensors, elements = {}, {}, {}
     for span in spans:
         region = Region((0,) * len(span.shape), span.shape)
