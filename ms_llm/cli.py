@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("estimate", estimate, "per-device memory breakdown and step time of one or more strategies"),
             ("search", search, "search parallel strategies with the cost model and rank them"),
             ("convert-checkpoint", checkpoint, "export / import Hugging Face, MindSpore, DCP; reshard"),
-            ("import-run", import_run, "continue a Megatron-LM, DeepSpeed, torchtitan or MindFormers run: its checkpoint "
-                                       "and config as an ms_llm checkpoint and job"),
+            ("import-run", import_run, "continue a Megatron-LM, DeepSpeed, torchtitan or MindFormers run: its "
+                                       "checkpoint and config as an ms_llm checkpoint and job"),
             ("export-run", export_run, "an ms_llm checkpoint as a run the peer's trainer continues, or HF weights"),
             ("checkpoint", verify, "checkpoint verify DIR [--step N]: read a checkpoint as every rank's resume would"),
             ("ckpt-interval", interval, "checkpoint interval minimising expected lost time per hour"),

@@ -22,7 +22,8 @@ FORMATS = (*PEERS, "hf")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="an ms_llm checkpoint: a run's checkpoints folder (its newest step) or a step folder")
+    parser.add_argument("src", help="an ms_llm checkpoint: a run's checkpoints folder (its newest step) or a step "
+                                    "folder")
     parser.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the export into")
     parser.add_argument("--job", default=None, metavar="FILE",

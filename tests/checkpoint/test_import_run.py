@@ -162,8 +162,8 @@ def test_a_config_of_another_model_is_refused(tmp_path):
 
 def test_a_job_that_would_read_other_data_is_refused(tmp_path):
     job = {"name": "other", "model": MODEL, "train": {"seed": 7, "global_batch_size": 8}}
-    with pytest.raises(ConfigError, match="train.global_batch_size: the megatron run consumed 16 samples, 2 steps of 8, "
-                                          "but its checkpoint is of step 4"):
+    with pytest.raises(ConfigError, match="train.global_batch_size: the megatron run consumed 16 samples, 2 steps "
+                                          "of 8, but its checkpoint is of step 4"):
         write_import(foreign(peer_arrays(), job=job), tmp_path)
     job["train"] = {"seed": 8, "global_batch_size": BATCH}
     with pytest.raises(ConfigError, match="train.seed: the megatron run's data order used seed 7, the job 8"):
