@@ -95,6 +95,10 @@ class TrainerCheckpoints:
         self.last_step: Optional[int] = None        # newest checkpoint saved or resumed from
         self.restore_s: Optional[float] = None      # seconds this rank's resume spent loading
         self._unfenced: Optional[SaveStats] = None  # a save whose snapshot may still be copying
+        # Steps before the resumed checkpoint that did not update the optimizer and that no loss
+        # scaler counts (an imported run's skipped iterations): later saves keep them out of
+        # optimizer_step, so every resume applies Adam's bias correction of the updates made.
+        self.steps_without_update = 0
 
     # ---- resume --------------------------------------------------------------------------
     def _folders(self) -> list[Path]:
@@ -132,9 +136,12 @@ class TrainerCheckpoints:
 
         ckpt = self._load_agreed(folders, load)
         saved = ckpt.state
-        self.state.set_optimizer_step(int(saved.get("optimizer_step", ckpt.step)))
+        optimizer_step = int(saved.get("optimizer_step", ckpt.step))
+        self.state.set_optimizer_step(optimizer_step)
         if self.loss_scale is not None:
             self.loss_scale.load_state(saved.get("loss_scale"))
+        skipped = self.loss_scale.skipped if self.loss_scale else 0
+        self.steps_without_update = ckpt.step - optimizer_step - skipped
         own = ckpt.rank_state(self.rank)
         if own and ckpt.index.world_size == self.plan.world_size:
             self.state.set_rank_state(own)
@@ -240,7 +247,7 @@ class TrainerCheckpoints:
         held = self.state.held(create=False)
         items = self.state.save_items({n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()})
         scaler = self.loss_scale
-        record = {"step": step, "optimizer_step": step - (scaler.skipped if scaler else 0),
+        record = {"step": step, "optimizer_step": step - (scaler.skipped if scaler else 0) - self.steps_without_update,
                   "lr": lr_at(step, self.plan.train), "sampler": self.sampler.state_at(step).to_dict(),
                   "loss_scale": scaler.state() if scaler else None}
         previous = self.writer.last

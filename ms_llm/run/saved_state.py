@@ -63,9 +63,10 @@ def check_saved_state(state: Mapping[str, Any], rank_states: Mapping[int, Mappin
         _check_sampler(state["sampler"], where)
     if state.get("loss_scale") is not None:
         skipped = _check_loss_scale(state["loss_scale"], step, where)
-        if optimizer_step is not None and optimizer_step + skipped != step:
-            raise CheckpointError(f"{where}: state.optimizer_step {optimizer_step} + loss_scale.skipped {skipped} != "
-                                  f"step {step}; every step either updated or was skipped")
+        if optimizer_step is not None and optimizer_step + skipped > step:
+            raise CheckpointError(f"{where}: state.optimizer_step {optimizer_step} + loss_scale.skipped {skipped} > "
+                                  f"step {step}; a step either updated or was skipped (an imported run's skipped "
+                                  "iterations, which no loss scale counts, make the sum smaller)")
     for rank, own in sorted(rank_states.items()):
         for key, (what, nbytes, problem) in RANK_STATES.items():
             if key not in own:

@@ -228,6 +228,7 @@ def test_training_resumes_from_the_import_with_its_optimizer_step(tmp_path):
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [STEP + 1]
     with Checkpoint.open(run / "checkpoints") as ckpt:
         assert ckpt.step == STEP + 1
+        assert ckpt.state["optimizer_step"] == STATE["optimizer_step"] + 1      # the next resume's t stays right
         name = "model.layers.1.mlp.down_proj.weight"
         w0, w1 = arrays[name][0].astype(np.float64), ckpt.read_full(name).astype(np.float64)
         m1 = ckpt.read_full(optim_name("exp_avg", name)).astype(np.float64)
