@@ -5,25 +5,31 @@ second) in every training worker, which only the convert-checkpoint command need
 """
 from __future__ import annotations
 
+import io
 import math
 import pickle
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from ms_llm.checkpoint.interop import names as name_tables
+from ms_llm.checkpoint.interop.run_state import LazyTensor
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.reshard import write_full
 from ms_llm.checkpoint.storage.format import split_optim_name
 from ms_llm.checkpoint.storage.untrusted import confined, integer, integers
 from ms_llm.config.model import ModelConfig
 from ms_llm.errors import CheckpointError
-from torch_backend.checkpoint import DTYPE_NAMES, from_numpy, to_numpy
+from torch_backend.checkpoint import DTYPE_NAMES, TORCH_DTYPES, from_numpy, to_numpy
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -46,9 +52,17 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class SafeDcpReader(FileSystemReader):
     """FileSystemReader whose metadata load cannot run arbitrary code; tensor data is read by
-    DCP itself with torch.load(weights_only=True)."""
+    DCP itself with torch.load(weights_only=True). The checked metadata is kept, so reading a
+    folder entry by entry (DcpEntries) parses and checks it once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._checked = None
 
     def read_metadata(self, *args, **kwargs):
+        if self._checked is not None:
+            self._checked.storage_meta.load_id = self.load_id
+            return self._checked
         path = confined(self.path, ".metadata", "the DCP metadata file")
         try:
             with open(path, "rb") as f:
@@ -61,7 +75,89 @@ class SafeDcpReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        self._checked = metadata
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor values (ints, floats, the bytes a peer stores) read by
+    torch.load(weights_only=True): DefaultLoadPlanner unpickles them with weights_only=False."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"value {fqn!r} is not a plain value torch.load(weights_only=True) accepts "
+                                  f"({first})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+class DcpEntries:
+    """One DCP folder read an entry at a time: a tensor is loaded whole (DCP assembles the ranks'
+    chunks) only when asked for, so a conversion holds one tensor, never the state."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.reader = SafeDcpReader(str(folder))
+        self.metadata = self.reader.read_metadata()
+        self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            k: (tuple(m.size), m.properties.dtype) for k, m in self.metadata.state_dict_metadata.items()
+            if isinstance(m, dcp_metadata.TensorStorageMetadata)}
+
+    def has(self, key: str) -> bool:
+        return key in self.metadata.state_dict_metadata
+
+    def read(self, key: str) -> Any:
+        """Tensor or value `key`; a damaged or unsafe entry is one CheckpointError naming it."""
+        m = self.metadata.state_dict_metadata.get(key)
+        if m is None:
+            raise CheckpointError(f"{self.folder}/.metadata: has no entry {key!r}")
+        target = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                  if isinstance(m, dcp_metadata.TensorStorageMetadata) else None}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(target, storage_reader=self.reader, planner=SafeLoadPlanner(), no_dist=True)
+        except CheckpointException as exc:
+            inner = next(iter(exc.failures.values()))[0]
+            if isinstance(inner, CheckpointError):
+                raise CheckpointError(f"{self.folder}: {inner}") from None
+            first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+            raise CheckpointError(f"{self.folder}: entry {key!r} cannot be read ({type(inner).__name__}: {first})"
+                                  ) from None
+        return target[key]
+
+
+class _StreamedSavePlanner(DefaultSavePlanner):
+    """The state dict holds meta tensors; each is read from its LazyTensor when DCP writes it."""
+
+    def __init__(self, lazy: dict[str, LazyTensor]):
+        super().__init__()
+        self.lazy = lazy
+
+    def resolve_data(self, write_item):
+        fqn = write_item.index.fqn
+        if fqn in self.lazy:
+            return from_numpy(self.lazy[fqn].read(), self.lazy[fqn].dtype)
+        return super().resolve_data(write_item)
+
+
+def save_streamed(entries: dict[str, LazyTensor | Any], out: str | Path) -> Path:
+    """A one-process DCP folder of whole tensors (LazyTensors, read one at a time as DCP's serial
+    writer reaches them) and plain values; DCP reshards it on load under any world size."""
+    lazy = {k: v for k, v in entries.items() if isinstance(v, LazyTensor)}
+    state = {k: torch.empty(v.shape, dtype=TORCH_DTYPES[v.dtype], device="meta") if k in lazy else v
+             for k, v in entries.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), thread_count=1),
+                 planner=_StreamedSavePlanner(lazy), no_dist=True)
+    return Path(out)
 
 
 def _check_storage(folder: Path, metadata) -> None:

@@ -2,7 +2,9 @@
 
 torchtitan's LLaMA keeps Meta's rotary layout (interleaved pairs of each head's q/k rows)
 while Hugging Face uses rotate_half (first half / second half), so wq and wk rows are
-permuted on the way (torchtitan's own Llama3StateDictAdapter does the same).
+permuted on the way (torchtitan's own Llama3StateDictAdapter does the same). Names are written
+as torchtitan 0.3 has them (q/k/v under attention.qkv_linear, the head as lm_head) and read in
+0.3's or v0.2.x's spelling (attention.wq, output).
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from ms_llm.errors import CheckpointError
 
 _TO_TORCHTITAN = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.qkv_linear.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.qkv_linear.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.qkv_linear.wv.weight",
     "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
@@ -25,9 +27,13 @@ _TO_TORCHTITAN = {
     "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
     "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
+    "lm_head.weight": "lm_head.weight",
 }
-_FROM_TORCHTITAN = {v: k for k, v in _TO_TORCHTITAN.items()}
+_V02 = {"layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+        "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+        "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+        "output.weight": "lm_head.weight"}
+_FROM_TORCHTITAN = {v: k for k, v in _TO_TORCHTITAN.items()} | _V02
 
 
 def _lookup(table: dict[str, str], name: str, what: str) -> tuple[str, str]:
@@ -61,6 +67,16 @@ def meta_to_hf_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
 
 
+def torchtitan_name(name: str) -> str:
+    """torchtitan's state-dict name of ms_llm tensor `name`."""
+    return _lookup(_TO_TORCHTITAN, name, "torchtitan")[1]
+
+
+def hf_name_of_torchtitan(name: str) -> str:
+    """ms_llm's name of torchtitan state-dict entry `name`."""
+    return _lookup(_FROM_TORCHTITAN, name, "Hugging Face")[1]
+
+
 def to_torchtitan(name: str, w: np.ndarray, model: ModelConfig) -> tuple[str, np.ndarray]:
     abstract, target = _lookup(_TO_TORCHTITAN, name, "torchtitan")
     heads = _rows(model, abstract)
@@ -71,3 +87,4 @@ def from_torchtitan(name: str, w: np.ndarray, model: ModelConfig) -> tuple[str, 
     _, target = _lookup(_FROM_TORCHTITAN, name, "Hugging Face")
     heads = _rows(model, _lookup(_TO_TORCHTITAN, target, "torchtitan")[0])
     return target, meta_to_hf_rotary(w, heads) if heads else w
+
