@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -39,9 +40,14 @@ class _MetadataUnpickler(pickle.Unpickler):
                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
                ("collections", "OrderedDict")}
 
+    # DCP's save plans, which megatron-core's writer keeps in the metadata (all_local_plans).
+    PLANS = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}
+
     def find_class(self, module: str, name: str):
         if module == "torch.distributed.checkpoint.metadata" and hasattr(dcp_metadata, name):
             return getattr(dcp_metadata, name)
+        if module == "torch.distributed.checkpoint.planner" and name in self.PLANS:
+            return getattr(dcp_planner, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) in self.ALLOWED:

@@ -1,0 +1,204 @@
+"""Megatron-LM runs move to ms_llm and back, with megatron-core's own code in the loop
+(tests/helpers/megatron_run_probe.py under torchrun on gloo, PYTHONPATH=.oracles).
+
+1. megatron-core trains a tiny GPT under tensor parallel 2 (GPTModel with the local layer spec, its
+   DistributedDataParallel and DistributedOptimizer over torch AdamW: the probe's docstring says why that
+   is Megatron-LM's step), saves at step 3 as Megatron-LM does (torch_dist with the distributed
+   optimizer's dp_reshardable state, and the legacy per-rank files), and continues to step 6;
+2. `ms-llm import-run` converts the torch_dist checkpoint, the train script as --config;
+3. ms_llm continues steps 4-6 on the same batches, on torch under dp2 ZeRO-3 (the strategy change: tp2
+   Megatron -> dp2 ZeRO-3) and on MindSpore: the losses equal Megatron's own within 1e-5 / 1e-4;
+4. `ms-llm export-run --to megatron` of ms_llm's step 5 loads into megatron-core under tp1 (the export
+   reshards) the way Megatron-LM's load_checkpoint does, and its step 6 loss equals ms_llm's.
+The legacy files read to the same tensors; bad inputs are one CheckpointError line each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from ms_llm.checkpoint import Checkpoint
+from ms_llm.cli import main as cli
+from ms_llm.convert.megatron.read import parse_args
+from ms_llm.convert.shell import launch_command
+from ms_llm.data import GlobalBatchSampler, load_tokens
+from ms_llm.errors import CheckpointError
+from ms_llm.run.metrics import read_metrics
+from torch_backend.interop import megatron
+
+ROOT = Path(__file__).resolve().parents[2]
+ORACLES = ROOT / ".oracles"
+PROBE = ROOT / "tests" / "helpers" / "megatron_run_probe.py"
+SEED, BATCH, SEQ, STEPS, SAVED = 7, 4, 16, 6, 3
+SCRIPT = f"""#!/bin/bash
+torchrun --nproc_per_node 2 pretrain_gpt.py \\
+  --tensor-model-parallel-size 2 --use-distributed-optimizer --transformer-impl local \\
+  --num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 \\
+  --ffn-hidden-size 64 --swiglu --normalization RMSNorm --norm-epsilon 1e-5 --position-embedding-type rope \\
+  --rotary-base 10000 --disable-bias-linear --untie-embeddings-and-output-weights \\
+  --attention-dropout 0.0 --hidden-dropout 0.0 --vocab-size 128 --make-vocab-size-divisible-by 64 \\
+  --seq-length {SEQ} --max-position-embeddings {SEQ} --micro-batch-size {BATCH} --global-batch-size {BATCH} \\
+  --train-iters {STEPS} --lr 1e-2 --min-lr 1e-3 --lr-decay-style cosine --lr-warmup-iters 0 \\
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --seed {SEED} \\
+  --ckpt-format torch_dist --save ckpt --save-interval {SAVED}
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _probe(tmp: Path, spec: dict, nproc: int) -> dict:
+    """megatron_run_probe.py under torchrun; returns rank 0's result.json."""
+    if not (ORACLES / "megatron").is_dir():
+        pytest.fail(".oracles/ is missing: run `make oracles` (installs the peers beside .venv)")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "spec.json").write_text(json.dumps({**spec, "out": str(tmp)}))
+    env = {**os.environ, "PYTHONPATH": str(ORACLES), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--master-addr", "127.0.0.1", "--master-port", str(_port()), str(PROBE),
+                           str(tmp / "spec.json")], capture_output=True, text=True, env=env, timeout=600, cwd=tmp)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    result = json.loads((tmp / "result.json").read_text())
+    return {**result, "losses": {int(k): v for k, v in result["losses"].items()}}
+
+
+def _train(job: dict, path: Path, backend: str) -> dict[int, float]:
+    path.write_text(yaml.safe_dump(job))
+    run = path.parent / f"run_{backend}"
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(path), "--run-dir", str(run),
+                           "--backend", backend], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory):
+    """Megatron's run, its import and ms_llm's continuation on torch; everything the module checks."""
+    tmp = tmp_path_factory.mktemp("megatron")
+    tokens = tmp / "tokens.bin"
+    np.random.default_rng(0).integers(0, 128, 4096).astype(np.uint16).tofile(tokens)
+    sampler = GlobalBatchSampler(load_tokens(tokens), SEQ, BATCH, SEED)
+    np.save(tmp / "batches.npy", np.stack([sampler.local_batch(k) for k in range(STEPS)]))
+    (tmp / "train.sh").write_text(SCRIPT)
+    flags = parse_args(launch_command(SCRIPT, "train.sh").args, "train.sh")
+    ours = _probe(tmp / "megatron", {"mode": "train", "flags": flags, "batches": str(tmp / "batches.npy"),
+                                     "save_at": SAVED}, 2)
+    assert cli(["import-run", str(tmp / "megatron" / "torch_dist"), "-o", str(tmp / "imported"),
+                "--config", str(tmp / "train.sh")]) == 0
+    job = yaml.safe_load((tmp / "imported" / "job.yaml").read_text())
+    precision = job["strategy"]["precision"]                 # fp32, as the script trains
+    job.update(device="cpu", strategy={"dp": 2, "zero": {"stage": 3}, "precision": precision})
+    job["train"].update(data={"source": str(tokens)}, log_every=1, micro_batch_size=BATCH // 2)
+    job["train"]["checkpoint"].update(interval=1, async_save=False)
+    torch_losses = _train(job, tmp / "torch.yaml", "torch")
+    return {"tmp": tmp, "flags": flags, "megatron": ours["losses"], "job": job, "torch": torch_losses}
+
+
+@pytest.mark.slow
+def test_torch_continues_megatron_under_another_strategy(peer):
+    """tp2 Megatron -> dp2 ZeRO-3 ms_llm: steps 4-6 equal Megatron's own continuation."""
+    assert sorted(peer["torch"]) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert peer["torch"][step] == pytest.approx(peer["megatron"][step], abs=1e-5), step
+    assert peer["megatron"][6] != pytest.approx(peer["megatron"][4], abs=1e-3)     # the steps moved the loss
+
+
+@pytest.mark.slow
+@pytest.mark.mindspore
+def test_mindspore_continues_megatron(peer):
+    pytest.importorskip("mindspore")
+    job = {**peer["job"], "strategy": {"dp": 1, "precision": peer["job"]["strategy"]["precision"]}}
+    losses = _train(job, peer["tmp"] / "mindspore.yaml", "mindspore")
+    assert sorted(losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert losses[step] == pytest.approx(peer["megatron"][step], abs=1e-4), step
+
+
+@pytest.mark.slow
+def test_export_loads_in_megatron_with_the_same_next_loss(peer):
+    tmp = peer["tmp"]
+    step5 = tmp / "run_torch" / "checkpoints" / "step_00000005"
+    assert cli(["export-run", str(step5), "--to", "megatron", "-o", str(tmp / "export"),
+                "--job", str(tmp / "torch.yaml")]) == 0
+    assert (tmp / "export" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    flags = {**peer["flags"], "--tensor-model-parallel-size": "1"}
+    back = _probe(tmp / "reload", {"mode": "load", "flags": flags, "batches": str(tmp / "batches.npy"),
+                                   "load": str(tmp / "export")}, 1)
+    assert back["start"] == 5 and back["consumed_samples"] == STEPS * BATCH
+    assert back["losses"][6] == pytest.approx(peer["torch"][6], abs=1e-5)
+    # ms_llm reads its own export back exactly (the fully_reshardable optimizer layout).
+    again = megatron.read_run(tmp / "export", tmp / "train.sh")
+    with Checkpoint.open(step5) as ckpt:
+        for name in ckpt.names():
+            assert np.array_equal(again.tensors[name].read(), ckpt.read_full(name)), name
+    assert again.step == 5 and again.state["optimizer_step"] == 5
+
+
+def test_legacy_files_and_saved_arguments_read_as_torch_dist(peer):
+    """mp_rank_0X/model_optim_rng.pt + distrib_optim.pt (tp shards, memory-mapped) give the torch_dist
+    checkpoint's tensors; without --config the job comes from the arguments Megatron-LM saved."""
+    root = peer["tmp"] / "megatron"
+    assert megatron.detect(root / "torch_dist") and megatron.detect(root / "legacy")
+    dist = megatron.read_run(root / "torch_dist", peer["tmp"] / "train.sh")
+    legacy = megatron.read_run(root / "legacy")
+    assert dataclasses.replace(legacy.model, name="train") == dist.model and legacy.step == dist.step == SAVED
+    assert legacy.state == dist.state == {"optimizer_step": 3, "lr": pytest.approx(dist.state["lr"]),
+                                          "sampler": {"seed": SEED, "epoch": 0, "position": 12, "index": ""}}
+    assert sorted(legacy.tensors) == sorted(dist.tensors) and len(dist.tensors) == 3 * 21
+    for name, t in dist.tensors.items():
+        assert np.array_equal(t.read(), legacy.tensors[name].read()), name
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_inputs_are_one_line(peer, tmp_path):
+    root = peer["tmp"] / "megatron"
+    cases = []
+    # A truncated shard: its storage no longer holds the bytes the metadata names.
+    bad = _copy(root / "torch_dist", tmp_path / "truncated")
+    shard = next((bad / "iter_0000003").glob("__1_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    cases.append((bad, r"__1_\d\.distcp has \d+"))
+    # A pickle weights_only refuses.
+    bad = _copy(root / "legacy", tmp_path / "pickle")
+    path = bad / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt"
+    torch.save({"model": {}, "surprise": Fraction(1, 3)}, path)
+    cases.append((bad, r"model_optim_rng\.pt: the pickle refers to fractions\.Fraction, which torch\.load"))
+    # A missing tensor-parallel rank.
+    bad = _copy(root / "legacy", tmp_path / "rank")
+    shutil.rmtree(bad / "iter_0000003" / "mp_rank_01")
+    cases.append((bad, "holds 1 tensor-parallel rank folder.*tensor_model_parallel_size 2: a rank's folder is missing"))
+    # Optimizer state of another model: distributed-optimizer buffers 64 elements longer.
+    bad = _copy(root / "legacy", tmp_path / "other")
+    path = bad / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt"
+    state = torch.load(path, weights_only=True)
+    for flat in state[0].values():
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            flat[key] = torch.cat([flat[key], torch.zeros(64)])
+        flat["numel_unpadded"] += 64
+    torch.save(state, path)
+    cases.append((bad, "do not hold this model's parameters in megatron-core's layout: the optimizer state of "
+                       "another model"))
+    for folder, match in cases:
+        with pytest.raises(CheckpointError, match=match) as info:
+            megatron.read_run(folder, peer["tmp"] / "train.sh")
+        assert "\n" not in str(info.value)
