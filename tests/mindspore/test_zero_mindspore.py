@@ -21,7 +21,9 @@ from zero_torch_worker import reference  # noqa: E402
 
 pytest.importorskip("mindspore")
 ROOT = Path(__file__).resolve().parents[2]
-CASES = ["1:sgd:-1:float32:0", "2:sgd:-1:float32:0", "2:adamw:-1:float32:0", "3:sgd:-1:float32:0"]
+# Stage 2 runs with AdamW only: its weights are compared too (within 1e-4), and SGD's exact
+# comparison is made at stages 1 and 3, which share stage 2's partition and gathers.
+CASES = ["1:sgd:-1:float32:0", "2:adamw:-1:float32:0", "3:sgd:-1:float32:0"]
 WORLD = 2
 
 
@@ -68,30 +70,3 @@ def test_mindspore_model_state_bytes_match_the_formula(run, case):
         got = json.loads((run / f"{case_name(case)}.bytes{rank}.json").read_text())
         for key, want in (("params", mem.params), ("grads", mem.grads), ("optimizer", mem.optimizer)):
             assert got[key] == pytest.approx(want, rel=0.02, abs=0), (rank, key)
-
-
-@pytest.mark.slow
-@pytest.mark.mindspore
-def test_ms_llm_train_runs_the_shared_engine(tmp_path):
-    """`ms-llm train --backend mindspore` with ZeRO-3 (the shared engine, per-layer gathers in
-    PyNative) follows the torch loss curve."""
-    import numpy as np
-    import yaml
-
-    from ms_llm.job import load_job
-    from ms_llm.data import build_stdlib_corpus, load_tokens
-    from ms_llm.run.metrics import read_metrics
-    from test_ms_train import JOB, torch_reference
-
-    job_file = tmp_path / "job.yaml"
-    strategy = {"dp": 2, "zero": {"stage": 3, "engine": "shared"},
-                "precision": {"param_dtype": "float32", "compute_dtype": "float32"}}
-    job_file.write_text(yaml.safe_dump(JOB | {"strategy": strategy, "train": JOB["train"] | {"steps": 3}}))
-    run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(job_file), "--backend", "mindspore",
-                           "--run-dir", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
-    want = torch_reference(load_job(job_file), load_tokens(build_stdlib_corpus(tmp_path / "data")))
-    assert len(got) == len(want) == 3
-    assert np.abs(np.array(got) - np.array(want)).max() <= 1e-4, (got, want)
