@@ -171,12 +171,13 @@ def write_file(path: str, entries: list[tuple[str, str, tuple[int, ...]]], fetch
     with open(path, "wb") as f:
         f.write(head)
         for span in spans:
-            array = np.ascontiguousarray(fetch(span.key))
+            value = fetch(span.key)
+            array = np.ascontiguousarray(value).reshape(np.shape(value))     # a 0-d value stays 0-d
             if array.dtype != storage_dtype(span.dtype) or tuple(array.shape) != span.shape:
                 raise CheckpointError(f"{path}: tensor {span.key!r} came as {array.dtype} {array.shape}, "
                                       f"expected {span.dtype} {span.shape}")
             f.write(memoryview(array).cast("B"))
-            del array                   # before the next fetch: one tensor in memory, not two
+            del array, value            # before the next fetch: one tensor in memory, not two
         f.flush()
         os.fsync(f.fileno())
     return spans[-1].start + spans[-1].nbytes if spans else len(head)
