@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +37,7 @@ from ms_llm.data import GlobalBatchSampler, load_tokens
 from ms_llm.errors import CheckpointError
 from ms_llm.run.metrics import read_metrics
 from torch_backend.interop import megatron
+from torch_backend.interop.megatron_buckets import place
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -75,7 +75,7 @@ def _probe(tmp: Path, spec: dict, nproc: int) -> dict:
                            str(tmp / "spec.json")], capture_output=True, text=True, env=env, timeout=600, cwd=tmp)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     result = json.loads((tmp / "result.json").read_text())
-    return {**result, "losses": {int(k): v for k, v in result["losses"].items()}}
+    return {**result, **{key: {int(k): v for k, v in result[key].items()} for key in ("losses", "lrs")}}
 
 
 def _train(job: dict, path: Path, backend: str) -> dict[int, float]:
@@ -88,8 +88,8 @@ def _train(job: dict, path: Path, backend: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def peer(tmp_path_factory):
-    """Megatron's run, its import and ms_llm's continuation on torch; everything the module checks."""
+def megatron_run(tmp_path_factory):
+    """Megatron's own run: 6 steps under tp2 on the batches ms_llm's sampler gives, saved at step 3."""
     tmp = tmp_path_factory.mktemp("megatron")
     tokens = tmp / "tokens.bin"
     np.random.default_rng(0).integers(0, 128, 4096).astype(np.uint16).tofile(tokens)
@@ -99,15 +99,21 @@ def peer(tmp_path_factory):
     flags = parse_args(launch_command(SCRIPT, "train.sh").args, "train.sh")
     ours = _probe(tmp / "megatron", {"mode": "train", "flags": flags, "batches": str(tmp / "batches.npy"),
                                      "save_at": SAVED}, 2)
+    return {"tmp": tmp, "tokens": tokens, "flags": flags, "megatron": ours["losses"], "lrs": ours["lrs"]}
+
+
+@pytest.fixture(scope="module")
+def peer(megatron_run):
+    """import-run of Megatron's step 3 and ms_llm's continuation on torch under dp2 ZeRO-3."""
+    tmp = megatron_run["tmp"]
     assert cli(["import-run", str(tmp / "megatron" / "torch_dist"), "-o", str(tmp / "imported"),
                 "--config", str(tmp / "train.sh")]) == 0
     job = yaml.safe_load((tmp / "imported" / "job.yaml").read_text())
     precision = job["strategy"]["precision"]                 # fp32, as the script trains
     job.update(device="cpu", strategy={"dp": 2, "zero": {"stage": 3}, "precision": precision})
-    job["train"].update(data={"source": str(tokens)}, log_every=1, micro_batch_size=BATCH // 2)
+    job["train"].update(data={"source": str(megatron_run["tokens"])}, log_every=1, micro_batch_size=BATCH // 2)
     job["train"]["checkpoint"].update(interval=1, async_save=False)
-    torch_losses = _train(job, tmp / "torch.yaml", "torch")
-    return {"tmp": tmp, "flags": flags, "megatron": ours["losses"], "job": job, "torch": torch_losses}
+    return {**megatron_run, "job": job, "torch": _train(job, tmp / "torch.yaml", "torch")}
 
 
 @pytest.mark.slow
@@ -150,19 +156,31 @@ def test_export_loads_in_megatron_with_the_same_next_loss(peer):
     assert again.step == 5 and again.state["optimizer_step"] == 5
 
 
-def test_legacy_files_and_saved_arguments_read_as_torch_dist(peer):
+@pytest.mark.slow
+def test_legacy_files_and_saved_arguments_read_as_torch_dist(megatron_run):
     """mp_rank_0X/model_optim_rng.pt + distrib_optim.pt (tp shards, memory-mapped) give the torch_dist
     checkpoint's tensors; without --config the job comes from the arguments Megatron-LM saved."""
-    root = peer["tmp"] / "megatron"
+    root = megatron_run["tmp"] / "megatron"
     assert megatron.detect(root / "torch_dist") and megatron.detect(root / "legacy")
-    dist = megatron.read_run(root / "torch_dist", peer["tmp"] / "train.sh")
+    dist = megatron.read_run(root / "torch_dist", megatron_run["tmp"] / "train.sh")
     legacy = megatron.read_run(root / "legacy")
     assert dataclasses.replace(legacy.model, name="train") == dist.model and legacy.step == dist.step == SAVED
-    assert legacy.state == dist.state == {"optimizer_step": 3, "lr": pytest.approx(dist.state["lr"]),
+    # The next iteration's rate as megatron-core's OptimizerParamScheduler gave it; 3 batches consumed.
+    assert legacy.state == dist.state == {"optimizer_step": 3, "lr": pytest.approx(megatron_run["lrs"][4], rel=1e-12),
                                           "sampler": {"seed": SEED, "epoch": 0, "position": 12, "index": ""}}
     assert sorted(legacy.tensors) == sorted(dist.tensors) and len(dist.tensors) == 3 * 21
     for name, t in dist.tensors.items():
         assert np.array_equal(t.read(), legacy.tensors[name].read()), name
+
+
+def test_bucket_layout_follows_megatron_core():
+    """_ParamAndGradBuffer with a 100-element bucket size: walking (10,), (100,), (32,) in reverse, 32 sits at
+    0, 100 at 64 (padded) and closes bucket 0 at 164, 10 opens bucket 1; chunk edges elsewhere refuse it."""
+    params = [("a", None, (10,)), ("b", None, (100,)), ("c", None, (32,))]
+    assert place(params, [164, 10], [{0, 32, 64, 164}, {0, 10}]) == [(1, 0), (0, 64), (0, 0)]
+    assert place(params, [164, 10], [{0, 32, 164}, {0, 10}]) is None             # no chunk edge at 64
+    assert place(params, [174], None) is None                                    # one bucket cannot hold them so
+    assert place(params, [32, 164], None) is None
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -170,8 +188,9 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_bad_inputs_are_one_line(peer, tmp_path):
-    root = peer["tmp"] / "megatron"
+@pytest.mark.slow
+def test_bad_inputs_are_one_line(megatron_run, tmp_path):
+    root = megatron_run["tmp"] / "megatron"
     cases = []
     # A truncated shard: its storage no longer holds the bytes the metadata names.
     bad = _copy(root / "torch_dist", tmp_path / "truncated")
@@ -200,5 +219,5 @@ def test_bad_inputs_are_one_line(peer, tmp_path):
                        "another model"))
     for folder, match in cases:
         with pytest.raises(CheckpointError, match=match) as info:
-            megatron.read_run(folder, peer["tmp"] / "train.sh")
+            megatron.read_run(folder, megatron_run["tmp"] / "train.sh")
         assert "\n" not in str(info.value)

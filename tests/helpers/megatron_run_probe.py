@@ -23,7 +23,8 @@ argv[1]: JSON {"mode": "train" | "load", "flags": {Megatron-LM flag: value or tr
   train: "save_at": N; trains len(batches) steps, saves at step N (torch_dist and legacy), records losses.
   load: "load": a checkpoint root; loads it the way Megatron-LM's load_checkpoint does and trains the
         batches from its iteration on.
-Rank 0 writes out/result.json: {"losses": {step: loss}, "iteration", "consumed_samples", "lr"}.
+Rank 0 writes out/result.json: {"losses": {step: loss}, "lrs": {step: its learning rate}, "start": the
+iteration trained from, "consumed_samples"}.
 """
 from __future__ import annotations
 
@@ -239,19 +240,19 @@ def main(spec: dict) -> None:
     run = Run(spec)
     out = Path(spec["out"])
     batches = np.load(spec["batches"])
-    losses = {}
+    losses, lrs = {}, {}
     if spec["mode"] == "load":
         run.load(Path(spec["load"]))
     start = run.iteration
     for i in range(start, len(batches)):
+        lrs[i + 1] = run.optimizer.param_groups[0]["lr"]
         losses[i + 1] = run.step(batches[i])
         if i + 1 == spec.get("save_at"):
             run.save(out / "torch_dist")
             run.save_legacy(out / "legacy")
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps({
-            "losses": losses, "start": start, "consumed_samples": run.args.consumed_train_samples,
-            "lr": run.optimizer.param_groups[0]["lr"]}))
+            "losses": losses, "lrs": lrs, "start": start, "consumed_samples": run.args.consumed_train_samples}))
     dist.barrier()
     dist.destroy_process_group()
 
