@@ -33,6 +33,7 @@ LONGEST_FIRST = (
     "torch/test_zero_torch.py", "convert/test_convert_peers.py", "data/test_data_train.py", "cli/test_boundary.py",
     "cli/test_fuzz.py", "torch/test_torch_cp_long.py", "checkpoint/test_import_run.py",
     "checkpoint/test_import_torchtitan.py",
+    "mindspore/test_import_mindformers.py",
 )
 
 

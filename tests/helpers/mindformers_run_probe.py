@@ -1,0 +1,101 @@
+"""MindFormers' side of tests/mindspore/test_import_mindformers.py: one process, PYTHONPATH=.oracles
+(MindFormers 2.1.0), MindSpore on CPU in graph mode, one device (MindSpore does not compile
+semi_auto_parallel on CPU).
+
+The run is built from its YAML the way MindFormers' trainer builds it: build_context, the model
+(LlamaForCausalLM from model.model_config), build_lr, get_optimizer_grouped_parameters, build_optim
+(MindFormers' AdamW) and the runner_wrapper MFTrainOneStepCell (gradient clipping, loss scale), trained
+by MindSpore's Model.train over the test's batches with MindFormers' CheckpointMonitor saving both of its
+layouts (the YAML's callback, 1.x, and the same with use_legacy_format: False, 2.x). The trainer itself
+wants a MindRecord dataset and a tokenizer. Two CPU adaptations: the YAML picks MindFormers' unfused
+kernels (use_rope_slice, fused_rms_norm: False, no flash attention: the same math; the fused ones have no
+CPU kernel), and the wrapper's overflow check runs MindSpore's IsFinite path (its Ascend INFNAN check)
+because the status ops MindSpore uses on Ascend and GPU (NPUGetFloatStatusV2, FloatStatus) have no CPU
+kernel.
+
+argv[1]: JSON {"mode": "train" | "resume", "yaml": MindFormers YAML, "batches": .npy (steps, global batch,
+seq + 1) of token ids, "out": JSON file, "save": folder (train), "load": an exported folder (resume)}.
+  train: trains every batch; CheckpointMonitor saves <save>/legacy/checkpoint/rank_0/... and <save>/v2/.
+  resume: finds and loads the checkpoint as MindFormers' resume does (get_resume_checkpoint,
+          load_resume_checkpoint, ms.load_checkpoint + load_param_into_net) and trains from its step_num.
+out: {"losses": {step: loss}, "step": the step it began from, "global_step": the optimizer's count then}.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import mindspore as ms
+import mindspore.dataset as ds
+import numpy as np
+from mindspore.nn.wrap import loss_scale
+
+from mindformers import LlamaConfig, LlamaForCausalLM, MindFormerConfig
+from mindformers.core import CheckpointMonitor, build_lr, build_optim
+from mindformers.core.context import build_context
+from mindformers.trainer.optimizer_grouped_parameters import get_optimizer_grouped_parameters
+from mindformers.utils.resume_ckpt_utils import get_resume_checkpoint, load_resume_checkpoint
+from mindformers.wrapper import MFTrainOneStepCell
+
+
+class CpuTrainOneStepCell(MFTrainOneStepCell):
+    """MFTrainOneStepCell whose overflow check is MindSpore's IsFinite one (see the module docstring)."""
+
+    def get_overflow_status(self, status, compute_output):
+        return self._get_distributed_overflow_status_on_infnan_mode(loss_scale._ascend_grad_overflow, compute_output)
+
+
+def build(cfg: MindFormerConfig) -> CpuTrainOneStepCell:
+    build_context(cfg)
+    ms.set_seed(cfg.seed)
+    model_config = {k: v for k, v in cfg.model.model_config.items() if k != "type"}
+    net = LlamaForCausalLM(LlamaConfig(**model_config))
+    lr = build_lr(cfg.lr_schedule)
+    params = get_optimizer_grouped_parameters(net, cfg.optimizer.weight_decay, lr)
+    optimizer = build_optim(cfg.optimizer, default_args={"params": params, "learning_rate": lr})
+    wrapper = {k: v for k, v in cfg.runner_wrapper.items() if k != "type"}
+    return CpuTrainOneStepCell(net, optimizer, **wrapper)
+
+
+def train(cfg: MindFormerConfig, cell, batches: np.ndarray, save: str) -> dict:
+    losses = {}
+
+    class Record(ms.train.Callback):
+        def on_train_step_end(self, run_context):
+            params = run_context.original_args()
+            losses[params.cur_step_num] = float(params.net_outputs[0].asnumpy().reshape(-1)[0])
+
+    monitor = {k: v for k, v in next(c for c in cfg.callbacks if c["type"] == "CheckpointMonitor").items()
+               if k != "type"}
+    gbs = cfg.runner_config.batch_size * cfg.parallel_config.data_parallel
+    monitors = [CheckpointMonitor(directory=f"{save}/legacy", global_batch_size=gbs, **monitor),
+                CheckpointMonitor(directory=f"{save}/v2", global_batch_size=gbs, use_legacy_format=False, **monitor)]
+    data = ds.GeneratorDataset(lambda: ((b,) for b in batches), ["input_ids"], shuffle=False)
+    ms.Model(cell).train(1, data, callbacks=[Record(), *monitors], dataset_sink_mode=False)
+    return {"losses": losses, "step": 0, "global_step": 0}
+
+
+def resume(cell, batches: np.ndarray, load: str) -> dict:
+    path = get_resume_checkpoint(load, True, "safetensors")
+    step = int(load_resume_checkpoint(path, False, "safetensors")["step_num"])
+    params = ms.load_checkpoint(path, format="safetensors")
+    not_loaded, _ = ms.load_param_into_net(cell, params)
+    if not_loaded:
+        raise SystemExit(f"resume: {path} lacks {not_loaded}")
+    global_step = int(cell.optimizer.global_step.asnumpy().reshape(-1)[0])
+    losses = {}
+    for i in range(step, len(batches)):
+        losses[i + 1] = float(cell(ms.Tensor(batches[i]))[0].asnumpy().reshape(-1)[0])
+    return {"losses": losses, "step": step, "global_step": global_step}
+
+
+if __name__ == "__main__":
+    request = json.loads(open(sys.argv[1]).read())
+    config = MindFormerConfig(request["yaml"])
+    step_cell = build(config)
+    step_cell.set_train(True)
+    rows = np.load(request["batches"]).astype(np.int32)
+    result = train(config, step_cell, rows, request["save"]) if request["mode"] == "train" else \
+        resume(step_cell, rows, request["load"])
+    with open(request["out"], "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,184 @@
+"""MindFormers 2.1 -> ms_llm -> MindFormers, with MindFormers' own LLaMA, AdamW, lr schedule, train-step
+wrapper and CheckpointMonitor in the loop (tests/helpers/mindformers_run_probe.py says what runs and why).
+
+MindFormers trains 8 steps of the YAML below on one CPU device, CheckpointMonitor saving every 3 steps in
+its 1.x layout (rank_0/<prefix>_rank_0-<epoch>_<step>.safetensors) and its 2.x one (iteration_<n>/ with
+model-, opt- files and common.json). `ms-llm import-run` reads step 3 of each with the YAML as --config:
+the same tensors and step counts. ms_llm continues steps 4-8 with the same batches on torch and on
+MindSpore: the losses are MindFormers' own within 1e-5 and 1e-4. The torch run's step 6, exported with
+`ms-llm export-run --to mindformers`, is found and loaded by MindFormers' resume functions, which train
+steps 7 and 8 with the losses of its own run (within 1e-5). The YAML has no weight decay: MindFormers exempts 1-D
+weights (the norms) from it, ms_llm's AdamW decays every weight.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ms_llm.checkpoint import Checkpoint
+from ms_llm.checkpoint.interop.run_state import write_foreign_run
+from ms_llm.cli import main as cli
+from ms_llm.data import GlobalBatchSampler
+from ms_llm.errors import CheckpointError
+from ms_llm.run.metrics import read_metrics
+
+ms = pytest.importorskip("mindspore")
+from ms_llm.mindspore.interop import mindformers  # noqa: E402  (needs MindSpore)
+
+ROOT = Path(__file__).resolve().parents[2]
+ORACLES = ROOT / ".oracles"
+PROBE = ROOT / "tests" / "helpers" / "mindformers_run_probe.py"
+SEED, SEQ, BATCH, STEPS, SAVED, VOCAB = 7, 16, 4, 8, 3, 128
+YAML = f"""
+seed: {SEED}
+run_mode: train
+use_parallel: False
+runner_config: {{epochs: 1, batch_size: {BATCH}, sink_mode: False, gradient_accumulation_steps: 1}}
+optimizer: {{type: AdamW, betas: [0.9, 0.95], eps: 1.e-8, weight_decay: 0.0}}
+lr_schedule: {{type: ConstantWarmUpLR, learning_rate: 1.e-2, warmup_steps: 0, total_steps: {STEPS}}}
+parallel_config: {{data_parallel: 1, model_parallel: 1, pipeline_stage: 1, micro_batch_num: 1}}
+callbacks:
+  - type: MFLossMonitor
+  - {{type: CheckpointMonitor, prefix: tiny, save_checkpoint_steps: {SAVED}, checkpoint_format: safetensors,
+     integrated_save: False, async_save: False}}
+context: {{mode: 0, device_target: CPU}}
+model:
+  model_config:
+    type: LlamaConfig
+    batch_size: {BATCH}
+    seq_length: {SEQ}
+    hidden_size: 64
+    num_layers: 2
+    num_heads: 4
+    n_kv_heads: 2
+    intermediate_size: 128
+    vocab_size: {VOCAB}
+    rms_norm_eps: 1.0e-5
+    pad_token_id: 0
+    compute_dtype: float32
+    layernorm_compute_type: float32
+    softmax_compute_type: float32
+    rotary_dtype: float32
+    param_init_type: float32
+    use_flash_attention: False
+    use_rope_slice: True
+    fused_rms_norm: False
+    qkv_concat: False
+  arch: {{type: LlamaForCausalLM}}
+runner_wrapper: {{type: MFTrainOneStepCell, scale_sense: 1.0, use_clip_grad: True, max_grad_norm: 1.0}}
+"""
+
+
+def _probe(tmp: Path, mode: str, **paths: Path) -> dict:
+    if not (ORACLES / "mindformers").is_dir():
+        pytest.fail(".oracles/ has no mindformers: run `make oracles`")
+    spec = {"mode": mode, "yaml": str(tmp / "mf.yaml"), "batches": str(tmp / "batches.npy"),
+            "out": str(tmp / f"{mode}.json"), **{k: str(v) for k, v in paths.items()}}
+    (tmp / f"{mode}_in.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(ORACLES), "GLOG_v": "3"}
+    proc = subprocess.run([sys.executable, str(PROBE), str(tmp / f"{mode}_in.json")], capture_output=True, text=True,
+                          env=env, timeout=900, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp / f"{mode}.json").read_text())
+    return {**out, "losses": {int(s): v for s, v in out["losses"].items()}}
+
+
+def _train(job: Path, run: Path, backend: str, tokens: Path) -> dict[int, float]:
+    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(job), "--run-dir", str(run), "--backend",
+                           backend, "--set", "device=cpu", "--set", f"train.data.source={tokens}"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mindformers")
+    tokens = tmp / "tokens.bin"          # no 0: MindFormers masks pad_token_id 0 out of the loss
+    np.random.default_rng(0).integers(1, VOCAB, 64 * SEQ + 1).astype(np.uint16).tofile(tokens)
+    sampler = GlobalBatchSampler(np.fromfile(tokens, dtype=np.uint16), SEQ, BATCH, SEED)
+    np.save(tmp / "batches.npy", np.stack([sampler.local_batch(k) for k in range(STEPS)]))
+    (tmp / "mf.yaml").write_text(YAML)
+    peer = _probe(tmp, "train", save=tmp / "mf")
+    legacy = tmp / "mf" / "legacy" / "checkpoint" / "rank_0" / f"tiny_rank_0-1_{SAVED}.safetensors"
+    v2 = tmp / "mf" / "v2" / f"iteration_{SAVED:08d}"
+    for src, out in ((legacy, "imported"), (v2, "imported_v2")):
+        assert cli(["import-run", str(src), "-o", str(tmp / out), "--config", str(tmp / "mf.yaml")]) == 0
+    job = tmp / "imported" / "job.yaml"
+    torch_losses = _train(job, tmp / "run_torch", "torch", tokens)
+    assert cli(["export-run", str(tmp / "run_torch" / "checkpoints" / "step_00000006"), "--to", "mindformers",
+                "-o", str(tmp / "export"), "--job", str(tmp / "run_torch" / "config.yaml")]) == 0
+    resumed = _probe(tmp, "resume", load=tmp / "export")
+    return {"tmp": tmp, "peer": peer, "torch": torch_losses, "resumed": resumed, "tokens": tokens, "legacy": legacy}
+
+
+@pytest.fixture(scope="module")
+def ms_losses(runs):
+    return _train(runs["tmp"] / "imported" / "job.yaml", runs["tmp"] / "run_ms", "mindspore", runs["tokens"])
+
+
+@pytest.mark.slow
+def test_both_layouts_import_the_same_state(runs):
+    a = Checkpoint.open(runs["tmp"] / "imported" / "checkpoints")
+    b = Checkpoint.open(runs["tmp"] / "imported_v2" / "checkpoints")
+    assert a.step == b.step == SAVED and a.state["optimizer_step"] == b.state["optimizer_step"] == SAVED
+    assert a.names() == b.names() and len(a.names()) == 3 * (2 + 2 * 9 + 1)
+    assert all(np.array_equal(a.read_full(n), b.read_full(n)) for n in a.names())
+    from safetensors.numpy import load_file
+    saved = load_file(str(runs["legacy"]))
+    assert np.array_equal(a.read_full("model.layers.1.self_attn.k_proj.weight"),
+                          saved["model.layers.1.attention.wk.weight"])
+    assert np.array_equal(a.read_full("optim.exp_avg_sq.model.embed_tokens.weight"),
+                          saved["adam_v.model.tok_embeddings.embedding_weight"])
+
+
+@pytest.mark.slow
+def test_torch_continues_as_mindformers_does(runs):
+    peer = runs["peer"]["losses"]
+    assert sorted(runs["torch"]) == list(range(SAVED + 1, STEPS + 1))
+    assert [runs["torch"][s] for s in runs["torch"]] == pytest.approx([peer[s] for s in runs["torch"]], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_mindspore_continues_as_mindformers_does(runs, ms_losses):
+    peer = runs["peer"]["losses"]
+    assert sorted(ms_losses) == list(range(SAVED + 1, STEPS + 1))
+    assert [ms_losses[s] for s in ms_losses] == pytest.approx([peer[s] for s in ms_losses], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_mindformers_resumes_the_export_with_the_same_next_losses(runs):
+    resumed, peer = runs["resumed"], runs["peer"]["losses"]
+    assert resumed["step"] == resumed["global_step"] == 6 and sorted(resumed["losses"]) == [7, 8]
+    assert [resumed["losses"][s] for s in (7, 8)] == pytest.approx([peer[s] for s in (7, 8)], abs=1e-5)
+    assert [resumed["losses"][s] for s in (7, 8)] == pytest.approx([runs["torch"][s] for s in (7, 8)], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_bad_inputs_are_one_line(runs, tmp_path, capsys):
+    legacy, yaml_file = runs["legacy"], runs["tmp"] / "mf.yaml"
+    with pytest.raises(CheckpointError, match="records neither the head count"):
+        mindformers.read_run(legacy, None)
+    for rank in ("rank_0", "rank_1"):
+        (tmp_path / "two" / rank).mkdir(parents=True)
+        (tmp_path / "two" / rank / legacy.name.replace("rank_0", rank)).write_bytes(legacy.read_bytes())
+    with pytest.raises(CheckpointError, match="holds 2 ranks' slices; merge them first"):
+        mindformers.read_run(tmp_path / "two", yaml_file)
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(legacy))
+    tensors["adam_m.model.norm_out.weight"] = np.zeros(32, np.float32)
+    save_file(tensors, str(tmp_path / legacy.name))
+    with pytest.raises(CheckpointError, match=r"'optim\.exp_avg\.model\.norm\.weight' has shape \[32\]"):
+        write_foreign_run(mindformers.read_run(tmp_path / legacy.name, yaml_file), tmp_path / "x")
+    cut = tmp_path / "cut" / legacy.name
+    cut.parent.mkdir()
+    cut.write_bytes(legacy.read_bytes()[:-100])
+    assert cli(["import-run", str(cut), "-o", str(tmp_path / "out"), "--config", str(yaml_file)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "truncated: needs bytes up to" in err[0] and legacy.name in err[0], err
