@@ -30,12 +30,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ms_llm import convert
 from ms_llm.checkpoint import Checkpoint, optim_name, split_optim_name
 from ms_llm.checkpoint.interop import names
 from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import TrainConfig
+from ms_llm.convert import Converted, detect_format, read as read_config
 from ms_llm.convert.common import ConversionError, ReadOptions
 from ms_llm.errors import CheckpointError
 from ms_llm.job import job_to_dict, load_section, read_text
@@ -108,7 +108,7 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
     return ForeignRun("torchtitan", model, step, tensors, state, job_to_dict(conv.job), notes)
 
 
-def _converted(config: Optional[Path], folder: Path, world: Optional[int]) -> convert.Converted:
+def _converted(config: Optional[Path], folder: Path, world: Optional[int]) -> Converted:
     """The run's config as an ms_llm job; the world size for torchtitan's data_parallel_shard_degree = -1
     is the number of ranks that wrote the checkpoint."""
     if config is None:
@@ -116,9 +116,9 @@ def _converted(config: Optional[Path], folder: Path, world: Optional[int]) -> co
                               "settings; pass --config with the run's torchtitan TOML or command line (or an ms_llm "
                               "job YAML)")
     text = read_text(Path(config))
-    fmt = convert.detect_format(text, str(config))
+    fmt = detect_format(text, str(config))
     try:
-        return convert.read(text, str(config), fmt, ReadOptions(world_size=world if fmt == "torchtitan" else None))
+        return read_config(text, str(config), fmt, ReadOptions(world_size=world if fmt == "torchtitan" else None))
     except ConversionError as exc:
         if "--model" not in str(exc):
             raise

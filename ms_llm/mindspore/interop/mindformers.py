@@ -37,12 +37,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ms_llm import convert
 from ms_llm.checkpoint import Checkpoint, optim_name, split_optim_name
 from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor
 from ms_llm.checkpoint.storage.safetensors_io import TensorSpan, open_shard_file, read_header, storage_dtype, write_file
 from ms_llm.checkpoint.storage.untrusted import confined, parse_json, read_regular
 from ms_llm.config.train import TrainConfig
+from ms_llm.convert import read as read_config
 from ms_llm.convert.common import ReadOptions
 from ms_llm.errors import CheckpointError
 from ms_llm.job import job_to_dict, load_section, read_text
@@ -220,7 +220,7 @@ def _job(config: Optional[Path], where: str):
         raise CheckpointError(f"{where}: a MindFormers checkpoint records neither the head count nor the training "
                               "settings; pass --config with the run's MindFormers YAML (or an ms_llm job YAML)")
     text = read_text(Path(config))
-    return convert.read(text, str(config), None, ReadOptions()).job
+    return read_config(text, str(config), None, ReadOptions()).job
 
 
 def _reader(f: _File, key: str):
