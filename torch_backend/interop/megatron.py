@@ -49,6 +49,8 @@ from torch_backend.interop.megatron_state import common_state, job_and_model, tr
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATES = ("exp_avg", "exp_avg_sq")
+# Optimizer layouts in a torch_dist checkpoint: the plain optimizer's (None) and the distributed one's.
+READ_SHARDINGS = (None, "dp_reshardable", "fully_reshardable")
 DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
 
@@ -120,9 +122,14 @@ class _Dist(_Source):
         super().__init__()
 
     def bind(self, model: ModelConfig, args) -> None:
+        if self.sharding not in READ_SHARDINGS:
+            raise CheckpointError(f"{self.folder}/common.pt: the distributed optimizer's state is in the deprecated "
+                                  f"{self.sharding!r} layout; ms_llm reads dp_reshardable (Megatron-LM's default) and "
+                                  "fully_reshardable (--dist-ckpt-optim-fully-reshardable): re-save in one of them")
         if self.sharding == "dp_reshardable":
             self.buckets = Buckets.from_dist(self.files, model, args, str(self.folder))
-            self.groups = self.buckets.param_groups
+            self.optimizer = {**self.optimizer, **self.buckets.common}    # its param groups and grad scaler
+            self.groups = _param_groups(self.optimizer)
         missing = [s for s in STATES if not self.has_moment(s)]
         if missing and self.sharding is not None:
             raise CheckpointError(f"{self.folder}: optimizer state ({self.sharding}) holds no {missing[0]}")

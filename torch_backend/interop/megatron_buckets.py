@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from ms_llm.checkpoint.storage.untrusted import integers
 from ms_llm.config.model import ModelConfig
 from ms_llm.errors import CheckpointError
 from torch_backend.interop.megatron_files import single
@@ -117,7 +118,7 @@ class Buckets:
         self.model, self.tp, self.pp, self.stages, self.where = model, tp, pp, stages, where
         self.spots: dict[tuple[str, Optional[int], int], tuple[Any, tuple[int, ...]]] = {}   # -> (reader, shape)
         self.states: set[str] = set()
-        self.param_groups: list[dict] = []
+        self.common: dict = {}          # the optimizer's own state dict (param groups, grad scaler)
 
     @classmethod
     def from_dist(cls, files, model: ModelConfig, args, where: str) -> "Buckets":
@@ -130,22 +131,28 @@ class Buckets:
                 raise CheckpointError(f"{where}: dp_reshardable optimizer state lacks {sizes_key!r} (tensor-parallel "
                                       f"{tp} x pipeline {pp} from its arguments)")
             buffers = single(files.obj(sizes_key), f"{where}: {sizes_key}")
-            if not isinstance(buffers, list) or len(buffers) != 1 or len(buffers[0]) != 1:
-                raise CheckpointError(f"{where}: {sizes_key} describes {len(buffers)} buffers; ms_llm reads one "
+            if not isinstance(buffers, list) or len(buffers) != 1 or not isinstance(buffers[0], dict) \
+                    or len(buffers[0]) != 1:
+                raise CheckpointError(f"{where}: {sizes_key} is not one buffer's bucket sizes; ms_llm reads one "
                                       "parameter dtype per rank")
-            sizes = list(next(iter(buffers[0].values())))
+            sizes = list(integers(next(iter(buffers[0].values())), where, sizes_key, lo=1))
             found = [k[:-len("0.exp_avg")] for k in files.tensors if k.startswith(f"{base}.gbuf_idx_")
                      and k.endswith(".bucket_idx_0.exp_avg")]
             if len(found) != 1 or ".gbuf_idx_0." not in found[0]:
                 raise CheckpointError(f"{where}: finds {len(found)} buffers of {base}; ms_llm reads one")
             prefix = found[0]
+            lacking = [b for b in range(len(sizes)) if not files.has_tensor(f"{prefix}{b}.exp_avg")]
+            if lacking:
+                raise CheckpointError(f"{where}: {sizes_key} names {len(sizes)} buckets, but bucket {lacking[0]} of "
+                                      f"{base} is not stored")
             edges = [files.boundaries(f"{prefix}{b}.exp_avg") for b in range(len(sizes))]
             self.states |= {s for s in ("param", "exp_avg", "exp_avg_sq") if files.has_tensor(f"{prefix}0.{s}")}
             self._lay_out(g, args, sizes, edges, lambda state, b, start, n, p=prefix:
                           files.read(f"{p}{b}.{state}", (start,), (n,)))
-            group = files.obj(f"{base}.optimizer/shard_0_1") if f"{base}.optimizer/shard_0_1" in files.objects else None
-            if g == 0 and group is not None:
-                self.param_groups = list(single(group, where).get("param_groups") or [])
+            key = f"{base}.optimizer/shard_0_1"
+            if g == 0 and key in files.objects:
+                common = single(files.obj(key), f"{where}: {key}")
+                self.common = common if isinstance(common, dict) else {}
         return self
 
     @classmethod
@@ -153,11 +160,15 @@ class Buckets:
         self = cls(model, tp, pp, _stages(model, pp, args), where)
         for (t, p), state in states.items():
             buffers = {k: v for k, v in state.items() if isinstance(k, int)}
-            if len(buffers) != 1 or len(buffers[0]) != 1:
+            flat = next(iter(buffers[0].values()), None) if list(buffers) == [0] and len(buffers[0]) == 1 else None
+            if not isinstance(flat, dict) or not isinstance(flat.get("numel_unpadded"), int):
                 raise CheckpointError(f"{where}: distrib_optim.pt of rank ({t}, {p}) holds {len(buffers)} buffers; "
-                                      "ms_llm reads one parameter dtype per rank")
-            flat = next(iter(buffers[0].values()))
+                                      "ms_llm reads one buffer of one parameter dtype per rank")
             self.states |= {s for s in ("param", "exp_avg", "exp_avg_sq") if s in flat}
+            for s in self.states:
+                if not isinstance(flat.get(s), torch.Tensor) or flat[s].shape != (flat["numel_unpadded"],):
+                    raise CheckpointError(f"{where}: distrib_optim.pt of rank ({t}, {p}): {s!r} is not a flat tensor "
+                                          f"of the buffer's {flat['numel_unpadded']} elements")
             self._lay_out(p * tp + t, args, [int(flat["numel_unpadded"])], None,
                           lambda s, b, start, n, flat=flat: flat[s][start:start + n])
         return self

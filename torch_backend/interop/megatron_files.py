@@ -112,7 +112,7 @@ class DistFolder:
         for chunk in m.chunks:
             lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
             hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
-            if any(h <= l for l, h in zip(lo, hi)) and out.numel():
+            if any(h <= l for l, h in zip(lo, hi)):
                 continue
             data = self._load(self.storage.get((key, tuple(chunk.offsets))), f"tensor {key!r} chunk "
                               f"{list(chunk.offsets)}")

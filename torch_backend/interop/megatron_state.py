@@ -90,7 +90,9 @@ def training_state(source, args, model: ModelConfig, job: dict, step: int) -> tu
     param groups and moments), and notes on what continues differently in ms_llm."""
     state: dict[str, Any] = {}
     notes: list[str] = []
-    steps = {g.get("step") for g in source.groups if g.get("step") is not None}
+    inner = source.optimizer.get("optimizer", source.optimizer)
+    common_step = inner.get("state", {}).get("common_step") if isinstance(inner.get("state"), dict) else None
+    steps = {g.get("step") for g in source.groups if g.get("step") is not None} or {common_step} - {None}
     if source.has_moment("exp_avg") and len(steps) == 1:
         state["optimizer_step"] = int(next(iter(steps)))
     elif not source.has_moment("exp_avg"):
