@@ -108,7 +108,7 @@ class TorchLowering:
     micro_batches: int
     compile: bool                               # torch.compile per decoder layer
     cp: Optional[ContextParallelPlan]           # None when cp = 1
-    expert_mesh: Optional[MeshSpec] = None      # MoE: pp x edp x ep x tp, the expert groups
+    expert_mesh: Optional[MeshSpec] = None      # MoE: pp x edp x ep x etp, the expert groups
 
 
 def tp_placement(layout: TensorLayout) -> Placement:
@@ -129,6 +129,8 @@ def tp_plan(plan: ModelPlan) -> tuple[TpStyle, ...]:
     hidden = tp_placement(acts["hidden"])
     styles: dict[str, TpStyle] = {}
     for p in plan.params.values():
+        if p.kind in ("expert_column", "expert_row", "router"):
+            continue       # torch_backend.parallelize.ep: the MoE layer splits its experts itself (over etp)
         fqn, weight = p.name.removesuffix(".weight"), tp_placement(p.layout)
         if p.kind == "embedding" and weight == Shard(0):
             styles[fqn] = TpStyle(fqn, "rowwise", tp_placement(acts["tokens"]), hidden, True)
@@ -144,8 +146,6 @@ def tp_plan(plan: ModelPlan) -> tuple[TpStyle, ...]:
             styles[fqn] = TpStyle(fqn, "colwise", Replicate(), FEATURES, True)
         elif p.kind == "row" and weight == Shard(1):
             styles[fqn] = TpStyle(fqn, "rowwise", FEATURES, hidden, True)
-        elif p.kind in ("expert_column", "expert_row", "router"):
-            continue       # torch_backend.parallelize.ep: the MoE layer splits its experts itself
         elif p.kind == "norm" and weight == Replicate():
             if hidden != Replicate():
                 styles[fqn] = TpStyle(fqn, "sequence", hidden, hidden, False)

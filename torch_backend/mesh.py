@@ -22,7 +22,7 @@ class Meshes:
     spec: MeshSpec
     world: DeviceMesh
     derived: dict[str, DeviceMesh] = field(default_factory=dict)
-    expert: Optional[DeviceMesh] = None     # pp x edp x ep x tp (ms_llm.strategy.mesh.EXPERT_AXES), MoE only
+    expert: Optional[DeviceMesh] = None     # pp x edp x ep x etp (ms_llm.strategy.mesh.EXPERT_AXES), MoE only
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(name, str) and name in self.derived:
@@ -40,14 +40,16 @@ class Meshes:
         return self[name].get_group()
 
     def expert_group(self, name: str) -> dist.ProcessGroup:
-        """'ep' (ranks splitting the experts) or 'edp' (ranks holding the same experts)."""
+        """'ep' (ranks splitting the experts), 'etp' (ranks splitting each expert's width) or 'edp'
+        (ranks holding the same expert shard)."""
         return self.expert[name].get_group()
 
 
 def build_meshes(spec: MeshSpec, device_type: str, expert: Optional[MeshSpec] = None) -> Meshes:
     """init_device_mesh over the plan's axes (size-1 axes included, so every name exists),
     then flatten each derived axis of DERIVED_AXES. `expert`: the plan's expert mesh, the same
-    ranks in the same order with dp*cp read as (edp, ep), ep innermost (Megatron's expert groups)."""
+    ranks in the same order with each stage's dp*cp*tp read as (edp, ep, etp), etp innermost
+    (Megatron's expert groups)."""
     world = init_device_mesh(device_type, spec.shape, mesh_dim_names=spec.names)
     meshes = Meshes(spec, world)
     if expert is not None:

@@ -13,9 +13,12 @@ Dispatch sorts the token copies by expert, runs the local experts together on th
 rows (one grouped matmul per projection, class Experts) and scatters the weighted outputs back
 (dropless, or capped at capacity_factor). Under expert parallelism (an `ep` group) the experts
 are split over the group, and the sorted rows travel to the rank holding their expert by
-all-to-all and back (Megatron's all-to-all token dispatcher); under the experts' own tensor
-parallelism each rank holds a slice of every local expert's width and the combined output is
-summed over `tp`.
+all-to-all and back (Megatron's all-to-all token dispatcher). Each expert's width is split over
+etp ranks (ms_llm.strategy.mesh folds the ranks as edp x ep x etp): with etp = tp (the default)
+every tp rank runs all its rows, whole over tp, on its width slice and the outputs are summed
+over tp; otherwise (Megatron-core's MoE parallel folding) each tp rank dispatches a 1/tp share of
+the rows, the etp ranks gather what they received, run their width slice on all of it and
+reduce-scatter the partial outputs back, and the shares' outputs are gathered over tp.
 
 The auxiliary losses (load balancing, router z-loss, DeepSeek-V3's sequence-wise balance loss) do
 not travel with the output: a pass-through autograd function adds their gradient in backward
@@ -35,6 +38,8 @@ from torch import nn
 
 from ms_llm.config.model import ModelConfig
 from torch_backend.layers import MLP
+from torch_backend.moe_dispatch import (CopyToTp, GatherFromEtp, GatherFromTp, ReduceFromTp, ReduceScatterToEtp,
+                                        all_to_all, by_expert, share_of, share_sizes)
 
 
 class StackedLinear(nn.Module):
@@ -157,56 +162,6 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Rows x[sum(send[:r]) : ...] go to rank r of `group`; returns the rows received, by source.
-    Differentiable: backward is the reverse all-to-all."""
-    return _AllToAll.apply(x, send, recv, group)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None
-
-
-class _CopyToTp(torch.autograd.Function):
-    """Identity forward; backward sums the partial input gradients of the tp ranks."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTp(torch.autograd.Function):
-    """Forward sums the partial outputs of the tp ranks; backward is the identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts). Replaces the MLP of an MoE layer."""
 
@@ -224,8 +179,13 @@ class MoE(nn.Module):
         self.experts = Experts(m.num_experts, cfg.hidden_size, cfg.expert_ffn_size)
         self.shared_experts = (MLP(cfg, width=m.shared_experts * cfg.expert_ffn_size)
                                if m.shared_experts else None)
-        self.ep_group: Optional[dist.ProcessGroup] = None      # set by torch_backend.parallelize.ep
-        self.tp_group: Optional[dist.ProcessGroup] = None      # experts' own tensor parallelism
+        # Set by torch_backend.parallelize.ep: the ranks the experts are split over; the dense tp group,
+        # over which this layer's rows are whole; whether each tp rank runs a share of the rows (etp != tp)
+        # rather than a slice of every expert's width (etp = tp); and then the etp ranks (etp > 1).
+        self.ep_group: Optional[dist.ProcessGroup] = None
+        self.tp_group: Optional[dist.ProcessGroup] = None
+        self.tp_shares = False
+        self.etp_group: Optional[dist.ProcessGroup] = None
         self.aux_scale = 1.0                   # gradient weight of the aux losses (TrainStep: loss scale / micro-batches)
         self.last_aux = torch.zeros((), device="cpu")        # coefficient-weighted aux losses of the last forward
         self.aux_trained: list[torch.Tensor] = []     # their values, per micro-batch backpropagated since taken
@@ -329,18 +289,43 @@ class MoE(nn.Module):
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert (counts per expert), scale their routing weights -> their
-        weighted expert outputs, same order. Under tp, rows and weights are replicated and each rank
-        computes a partial sum over its width slice (Megatron's copy-to / reduce-from tensor-parallel
-        region around column / row parallel)."""
+        weighted expert outputs, same order. Under tp, rows and weights are whole on every tp rank
+        (their gradient is summed over tp: Megatron's copy to the tensor-parallel region). With the
+        experts' width over tp, each rank computes a partial sum over its width slice of all rows,
+        summed over tp (reduce from the region, around column / row parallel); with it over another
+        etp group, each tp rank runs a 1/tp share of the rows and the shares are gathered."""
         if self.tp_group is not None:
-            rows, scale = _CopyToTp.apply(rows, self.tp_group), _CopyToTp.apply(scale, self.tp_group)
+            rows, scale = CopyToTp.apply(rows, self.tp_group), CopyToTp.apply(scale, self.tp_group)
+        if not self.tp_shares:
+            out = self.dispatch(rows, counts, scale)
+            return out if self.tp_group is None else ReduceFromTp.apply(out, self.tp_group)
+        tp = dist.get_world_size(self.tp_group)
+        start, stop, held = share_of(counts, dist.get_rank(self.tp_group), tp)
+        out = self.dispatch(rows[start:stop], held, scale[start:stop])
+        return GatherFromTp.apply(out, share_sizes(rows.shape[0], tp), self.tp_group)
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert -> their outputs, through the ep ranks when the experts are split."""
         if self.ep_group is None:
-            out = self.experts(rows, counts.tolist(), scale)
-        else:
-            out = self.dispatch_and_run(rows, counts, scale)
-        if self.tp_group is not None:
-            out = _ReduceFromTp.apply(out, self.tp_group)
-        return out
+            return self.run_local(rows, counts, scale)
+        return self.dispatch_and_run(rows, counts, scale)
+
+    def run_local(self, rows: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on rows sorted by local expert (counts (E_local,)). With an etp group, its
+        ranks hold slices of the same experts' width: they gather one another's rows, run their slice
+        on all of them and sum the partial outputs back onto each rank's own rows."""
+        if self.etp_group is None:
+            return self.experts(rows, counts.tolist(), scale)
+        group, etp = self.etp_group, dist.get_world_size(self.etp_group)
+        every = [torch.empty_like(counts) for _ in range(etp)]
+        dist.all_gather(every, counts.contiguous(), group=group)
+        every = torch.stack(every)                                            # (etp, E_local)
+        sizes = every.sum(1).tolist()
+        regroup = by_expert(every)
+        gathered = GatherFromEtp.apply(rows, sizes, group)[regroup]
+        out = self.experts(gathered, every.sum(0).tolist(), GatherFromEtp.apply(scale, sizes, group)[regroup])
+        restored = torch.empty_like(out).index_copy_(0, regroup, out)
+        return ReduceScatterToEtp.apply(restored, sizes, group)
 
     def dispatch_and_run(self, rows: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """All-to-all the rows (and their routing weights) to the ranks holding their experts, run,
@@ -357,9 +342,7 @@ class MoE(nn.Module):
         received = all_to_all(rows, send, recv, group)                        # grouped by (source, expert)
         received_scale = all_to_all(scale, send, recv, group)
         # Regroup by (expert, source) so each local expert's rows are contiguous, and back after.
-        chunk_expert = torch.arange(local, device=rows.device).repeat(ep)     # expert of each (s, e) chunk
-        by_chunk = torch.repeat_interleave(chunk_expert, counts_in.flatten())
-        regroup = torch.argsort(by_chunk, stable=True)
-        out = self.experts(received[regroup], counts_in.sum(0).tolist(), received_scale[regroup])
+        regroup = by_expert(counts_in)
+        out = self.run_local(received[regroup], counts_in.sum(0), received_scale[regroup])
         restored = torch.empty_like(out).index_copy_(0, regroup, out)
         return all_to_all(restored, recv, send, group)

@@ -104,7 +104,7 @@ def from_job(job, world_size: int | None, source: str = "job") -> Converted:
 
 def _canonical(conv: Converted, source: str, fmt: str) -> Converted:
     """Validate, then write the strategy the one way ms_llm writes it: dp explicit, shard_size
-    -1 for "all of dp", micro-batches and an even layer split left to be derived."""
+    -1 for "all of dp", etp -1 for "= tp", micro-batches and an even layer split left to be derived."""
     job = conv.job
     try:
         s = validate(job.model, job.strategy, job.train, conv.world_size)
@@ -118,7 +118,8 @@ def _canonical(conv: Converted, source: str, fmt: str) -> Converted:
     pipe = dataclasses.replace(pipe, micro_batches=-1)
     if zero.shard_size == s.dp:
         zero = dataclasses.replace(zero, shard_size=-1)
-    conv.job = dataclasses.replace(job, strategy=dataclasses.replace(s, pipeline=pipe, zero=zero))
+    etp = -1 if s.etp == s.tp else s.etp
+    conv.job = dataclasses.replace(job, strategy=dataclasses.replace(s, pipeline=pipe, zero=zero, etp=etp))
     conv.world_size = s.world_size()
     return conv
 

@@ -2,14 +2,17 @@
 reads the dense layers', and the layer's capacity and token groups (framework-free, so moe.py and
 the lowering share them).
 
-Two meshes, the same ranks: the router works on the tokens as the residual stream holds them
-(split over dp and cp, and over tp too under sequence parallel, where Megatron-core and MindFormers
-route each rank's own sequence chunk; whole over tp otherwise); the dispatch on the token groups,
-one per dp*cp rank (token_groups), which the expert mesh (edp, ep, tp) regroups as edp x ep with ep
-innermost (ms_llm/strategy/mesh.py). Capacity, dispatch and combine are token-parallel over the
-groups ((edp*ep, ...), as MindFormers' TopkRouterV2 splits its (dp, ...) tensors), each group's
-tokens whole over tp. The experts run on (E, groups * C, H) with E over ep and the groups over edp,
-their weights as the plan lays them out (E over ep, the width over tp). Between the two layouts sit
+Two meshes, the same ranks (ms_llm/strategy/mesh.py): the dense (dp, cp, tp) and the experts'
+(edp, ep, etp), etp innermost, which folds them (Megatron-core's MoE parallel folding). The router
+works on the tokens as the residual stream holds them (split over dp and cp, and over tp too under
+sequence parallel, where Megatron-core and MindFormers route each rank's own sequence chunk; whole
+over tp otherwise), or, when etp < tp without sequence parallel, split like the token groups, as
+MindFormers' MoEV2 routes with expert_model_parallel 1 (its router's dp becomes dp*cp*mp). The
+dispatch works on the token groups, one per edp x ep position (token_groups: dp*cp of them when
+etp = tp). Capacity, dispatch and combine are token-parallel over the groups ((edp*ep, ...), as
+MindFormers' TopkRouterV2 splits its (dp, ...) tensors), each group's tokens whole over etp. The
+experts run on (E, groups * C, H) with E over ep and the groups over edp, their weights as the plan
+lays them out (E over ep, the width over etp), the SwiGLU hidden's width over etp. Between the two layouts sit
 the all-to-alls over ep of MindFormers' MoEV2 (with enable_alltoall): into transpose_in, whose input
 (groups, E, C, H) takes E over ep and the groups over edp, as MindFormers' transpose_5dim_ep2 takes
 its (dp_moe, ep, E, n, h) dispatch; and into transpose_out, whose input (E, groups, C, H) takes the
@@ -43,7 +46,8 @@ def expert_capacity(moe: MoEConfig, tokens: int) -> int:
 
 
 def token_groups(plan: ModelPlan) -> int:
-    """Capacity groups under semi_auto_parallel: one per data-parallel x context-parallel rank."""
+    """Capacity groups under semi_auto_parallel: one per edp x ep position of the expert mesh (one per
+    data-parallel x context-parallel rank when etp = tp, more when ep folds over tp too)."""
     em = plan.expert_mesh
     return em.axis_size("edp") * em.axis_size("ep")
 
@@ -92,19 +96,22 @@ def moe_ops(plan: ModelPlan, layer: str) -> list[OpShard]:
     m, a, params = plan.model, plan.activations, plan.params
     p = layer + "mlp."
     e, k, h, f = m.moe.num_experts, m.moe.top_k, m.hidden_size, m.expert_ffn_size
+    s = plan.strategy
     flat = flat_tokens(a["hidden"])                                      # (N, H): the residual stream's tokens
+    em = plan.expert_mesh.without("pp")
+    if s.etp < s.tp and not s.sequence_parallel:                         # routed where the token groups are
+        flat = TensorLayout.build(flat.shape, em, edp=0, ep=0)
     tok = partial(_tokens, flat)
     whole = TensorLayout.replicated((e,), plan.stage_mesh)         # per-expert load statistics, the expert bias
-    em = plan.expert_mesh.without("pp")
     g = token_groups(plan)
     n = flat.shape[0] // g                                               # tokens per group
     c = expert_capacity(m.moe, n)
 
-    def grouped(*shape: int) -> TensorLayout:                           # (G, ...): one group per dp*cp rank
+    def grouped(*shape: int) -> TensorLayout:                           # (G, ...): one group per edp x ep position
         return TensorLayout.build((g, *shape), em, edp=0, ep=0)
 
     rows = TensorLayout.build((e, g * c, h), em, ep=0, edp=1)           # expert rows: E over ep, groups over edp
-    hidden = TensorLayout.build((e, g * c, f), em, ep=0, edp=1, tp=2)   # expert SwiGLU hidden
+    hidden = TensorLayout.build((e, g * c, f), em, ep=0, edp=1, etp=2)  # expert SwiGLU hidden, its width over etp
     w = {proj: params[f"{p}experts.{proj}.weight"].layout for proj in ("gate_proj", "up_proj", "down_proj")}
     copies = grouped(n * k, e)
     ops = [op_shard(p + "gate.matmul", [flat, params[p + "gate.weight"].layout]),

@@ -14,6 +14,7 @@ rank holding lm_head and the MTP modules may set the pace.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -53,6 +54,7 @@ class MemoryBreakdown:
     zero3_gather: float
     host_offload: float          # bytes moved to host memory (not counted in total)
     in_flight_micro_batches: float
+    experts: float = 0.0         # of params + grads + optimizer, the routed experts' (after ep, etp, edp)
 
     @property
     def model_states(self) -> float:
@@ -211,9 +213,10 @@ def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]
     nd = plan.zero.group_size
     params, grads, optim = zero_model_state_bytes(psi, s.zero.stage, nd, _optimizer_bytes_per_param(plan),
                                                   pbytes, pbytes)
-    # Routed experts: split over ep already, replicated over edp; ZeRO shards only their optimizer
-    # states, over edp (ms_llm.strategy.plan._expert_zero).
-    edp = s.dp * s.cp // s.ep if s.zero.stage >= 1 else 1
+    # Routed experts: split over ep and etp already, replicated over edp; ZeRO shards only their
+    # optimizer states, over edp (ms_llm.strategy.plan._expert_zero).
+    edp = s.edp if s.zero.stage >= 1 else 1
+    experts = st.expert_params * (2 * pbytes + _optimizer_bytes_per_param(plan) / edp)
     params += st.expert_params * pbytes
     grads += st.expert_params * pbytes
     optim += st.expert_params * _optimizer_bytes_per_param(plan) / edp
@@ -244,7 +247,7 @@ def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]
         # fp32 logits for the loss plus their gradient, vocab-parallel over tp: the main head's and
         # each MTP module's.
         logits = 2 * 4 * tokens * m.vocab_size / s.tp * (1 + st.mtp_layers)
-    return MemoryBreakdown(stage, params, grads, optim, activations, logits, gather, host, in_flight)
+    return MemoryBreakdown(stage, params, grads, optim, activations, logits, gather, host, in_flight, experts)
 
 
 def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
@@ -297,12 +300,28 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
         if copy:
             vol["pp"] += copy * gbytes
             kind["pp"] += " + all-reduce of the MTP embedding copy's gradient"
-    if s.ep > 1 and m.moe is not None:
-        # Each token copy goes to its expert's rank and back, forward and again in backward.
-        moe_layers = max(plan.moe_layers_of(st) for st in plan.stages)
-        vol["ep"] = 4 * tokens * m.moe.top_k * m.hidden_size * act * (s.ep - 1) / s.ep * moe_layers * mb
-        kind["ep"] = "all-to-all dispatch/combine"
+    if m.moe is not None:
+        for axis, (nbytes, what) in expert_volume(plan, tokens, act).items():
+            vol[axis], kind[axis] = nbytes, what
     return CommVolume(vol, kind)
+
+
+def expert_volume(plan: CostShape, tokens: float, act: float) -> dict[str, tuple[float, str]]:
+    """Bytes a rank sends per step to run the routed experts of its MoE layers, by expert mesh axis,
+    as torch_backend.moe dispatches: each token copy goes to its expert's rank and back, forward and
+    again in backward. With etp = tp a rank sends all its copies (whole over tp) to the ep ranks at its
+    tp position; otherwise each tp rank sends a 1/tp share, and the etp ranks all-gather what they
+    received and reduce-scatter their partial outputs back (Megatron-core's folded dispatcher).
+    `tokens`: a rank's tokens per micro-batch."""
+    s, m = plan.strategy, plan.model
+    passes = max(plan.moe_layers_of(st) for st in plan.stages) * plan.micro_batches
+    copies = tokens * m.moe.top_k * m.hidden_size * act / (1 if s.etp == s.tp else s.tp)
+    out = {}
+    if s.ep > 1:
+        out["ep"] = 4 * copies * (s.ep - 1) / s.ep * passes, "all-to-all dispatch/combine"
+    if s.etp > 1 and s.etp != s.tp:
+        out["etp"] = 4 * copies * (s.etp - 1) * passes, "all-gather dispatched tokens + reduce-scatter outputs"
+    return out
 
 
 def _cp_volume(plan: CostShape, tokens: float, act: float, layer_passes: int) -> tuple[float, str]:
@@ -360,15 +379,23 @@ def cp_algorithms(model: ModelConfig, s: ParallelStrategy, train: TrainConfig) -
 def _group_bandwidth(plan: CostShape, axis: str, device: DeviceSpec) -> float:
     """Intra-node links if the whole group fits in one node, else the network."""
     s = plan.strategy
-    inner = {"tp": 1, "cp": s.tp, "dp_cp": s.tp, "ep": s.tp, "pp": s.tp * s.cp * s.dp}[axis]
-    span = inner * {"tp": s.tp, "cp": s.cp, "dp_cp": s.dp * s.cp, "ep": s.ep, "pp": 2}[axis]
+    inner = {"tp": 1, "cp": s.tp, "dp_cp": s.tp, "ep": s.etp, "etp": 1, "pp": s.tp * s.cp * s.dp}[axis]
+    span = inner * {"tp": s.tp, "cp": s.cp, "dp_cp": s.dp * s.cp, "ep": s.ep, "etp": s.etp, "pp": 2}[axis]
     return device.intra_node_bw if span <= device.devices_per_node else device.inter_node_bw
 
 
 def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """ModelConfig.flops_per_token plus each MTP module's own pass through lm_head (its logits),
     which that count leaves out."""
-    return m.flops_per_token(seq_len) + 6.0 * m.vocab_size * m.hidden_size * m.mtp_layers
+    return _work_per_token(m, seq_len)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _work_per_token(m: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """(model_flops_per_token, attention's share of ModelConfig.flops_per_token): a sum over the layers
+    that every strategy of a search shares, so it is counted once per model and sequence length."""
+    flops = m.flops_per_token(seq_len)
+    return flops + 6.0 * m.vocab_size * m.hidden_size * m.mtp_layers, 6.0 * m.num_layers * m.hidden_size * seq_len / flops
 
 
 def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec) -> StepEstimate:
@@ -377,10 +404,10 @@ def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec) -> StepEstim
     mem = memory(plan)
     comm = communication(plan)
     tokens_per_step = t.global_batch_size * t.seq_len
-    model_flops = model_flops_per_token(m, t.seq_len) * tokens_per_step
+    flops_per_token, attention_share = _work_per_token(m, t.seq_len)
+    model_flops = flops_per_token * tokens_per_step
     n_full = plan.recomputed_layers("full") / m.num_layers
     n_sel = plan.recomputed_layers("selective") / m.num_layers
-    attention_share = 6.0 * m.num_layers * m.hidden_size * t.seq_len / m.flops_per_token(t.seq_len)
     recompute_factor = 1 + n_full / 3 + n_sel * attention_share / 3
     # The pipeline runs at the pace of its busiest rank: the one with lm_head and the MTP modules
     # unless the layer split makes up for them (1 when pp = 1).

@@ -3,6 +3,13 @@
 Degrees use "1 means off". `dp = -1` means "the ranks left over" once tp, pp and cp are
 placed, resolved by `resolve(world_size)`. Rules that involve the model or the batch are
 checked in validate.py; this file only holds the values.
+
+Expert layers fold the same ranks differently (Megatron-core's MoE parallel folding): within
+a pipeline stage, attention splits the dp * cp * tp ranks as (dp, cp, tp) and the routed
+experts as (edp, ep, etp), ep * etp * edp = dp * cp * tp. `etp = -1` (the default) is tp, as
+Megatron's --expert-tensor-parallel-size defaults to tp: each expert's width is split like the
+dense MLP's and ep is carved out of dp * cp, which is what every strategy meant before etp
+existed. `etp: 1` keeps each expert whole, and ep may then take tensor-parallel ranks too.
 """
 from __future__ import annotations
 
@@ -115,8 +122,11 @@ class ParallelStrategy:
     tp: int = spec(1, "Tensor-parallel degree.", ge=1, le=MAX_WORLD_SIZE)
     pp: int = spec(1, "Pipeline-parallel degree.", ge=1, le=MAX_WORLD_SIZE)
     cp: int = spec(1, "Context-parallel degree (splits the sequence).", ge=1, le=MAX_WORLD_SIZE)
-    ep: int = spec(1, "Expert-parallel degree, carved out of dp * cp for expert layers.", ge=1,
-                   le=MAX_WORLD_SIZE)
+    ep: int = spec(1, "Expert-parallel degree: ranks the routed experts are split over, carved out of "
+                      "dp * cp * tp / etp for expert layers.", ge=1, le=MAX_WORLD_SIZE)
+    etp: int = spec(-1, "Expert-tensor-parallel degree: ranks each routed expert's width is split over "
+                        "(column / row like the dense MLP); -1 = tp (Megatron's default), 1 = whole experts.",
+                    ge=-1, le=MAX_WORLD_SIZE)
     sequence_parallel: bool = spec(False, "Shard norm/residual activations on the sequence over tp.")
     zero: ZeroSpec = field(default_factory=ZeroSpec)
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
@@ -129,6 +139,9 @@ class ParallelStrategy:
     def __post_init__(self) -> None:
         if self.dp == 0:
             raise StrategyError("strategy.dp: 0 ranks cannot hold a replica; use -1 (the leftover ranks) or >= 1")
+        if self.etp == 0:
+            raise StrategyError("strategy.etp: 0 ranks cannot hold an expert; use -1 (= tp), 1 (whole experts) "
+                                "or a degree >= 2")
         _check_world(max(self.dp, 1) * self.model_parallel_size, "strategy: dp*tp*pp*cp")
 
     @property
@@ -143,7 +156,7 @@ class ParallelStrategy:
         return self.dp * self.model_parallel_size
 
     def resolve(self, world_size: int | None = None) -> "ParallelStrategy":
-        """Fill dp = -1 and zero.shard_size = -1 from the world size; check the product."""
+        """Fill dp = -1 and zero.shard_size = -1 from the world size, etp = -1 from tp; check the product."""
         dp = self.dp
         if world_size is not None:
             _check_world(world_size, "the world size")
@@ -163,7 +176,7 @@ class ParallelStrategy:
         zero = self.zero
         if zero.shard_size == -1:
             zero = dataclasses.replace(zero, shard_size=dp)
-        return dataclasses.replace(self, dp=dp, zero=zero)
+        return dataclasses.replace(self, dp=dp, zero=zero, etp=self.expert_tp)
 
     @property
     def dp_shard(self) -> int:
@@ -173,6 +186,19 @@ class ParallelStrategy:
     @property
     def dp_replicate(self) -> int:
         return self.dp // self.dp_shard
+
+    @property
+    def expert_tp(self) -> int:
+        """etp with -1 read as tp: what a resolved strategy holds in etp."""
+        return self.tp if self.etp == -1 else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: ranks of a stage holding the same expert shard,
+        dp * cp * tp / (ep * etp). Needs dp resolved (and validated: ep * etp divides)."""
+        if self.dp < 0:
+            raise StrategyError("strategy.dp: -1 needs a world size to resolve; pass --world-size N")
+        return self.dp * self.cp * self.tp // (self.ep * self.expert_tp)
 
 
 def _check_world(size: int, what: str) -> None:

@@ -7,8 +7,11 @@ Rank order (outermost to innermost, row-major like torch's DeviceMesh):
 so tp neighbours are adjacent ranks (fastest links) and pipeline stages are the farthest
 apart. This is Megatron-LM's order "tp-cp-ep-dp-pp" (written innermost first) and
 torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp]; converters need no rank remap.
-Expert layers use the same ranks regrouped: dp_replicate * dp_shard * cp is split into
-(edp, ep) with ep innermost, as Megatron and MindFormers (dp' = dp*cp/ep) do.
+Expert layers use the same ranks regrouped (Megatron-core's MoE parallel folding): each
+stage's dp * cp * tp ranks, in order, read as (edp, ep, etp) with etp innermost, Megatron's
+expert rank order "tp-ep-dp-pp" (expert_mesh). With etp = tp this is dp * cp split into
+(edp, ep) beside tp, as MindFormers' MoE (dp' = dp*cp/ep) does; with etp = 1, ep may take
+tensor-parallel ranks too, as MindFormers 2.x's grouped-GEMM experts ((dp*tp/ep, ep)) do.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from dataclasses import dataclass
 from ms_llm.errors import StrategyError
 
 DENSE_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_AXES: tuple[str, ...] = ("pp", "edp", "ep", "tp")
+# Expert layers: expert data parallel (ranks holding the same expert shard), expert parallel
+# (ranks splitting the experts), expert tensor parallel (ranks splitting each expert's width).
+EXPERT_AXES: tuple[str, ...] = ("pp", "edp", "ep", "etp")
 # Flattened axes: a name for every group a backend needs (the data-parallel gradient
 # reduction spans dp and cp because cp ranks hold the same parameters).
 DERIVED_AXES: dict[str, tuple[str, ...]] = {
@@ -78,6 +83,23 @@ def rank_groups(shape: tuple[int, ...], vary: tuple[int, ...]) -> list[list[int]
             group.append(coords_to_rank(tuple(coords), shape))
         groups.append(group)
     return groups
+
+
+def expert_mesh(pp: int, stage_size: int, ep: int, etp: int) -> "MeshSpec":
+    """The expert layers' mesh: the same ranks as the dense mesh, each stage's `stage_size` =
+    dp * cp * tp ranks read in order as (edp, ep, etp), etp innermost.
+
+    Worked example, one stage of 8 ranks as dense (dp, tp) = (2, 4), experts ep4 x etp2 (edp 1):
+      dense tp groups   [0,1,2,3] [4,5,6,7]      dense dp groups  [0,4] [1,5] [2,6] [3,7]
+      etp groups        [0,1] [2,3] [4,5] [6,7]  ep groups        [0,2,4,6] [1,3,5,7]
+    each expert's width is split over tp neighbours, and the experts over both dp replicas.
+    >>> m = expert_mesh(1, 8, 4, 2)
+    >>> m.groups("etp"), m.groups("ep")
+    ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
+    """
+    if stage_size % (ep * etp):
+        raise StrategyError(f"mesh: ep*etp = {ep}*{etp} does not divide the {stage_size} ranks of a stage")
+    return MeshSpec(EXPERT_AXES, (pp, stage_size // (ep * etp), ep, etp))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Both backends read this object and derive nothing themselves. Layout rules follow
 Megatron / MindFormers practice: column-parallel q/k/v and gate/up (weight rows split),
 row-parallel o and down (weight columns split), vocab-parallel embedding and lm_head,
-sequence-parallel norms, the sequence split over cp, experts split over ep.
+sequence-parallel norms, the sequence split over cp, the routed experts split over ep on the
+expert dim and over etp on their width (column / row like the dense MLP), on the expert mesh
+(edp, ep, etp) that folds the same ranks (ms_llm/strategy/mesh.py).
 Multi-latent attention as Megatron-core's MLASelfAttention: the up-projections q_b_proj /
 kv_b_proj (q_proj without the low-rank path) column-parallel, whole heads per tp rank;
 o_proj row-parallel; the down-projections to the latents (q_a_proj, kv_a_proj_with_mqa) and
@@ -20,7 +22,7 @@ from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.layout import Partial, Replicate, Shard, TensorLayout
-from ms_llm.strategy.mesh import DENSE_AXES, EXPERT_AXES, MeshSpec
+from ms_llm.strategy.mesh import DENSE_AXES, MeshSpec, expert_mesh as fold_experts
 from ms_llm.strategy.validate import validate
 
 # bias: shards with its column-parallel weight's outputs; head_norm: q/k RMSNorm over one head's
@@ -119,7 +121,7 @@ class ModelPlan:
     train: TrainConfig
     world_size: int
     mesh: MeshSpec                 # pp x dp_replicate x dp_shard x cp x tp
-    expert_mesh: Optional[MeshSpec]
+    expert_mesh: Optional[MeshSpec]  # pp x edp x ep x etp, the same ranks (MoE only)
     params: dict[str, ParamPlan]
     activations: dict[str, TensorLayout]
     chunks: tuple[ChunkPlan, ...]
@@ -218,10 +220,10 @@ def zero_partition(s: ParallelStrategy, mesh: MeshSpec) -> ZeroPartition:
 
 def _expert_zero(s: ParallelStrategy, zero: ZeroPartition) -> ZeroPartition:
     """The routed experts' ZeRO: with zero.stage >= 1 their optimizer states are sharded over edp
-    (the ranks holding the same experts), ZeRO-1 style whatever the stage: their weights and
+    (the ranks holding the same expert shard), ZeRO-1 style whatever the stage: their weights and
     gradients stay whole on each edp rank (the backend's expert path updates them beside the
     shared partition). `s` must be resolved."""
-    edp = s.dp * s.cp // s.ep
+    edp = s.edp
     stage = 1 if zero.stage >= 1 and edp > 1 else 0
     return ZeroPartition(stage=stage, axes=("edp",) if stage else (), group_size=edp if stage else 1,
                          replicate_size=1, shard_optimizer=bool(stage), shard_grads=False, shard_params=False)
@@ -307,9 +309,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     world = s.world_size()
     mesh = MeshSpec(DENSE_AXES, (s.pp, s.dp_replicate, s.dp_shard, s.cp, s.tp))
     stage_mesh = mesh.without("pp")
-    expert_mesh = None
-    if model.moe is not None:
-        expert_mesh = MeshSpec(EXPERT_AXES, (s.pp, s.dp * s.cp // s.ep, s.ep, s.tp))
+    expert_mesh = fold_experts(s.pp, s.dp * s.cp * s.tp, s.ep, s.etp) if model.moe is not None else None
 
     zero = zero_partition(s, mesh)
     expert_zero = _expert_zero(s, zero)
@@ -322,12 +322,8 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     buffers: dict[str, BufferPlan] = {}
 
     def add(name, shape, kind, layer, chunk, tp_dim=None, ep_dim=None):
-        if ep_dim is not None:
-            lay_mesh = expert_mesh.without("pp")
-            shards = {"ep": ep_dim}
-            if tp_dim is not None:
-                shards["tp"] = tp_dim
-            layout = TensorLayout.build(shape, lay_mesh, **shards)
+        if ep_dim is not None:         # a routed expert: E over ep, its width (tp_dim) over etp
+            layout = TensorLayout.build(shape, expert_mesh.without("pp"), ep=ep_dim, etp=tp_dim)
             zl, stage = zero_layout(layout, expert_zero), expert_zero.stage
         else:
             layout = TensorLayout.build(shape, stage_mesh, **({"tp": tp_dim} if tp_dim is not None else {}))

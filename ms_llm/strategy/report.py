@@ -64,6 +64,8 @@ def strategy_summary(plan: ModelPlan) -> str:
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(s, name) > 1:
             parts.append(f"{name}{getattr(s, name)}")
+    if plan.model.moe is not None and s.etp != s.tp:          # etp = tp goes without saying (the default)
+        parts.append(f"etp{s.etp}")
     if s.pp > 1:
         parts.append(f"{s.pipeline.schedule} x{s.pipeline.virtual_stages} chunks")
     if s.sequence_parallel:
@@ -109,6 +111,16 @@ def plan_report(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> str:
             groups.append(f"{axis}: {counted(len(g), 'group')} of {len(g[0])}, rank 0 in {g[0]}")
     if groups:
         L.append("groups     " + "; ".join(groups))
+    if plan.expert_mesh is not None:
+        em = plan.expert_mesh
+        L.append(f"experts    {em.describe()}  (the same ranks folded, etp fastest)")
+        groups = []
+        for axis in ("etp", "ep", "edp"):        # the expert process groups, by name
+            if em.axis_size(axis) > 1:
+                g = em.groups(axis)
+                groups.append(f"{axis}: {counted(len(g), 'group')} of {len(g[0])}, rank 0 in {g[0]}")
+        if groups:
+            L.append("           " + "; ".join(groups))
     L.append(f"batch      global {t.global_batch_size} = micro {t.micro_batch_size} x dp {s.dp} x "
              f"{counted(plan.micro_batches, 'micro-batch', 'micro-batches')}; seq {t.seq_len}; {est.tokens_per_step:,} tokens/step")
     L.append("")
@@ -117,6 +129,8 @@ def plan_report(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> str:
     for name, value in mem.components().items():
         if value:
             L.append(f"  {name:<22}{value / GB:>10.2f} GB")
+    if mem.experts:
+        L.append(f"  {'(of which experts)':<22}{mem.experts / GB:>10.2f} GB")
     if mem.host_offload:
         L.append(f"  {'(host offload)':<22}{mem.host_offload / GB:>10.2f} GB")
     verdict = "fits" if est.fits else "DOES NOT FIT"
@@ -148,8 +162,11 @@ def plan_json(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> dict:
         "world_size": plan.world_size,
         "device": device.name,
         "mesh": {"names": list(plan.mesh.names), "shape": list(plan.mesh.shape)},
+        "expert_mesh": ({"names": list(plan.expert_mesh.names), "shape": list(plan.expert_mesh.shape)}
+                        if plan.expert_mesh is not None else None),
         "micro_batches": plan.micro_batches,
         "memory_bytes": {**mem.components(), "total": mem.total, "host_offload": mem.host_offload,
+                         "experts": mem.experts,
                          "stage": mem.stage, "device_capacity": device.memory_bytes, "fits": est.fits},
         "communication_bytes": est.comm.bytes_by_axis,
         "time_s": {"compute": est.compute_s, "bubble": est.bubble_s, "exposed_comm": est.exposed_comm_s,

@@ -4,8 +4,9 @@ the space of LLaMA strategies on one cluster is small enough to price every poin
 For a model, a global batch, a world size and a device, `search` enumerates data parallel x
 ZeRO stage x tensor parallel (with and without sequence parallel) x pipeline parallel (1F1B, or
 interleaved with v virtual stages) x micro-batch size (hence micro-batches) x context parallel x
-recompute, keeps what validate() accepts and what fits in device memory, and ranks it by the
-cost model's step time. Two prunings keep it fast and lose nothing the ranking would show:
+recompute, and for MoE models expert parallel x expert tensor parallel (etp = tp, experts split
+like the dense MLP, or 1, whole experts with ep folded over tp too), keeps what validate()
+accepts and what fits in device memory, and ranks it by the cost model's step time. Two prunings keep it fast and lose nothing the ranking would show:
 
 - recompute is tried none -> selective -> full and the first that fits is kept: recomputing more
   only adds compute (and, for full, tensor-parallel traffic), so it is never faster;
@@ -39,7 +40,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
     max_virtual_stages: int = 8
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
-    max_ep: int = 64                          # MoE: expert-parallel degrees tried (dividing dp*cp and the experts)
+    max_ep: int = 64                          # MoE: expert-parallel degrees tried (dividing dp*cp*tp/etp and the experts)
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,8 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
         for cp in (d for d in _divisors(world_size // tp) if d <= space.max_cp):
             for pp in (d for d in _divisors(world_size // (tp * cp)) if d <= model.num_layers):
                 dp = world_size // (tp * cp * pp)
-                for ep, mbs in itertools.product(_expert_degrees(model, dp * cp, base.ep, space),
-                                                 space.micro_batch_sizes):
+                for (ep, etp), mbs in itertools.product(_expert_degrees(model, dp, cp, tp, base, space),
+                                                        space.micro_batch_sizes):
                     if train.global_batch_size % (mbs * dp):
                         continue
                     t = dataclasses.replace(train, micro_batch_size=mbs)
@@ -127,7 +128,7 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for zero in zeros.values():
                                 enumerated += 1
-                                s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp,
+                                s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp,
                                                      zero=zero, pipeline=pipe, recompute=policies[0],
                                                      precision=base.precision, offload=base.offload)
                                 try:
@@ -153,12 +154,19 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
     return SearchResult(tuple(found), enumerated, priced, invalid, too_big, time.perf_counter() - start)
 
 
-def _expert_degrees(model: ModelConfig, dp_cp: int, base: int, space: SearchSpace) -> list[int]:
-    """ep values to try: the base's for a dense model, else every divisor of dp*cp that divides
-    the expert count (ep = 1 included: no all-to-all, all experts on every rank)."""
+def _expert_degrees(model: ModelConfig, dp: int, cp: int, tp: int, base: ParallelStrategy,
+                    space: SearchSpace) -> list[tuple[int, int]]:
+    """(ep, etp) pairs to try: the base's ep for a dense model (etp following tp); else etp = tp (each
+    expert's width split like the dense MLP) or 1 (whole experts), where it divides the expert width,
+    with every ep dividing dp*cp*tp/etp and the expert count (ep = 1 included: no all-to-all)."""
     if model.moe is None:
-        return [base]
-    return [e for e in _divisors(dp_cp) if e <= space.max_ep and model.moe.num_experts % e == 0]
+        return [(base.ep, -1)]
+    out = []
+    for etp in dict.fromkeys((tp, 1)):
+        if model.expert_ffn_size % etp == 0:
+            out += [(e, etp) for e in _divisors(dp * cp * tp // etp)
+                    if e <= space.max_ep and model.moe.num_experts % e == 0]
+    return out
 
 
 def describe(s: ParallelStrategy) -> dict[str, object]:
@@ -166,5 +174,5 @@ def describe(s: ParallelStrategy) -> dict[str, object]:
     return {"dp": s.dp, "zero": s.zero.stage, "tp": s.tp, "sp": "y" if s.sequence_parallel else "-",
             "pp": s.pp, "vpp": s.pipeline.virtual_stages, "mb": s.pipeline.micro_batches,
             "cp": s.cp if s.cp == 1 else f"{s.cp} {s.context_parallel.algorithm}",
-            "ep": s.ep, "recompute": s.recompute.policy}
+            "ep": s.ep, "etp": s.etp, "recompute": s.recompute.policy}
 

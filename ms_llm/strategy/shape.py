@@ -8,6 +8,7 @@ the embedding when that is not the first rank.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ class StageShape:
     has_head: bool
     params: int                                   # parameters on one device (after tp / ep, before ZeRO)
     moe_layers: int = 0                           # of `layers`, those with routed experts
-    expert_params: int = 0                        # of `params`, routed experts: replicated over edp
+    expert_params: int = 0                        # of `params`, routed experts (after ep, etp): replicated over edp
     mtp_layers: int = 0                           # MTP modules (beside the head), each a decoder layer
 
 
@@ -99,14 +100,14 @@ def local_attention_params(m: ModelConfig, tp: int) -> int:
 
 def local_layer_params(m: ModelConfig, s: ParallelStrategy, moe: bool) -> tuple[int, int]:
     """(parameters, of which routed experts) of one decoder layer on one device: tp splits the
-    attention (local_attention_params), the MLP, the shared experts and each expert's width, ep
-    splits the experts, norms and the router are replicated."""
+    attention (local_attention_params), the MLP and the shared experts, ep splits the routed
+    experts and etp each one's width, norms and the router are replicated."""
     h, f, tp = m.hidden_size, m.ffn_hidden_size, s.tp
     attn = local_attention_params(m, tp)
     if not moe:
         return attn + 3 * (f // tp) * h + 2 * h, 0
     fe = m.expert_ffn_size
-    experts = 3 * (m.moe.num_experts // s.ep) * (fe // tp) * h
+    experts = 3 * (m.moe.num_experts // s.ep) * (fe // s.etp) * h
     shared = 3 * (m.moe.shared_experts * fe // tp) * h
     return attn + experts + shared + m.moe.num_experts * h + 2 * h, experts
 
@@ -129,7 +130,7 @@ _STRUCTURE_CACHE: dict[tuple, tuple[tuple[int, tuple, bool, bool, int, bool], ..
 
 
 def _stage_structure(model: ModelConfig, s: ParallelStrategy) -> tuple[tuple[int, tuple, bool, bool, int, bool], ...]:
-    key = (model.num_layers, model.moe_layers, model.mtp_layers, s.pp, s.pipeline.virtual_stages,
+    key = (model.num_layers, model.moe, model.mtp_layers, s.pp, s.pipeline.virtual_stages,
            s.pipeline.schedule, s.pipeline.layer_split, s.recompute.policy, s.recompute.num_layers)
     hit = _STRUCTURE_CACHE.get(key)
     if hit is None:
@@ -168,6 +169,19 @@ def shape_of(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig)
                      ZeroGroups(group, s.dp_replicate), tuple(stages))
 
 
+@functools.lru_cache(maxsize=64)
+def _work_of_layers(m: ModelConfig, seq: int) -> tuple[float, float, float, float]:
+    """Training FLOPs per token of a dense layer, an MoE layer, lm_head and all MTP modules: the same for
+    every strategy a search prices, so counted once per model and sequence length."""
+    attention = 3.0 * (m.q_dim + m.attn_out_dim) * seq
+    dense = 6.0 * active_layer_params(m, next((i for i in range(m.num_layers) if not m.is_moe_layer(i)), 0)) + attention
+    moe = 6.0 * active_layer_params(m, m.moe_layers[0]) + attention if m.moe_layers else 0.0
+    logits = 6.0 * m.vocab_size * m.hidden_size
+    mtp = sum(6.0 * (3 * m.hidden_size + 2 * m.hidden_size ** 2 + active_layer_params(m, m.num_layers + d))
+              + attention + logits for d in range(m.mtp_layers))
+    return dense, moe, logits, mtp
+
+
 def active_layer_params(m: ModelConfig, layer: int) -> int:
     """Parameters one token passes through in decoder layer `layer` (num_layers + d: MTP module d's):
     top_k of the routed experts."""
@@ -182,13 +196,7 @@ def stage_flops_per_token(shape: CostShape) -> tuple[float, ...]:
     active parameters of its layers plus their causal attention, lm_head's logits on the head's rank
     and, there too, every MTP module: its eh_proj, decoder layer and another pass through lm_head.
     The embedding is a lookup. The ranks' sum is the model's work; the largest sets the pace."""
-    m, seq = shape.model, shape.train.seq_len
-    attention = 3.0 * (m.q_dim + m.attn_out_dim) * seq
-    dense = 6.0 * active_layer_params(m, next((i for i in range(m.num_layers) if not m.is_moe_layer(i)), 0)) + attention
-    moe = 6.0 * active_layer_params(m, m.moe_layers[0]) + attention if m.moe_layers else 0.0
-    logits = 6.0 * m.vocab_size * m.hidden_size
-    mtp = sum(6.0 * (3 * m.hidden_size + 2 * m.hidden_size ** 2 + active_layer_params(m, m.num_layers + d))
-              + attention + logits for d in range(m.mtp_layers))
+    dense, moe, logits, mtp = _work_of_layers(shape.model, shape.train.seq_len)
     return tuple((st.layers - st.moe_layers) * dense + st.moe_layers * moe
                  + logits * st.has_head + (mtp if st.mtp_layers else 0.0)
                  for st in shape.stages)

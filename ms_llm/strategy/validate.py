@@ -53,12 +53,32 @@ def _context_parallel(problems: list[str], model: ModelConfig, s: ParallelStrate
                         f"model.num_heads = {model.num_heads} divisible by cp (heads by tp*cp); change seq_len or cp")
 
 
+def _experts(problems: list[str], model: ModelConfig, s: ParallelStrategy) -> None:
+    """Expert parallel folding (Megatron-core's): a stage's dp*cp*tp ranks read as (edp, ep, etp), so
+    ep*etp must divide them; ep splits the experts, etp each expert's width."""
+    ep, etp, ranks = s.ep, s.etp, s.dp * s.cp * s.tp
+    if model.moe is None:
+        if ep > 1:
+            problems.append(f"strategy.ep: {ep} but the model is dense (no model.moe); use ep = 1")
+        if etp != s.tp:
+            problems.append(f"strategy.etp: {etp} but the model is dense (no model.moe); leave etp unset (-1)")
+        return
+    _divides(problems, "strategy.ep", model.moe.num_experts, "model.moe.num_experts", ep,
+             "choose ep dividing the expert count")
+    _divides(problems, "strategy.etp", model.expert_ffn_size, "the expert width (model.moe.expert_ffn_hidden_size)",
+             etp, "choose etp dividing the expert MLP width (etp = -1 is tp, 1 keeps experts whole)")
+    if ranks % (ep * etp):
+        problems.append(f"strategy.ep: ep*etp = {ep}*{etp} = {ep * etp} must divide dp*cp*tp = {s.dp}*{s.cp}*{s.tp} "
+                        f"= {ranks} (the experts fold over a stage's ranks as edp x ep x etp); change ep, or "
+                        f"etp (-1 = tp, 1 = whole experts)")
+
+
 def validate(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig,
              world_size: int | None = None) -> ParallelStrategy:
     """Return the resolved strategy, or raise StrategyError naming every broken rule."""
     s = resolve(strategy, train, world_size)
     problems: list[str] = []
-    tp, pp, cp, ep, dp = s.tp, s.pp, s.cp, s.ep, s.dp
+    tp, pp, cp, dp = s.tp, s.pp, s.cp, s.dp
     pipe, zero, prec = s.pipeline, s.zero, s.precision
     vpp = pipe.virtual_stages
 
@@ -149,17 +169,7 @@ def validate(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig,
     if zero.shard_size > dp:
         problems.append(f"strategy.zero.shard_size: {zero.shard_size} exceeds dp = {dp}")
 
-    # Experts.
-    if model.moe is None and ep > 1:
-        problems.append(f"strategy.ep: {ep} but the model is dense (no model.moe); use ep = 1")
-    if model.moe is not None:
-        _divides(problems, "strategy.ep", model.moe.num_experts, "model.moe.num_experts", ep,
-                 "choose ep dividing the expert count")
-        _divides(problems, "strategy.tp", model.expert_ffn_size, "the expert width (model.moe.expert_ffn_hidden_size)",
-                 tp, "choose tp dividing the expert MLP width")
-    if ep > 1 and (dp * cp) % ep:
-        problems.append(f"strategy.ep: {ep} must divide dp*cp = {dp * cp} (expert ranks are carved out of the "
-                        "data/context-parallel group)")
+    _experts(problems, model, s)
 
     # Recompute.
     if s.recompute.num_layers != -1 and s.recompute.policy == "none":

@@ -21,6 +21,9 @@ PAIRS = {
     # expert moments sharded over edp (ZeRO-1 over the ranks holding the same experts) and back
     "ep2_edp2_zero1-to-ep4": (({"dp": 4, "ep": 2, "zero": {"stage": 1}}, 4), ({"dp": 4, "ep": 4}, 4)),
     "ep4-to-ep2_edp2_zero3": (({"dp": 4, "ep": 4}, 4), ({"dp": 4, "ep": 2, "zero": {"stage": 3}}, 4)),
+    # expert parallel folding: ep over dp x tp with whole experts, to the width split over etp carved from dp
+    "ep4_etp1_dp2_tp2_zero1-to-ep2_etp2": (({"dp": 2, "tp": 2, "ep": 4, "etp": 1, "zero": {"stage": 1}}, 4),
+                                          ({"dp": 4, "ep": 2, "etp": 2}, 4)),
 }
 
 
@@ -36,7 +39,7 @@ def save(root, ref, strategy, world):
 def test_expert_weights_are_named_split_over_ep():
     plan = plan_for({"dp": 4, "ep": 2, "tp": 2}, 8, MOE)
     w = plan.params["model.layers.1.mlp.experts.down_proj.weight"]
-    assert w.layout.axes_of(0) == ("ep",) and w.layout.axes_of(2) == ("tp",)
+    assert w.layout.axes_of(0) == ("ep",) and w.layout.axes_of(2) == ("etp",)     # etp = tp by default
     assert w.layout.local_shape() == (2, 32, 8)
     assert "model.layers.0.mlp.gate_proj.weight" in plan.params         # the leading dense layer
     assert plan.params["model.layers.1.mlp.shared_experts.up_proj.weight"].shape == (16, 32)

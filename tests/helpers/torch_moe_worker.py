@@ -5,7 +5,7 @@
 Like tests/helpers/torch_matrix_worker.py, on tiny_moe (dropless router, so the result does not depend
 on how tokens are split; z-loss on, the load-balancing loss off, since it is not additive over
 ranks): each case writes its losses and its parameters after the last step, experts gathered
-from their ep and tp slices to full tensors.
+from their ep and etp slices to full tensors.
 """
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ CASES: dict[str, tuple[int, dict]] = {
     "ep2_dp2_zero3": (4, {"dp": 4, "ep": 2, "zero": {"stage": 3}}),
     "ep2_tp2": (4, {"dp": 2, "ep": 2, "tp": 2}),
     "ep2_pp2": (4, {"dp": 2, "ep": 2, "pp": 2, "pipeline": {"schedule": "1f1b"}}),
+    # expert parallel folding: etp carved out of dp; ep folded over dp x tp with whole experts
+    "ep2_etp2_zero1": (4, {"dp": 4, "ep": 2, "etp": 2, "zero": {"stage": 1}}),
+    "ep2_etp2_zero3": (4, {"dp": 4, "ep": 2, "etp": 2, "zero": {"stage": 3}}),
+    "ep4_dp2_tp2_zero1": (4, {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "zero": {"stage": 1}}),
+    "ep4_dp2_tp2_zero3": (4, {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "zero": {"stage": 3}}),
+    "ep2_dp2_tp2_etp1_zero1": (4, {"dp": 2, "tp": 2, "ep": 2, "etp": 1, "zero": {"stage": 1}}),   # edp 2: over dp
 }
 
 
@@ -57,14 +63,14 @@ def job_for(case: str):
 
 
 def full_params(parts, plan, meshes) -> dict[str, torch.Tensor]:
-    """Full tensors of this rank's parameters; experts all-gathered over ep (dim 0) and tp."""
+    """Full tensors of this rank's parameters; experts all-gathered over ep (dim 0) and etp (their width)."""
     out = {}
     for part in parts:
         for name, p in part.named_parameters():
             name = canonical_name(name)
             t = full(p)
             if plan.params[name].kind.startswith("expert"):
-                for axis in ("ep", "tp"):
+                for axis in ("ep", "etp"):
                     dim = plan.params[name].layout.placements[plan.params[name].layout.mesh.names.index(axis)]
                     if getattr(plan.strategy, axis) > 1:
                         pieces = [torch.empty_like(t) for _ in range(getattr(plan.strategy, axis))]
@@ -102,7 +108,8 @@ def run_case(case: str, tokens, out: Path) -> None:
     if dp_rank == 0 and meshes.coord("tp") == 0:
         save_file(tensors, out / f"{case}-rank{rank}.safetensors")
     if rank == 0:
-        (out / f"{case}.json").write_text(json.dumps({"losses": losses, "expert_state": expert_state(lowered.dp)}))
+        (out / f"{case}.json").write_text(json.dumps({"losses": losses, "expert_state": expert_state(lowered.dp),
+                                                      "edp": plan.strategy.edp}))
     dist.barrier()
 
 

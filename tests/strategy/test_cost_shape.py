@@ -43,7 +43,10 @@ def _model(name):
     ("moe", {"ep": 4, "tp": 2, "zero": {"stage": 1}}, {"global_batch_size": 16, "seq_len": 128}, 8),
     ("deepseek_moe_16b", {"ep": 8, "pp": 4, "zero": {"stage": 3}}, {"global_batch_size": 64, "seq_len": 4096}, 32),
     ("mixtral_8x7b", {"ep": 4, "tp": 2, "pp": 2, "zero": {"stage": 1}}, {"global_batch_size": 64, "seq_len": 4096},
-     16)])
+     16),
+    ("mixtral_8x7b", {"ep": 8, "etp": 1, "tp": 4, "pp": 2, "zero": {"stage": 1}},            # ep folded over tp
+     {"global_batch_size": 64, "seq_len": 4096}, 16),
+    ("moe", {"ep": 2, "etp": 2, "zero": {"stage": 3}}, {"global_batch_size": 16, "seq_len": 128}, 8)])
 def test_shape_of_equals_the_plan(name, strategy, train, world):
     model = _model(name)
     s = from_dict(ParallelStrategy, strategy, "strategy")

@@ -114,3 +114,8 @@ def test_moe_search_varies_expert_parallel():
     assert eps <= {1, 2, 4, 8} and max(eps) > 1
     best = result.ranked[0]
     plan(model, best.strategy, best.train, 64)
+    # expert tensor parallel is searched too: tp (the width split like the dense MLP) or 1 (whole experts,
+    # ep folded over tp as well), each candidate's experts folding over its stage's ranks
+    folds = {(c.strategy.tp, c.strategy.etp) for c in result.ranked}
+    assert {(8, 8), (8, 1), (1, 1)} <= folds and all(etp in (1, tp) for tp, etp in folds)
+    assert any(c.strategy.ep > c.strategy.dp * c.strategy.cp for c in result.ranked)

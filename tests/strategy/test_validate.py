@@ -48,7 +48,14 @@ CATALOGUE = [
     ("zero-shard-too-big", {"dp": 2, "zero": {"stage": 3, "shard_size": 4}}, {}, {}, 2, r"zero\.shard_size: 4 exceeds dp = 2"),
     ("ep-dense", {"ep": 2, "dp": 2}, {}, {}, 2, r"strategy\.ep: 2 but the model is dense"),
     ("ep-experts", {"ep": 4, "dp": 4}, {"moe": {"num_experts": 6}}, {}, 4, r"model\.moe\.num_experts = 6 is not divisible by 4"),
-    ("ep-dp-cp", {"ep": 4, "dp": 2}, {"moe": {"num_experts": 8}}, {}, 2, r"strategy\.ep: 4 must divide dp\*cp = 2"),
+    ("ep-fold", {"ep": 4, "dp": 2}, {"moe": {"num_experts": 8}}, {}, 2,
+     r"strategy\.ep: ep\*etp = 4\*1 = 4 must divide dp\*cp\*tp = 2\*1\*1 = 2"),
+    ("etp-defaults-to-tp", {"ep": 4, "dp": 2, "tp": 2}, {"moe": {"num_experts": 8}}, {}, 4,
+     r"strategy\.ep: ep\*etp = 4\*2 = 8 must divide dp\*cp\*tp = 2\*1\*2 = 4 .* etp \(-1 = tp, 1 = whole experts\)"),
+    ("etp-width", {"dp": 2, "etp": 2}, {"moe": {"num_experts": 8, "expert_ffn_hidden_size": 33}}, {}, 2,
+     r"strategy\.etp: the expert width \(model\.moe\.expert_ffn_hidden_size\) = 33 is not divisible by 2"),
+    ("etp-dense", {"dp": 2, "etp": 2}, {}, {}, 2, r"strategy\.etp: 2 but the model is dense"),
+    ("etp-zero", {"dp": 2, "etp": 0}, {}, {}, 2, r"strategy\.etp: 0 ranks cannot hold an expert"),
     ("recompute-layers-without-policy", {"dp": 1, "recompute": {"num_layers": 2}}, {}, {}, 1, r"recompute\.num_layers: set but policy is 'none'"),
     ("recompute-too-many-layers", {"pp": 2, "dp": 1, "recompute": {"policy": "full", "num_layers": 6}}, {}, {}, 2, r"recompute\.num_layers: 6 exceeds the 4 layers of a stage"),
     ("fp16-needs-scaling", {"dp": 1, "precision": {"param_dtype": "float16", "compute_dtype": "float16"}}, {}, {}, 1, r"precision\.loss_scale: fp16 needs loss scaling"),
@@ -81,6 +88,31 @@ def test_all_problems_are_reported_together():
     with pytest.raises(StrategyError) as info:
         validate(m, s, TrainConfig(**TRAIN), 4)
     assert len(info.value.problems) >= 3 and "problems:" in str(info.value)
+
+
+def test_every_broken_expert_rule_is_listed():
+    """ep not dividing the experts, etp not dividing their width and ep*etp not dividing the stage's
+    ranks: three problems, each naming its field."""
+    m = from_dict(ModelConfig, {**MODEL, "moe": {"num_experts": 6, "expert_ffn_hidden_size": 30}}, "model")
+    with pytest.raises(StrategyError) as info:
+        validate(m, ParallelStrategy(dp=4, ep=4, etp=4), TrainConfig(**TRAIN), 4)
+    assert [p.split(":")[0] for p in info.value.problems] == ["strategy.ep", "strategy.etp", "strategy.ep"]
+
+
+@pytest.mark.parametrize("strategy, world, edp", [
+    ({"dp": 4, "ep": 2}, 4, 2),                          # ep over dp, etp = tp = 1
+    ({"dp": 2, "tp": 2, "ep": 2}, 4, 1),                 # etp = tp = 2: as before etp existed
+    ({"dp": 2, "tp": 2, "ep": 4, "etp": 1}, 4, 1),       # ep folded over dp x tp, whole experts
+    ({"dp": 4, "ep": 2, "etp": 2}, 4, 1),                # etp carved out of dp
+    ({"dp": 4, "tp": 8, "ep": 32, "etp": 1}, 32, 1),     # MindFormers' DeepSeek-V3: ep 32 over dp4 x mp8
+    ({"dp": 2, "cp": 2, "tp": 2, "ep": 2, "etp": 1}, 8, 4),
+])
+def test_expert_folding_is_valid(strategy, world, edp):
+    m = from_dict(ModelConfig, {**MODEL, "num_kv_heads": 8, "moe": {"num_experts": 32, "expert_ffn_hidden_size": 64}},
+                  "model")
+    s = validate(m, from_dict(ParallelStrategy, strategy, "strategy"), TrainConfig(**{**TRAIN, "global_batch_size": 32}),
+                 world)
+    assert s.etp == strategy.get("etp", s.tp) and s.edp == edp and s.edp * s.ep * s.etp == s.dp * s.cp * s.tp
 
 
 def test_valid_strategies_resolve_derived_values():

@@ -1,12 +1,14 @@
 """Expert parallelism: each MoE layer keeps its share of the routed experts and learns its groups.
 
-The plan splits the stacked expert weights (E, F, H) over ep on dim 0 and, under tensor
-parallelism, the expert width over tp (ms_llm.strategy.plan, kinds expert_column / expert_row).
-Here, on the meta device before materialization, each expert weight is replaced by one of
-its local shape (materialize then fills it with the plan's slice of the full tensor), and the
-MoE module is given the `ep` group its tokens are exchanged over and the `tp` group its
-partial outputs are summed over. Experts are plain tensors, not DTensors: the MoE layer does
-its own communication (all-to-all dispatch, tp all-reduce) around per-expert matmuls.
+The plan splits the stacked expert weights (E, F, H) over ep on dim 0 and their width over etp,
+on the expert mesh (edp, ep, etp) that folds the same ranks as the dense (dp, cp, tp)
+(ms_llm.strategy.plan, kinds expert_column / expert_row). Here, on the meta device before
+materialization, each expert weight is replaced by one of its local shape (materialize then
+fills it with the plan's slice of the full tensor), and the MoE module is given its groups by
+name: `ep` (its rows are exchanged over it), the dense `tp` (its rows are whole over it) and,
+when etp is not tp, `etp` (the ranks holding the other slices of its experts' width). Experts are
+plain tensors, not DTensors: the MoE layer does its own communication (torch_backend.moe_dispatch)
+around its grouped matmuls.
 """
 from __future__ import annotations
 
@@ -33,15 +35,19 @@ def apply_ep(part: nn.Module, plan: ModelPlan, meshes: Meshes) -> None:
             layout = plan.params[f"{name}.experts.{pname}.weight"].layout
             stacked.weight = nn.Parameter(stacked.weight.new_empty(layout.local_shape()))
         module.ep_group = meshes.expert_group("ep") if s.ep > 1 else None
-        module.tp_group = meshes.expert_group("tp") if s.tp > 1 else None
+        module.tp_group = meshes.group("tp") if s.tp > 1 else None
+        # etp = tp: the expert mesh's etp groups are the tp groups, over which the layer sums its slices
+        module.tp_shares = s.tp > 1 and s.etp != s.tp
+        module.etp_group = meshes.expert_group("etp") if s.etp > 1 and s.etp != s.tp else None
 
 
 class ExpertGrads:
     """Gradients and updates of the routed experts beside the shared ZeRO engine, which partitions
     only the dense parameters (ms_llm.zero.partition). A rank's expert gradient already sums its
-    ep group's tokens (the all-to-all backward brings them); summing over the expert-data-parallel
-    group (edp: the ranks holding the same experts) and dividing by dp*cp makes it the mean over
-    the global batch, as the engine's dense gradients are. The experts join the global norm,
+    ep x etp block's tokens (the all-to-all and etp-gather backward bring them; each token copy is
+    run by one such block); summing over the expert-data-parallel group (edp: the ranks holding the
+    same expert shard) and dividing by dp*cp makes it the mean over the global batch, as the engine's
+    dense gradients are. The experts join the global norm,
     and take the clip coefficient the engine applies.
 
     With zero.stage >= 1 the optimizer is ZeRO-1 over edp: each edp rank updates the slice of
@@ -53,7 +59,7 @@ class ExpertGrads:
 
     def __init__(self, params: dict[str, nn.Parameter], plan: ModelPlan, meshes: Meshes):
         s = plan.strategy
-        self.params, self.replicas = params, s.dp * s.cp // s.ep
+        self.params, self.replicas = params, s.edp
         self.edp = meshes.expert_group("edp") if self.replicas > 1 else None
         self.mean = 1.0 / (s.dp * s.cp)
         self.optimizer: Optional[torch.optim.Optimizer] = None

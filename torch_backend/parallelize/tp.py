@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from ms_llm.strategy import layout as L
 from torch_backend.lower import TorchLowering, TpStyle
-from torch_backend.moe import _CopyToTp
+from torch_backend.moe_dispatch import CopyToTp
 
 
 class LatentParallel(ParallelStyle):
@@ -36,7 +36,7 @@ class LatentParallel(ParallelStyle):
 
         def sum_shared_grad(_module, _args, out: torch.Tensor) -> torch.Tensor:
             kept, shared = out.split([out.shape[-1] - self.shared, self.shared], dim=-1)
-            return torch.cat([kept, _CopyToTp.apply(shared, group)], dim=-1)
+            return torch.cat([kept, CopyToTp.apply(shared, group)], dim=-1)
 
         module.register_forward_hook(sum_shared_grad)
         return module
