@@ -4,7 +4,8 @@ wrapper and CheckpointMonitor in the loop (tests/helpers/mindformers_run_probe.p
 MindFormers trains 8 steps of the YAML below on one CPU device, CheckpointMonitor saving every 3 steps in
 its 1.x layout (rank_0/<prefix>_rank_0-<epoch>_<step>.safetensors) and its 2.x one (iteration_<n>/ with
 model-, opt- files and common.json). `ms-llm import-run` reads step 3 of each with the YAML as --config:
-the same tensors and step counts. ms_llm continues steps 4-8 with the same batches on torch and on
+the same tensors and step counts, and so does a folder mindspore.unified_safetensors merged (what
+MindFormers resumes a multi-rank run from). ms_llm continues steps 4-8 with the same batches on torch and on
 MindSpore: the losses are MindFormers' own within 1e-5 and 1e-4. The torch run's step 6, exported with
 `ms-llm export-run --to mindformers`, is found and loaded by MindFormers' resume functions, which train
 steps 7 and 8 with the losses of its own run (within 1e-5). The YAML has no weight decay: MindFormers exempts 1-D
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 from ms_llm.checkpoint import Checkpoint
 from ms_llm.checkpoint.interop.run_state import write_foreign_run
@@ -30,6 +33,7 @@ from ms_llm.run.metrics import read_metrics
 
 ms = pytest.importorskip("mindspore")
 from ms_llm.mindspore.interop import mindformers  # noqa: E402  (needs MindSpore)
+from ms_llm.mindspore.strategy_file import MsParamLayout, write_strategy_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -130,12 +134,30 @@ def test_both_layouts_import_the_same_state(runs):
     assert a.step == b.step == SAVED and a.state["optimizer_step"] == b.state["optimizer_step"] == SAVED
     assert a.names() == b.names() and len(a.names()) == 3 * (2 + 2 * 9 + 1)
     assert all(np.array_equal(a.read_full(n), b.read_full(n)) for n in a.names())
-    from safetensors.numpy import load_file
     saved = load_file(str(runs["legacy"]))
     assert np.array_equal(a.read_full("model.layers.1.self_attn.k_proj.weight"),
                           saved["model.layers.1.attention.wk.weight"])
     assert np.array_equal(a.read_full("optim.exp_avg_sq.model.embed_tokens.weight"),
                           saved["adam_v.model.tok_embeddings.embedding_weight"])
+
+
+@pytest.mark.slow
+def test_a_folder_merged_by_mindspore_imports_the_same_state(runs, tmp_path):
+    """A multi-rank run is merged by mindspore.unified_safetensors with its strategy files (what
+    MindFormers' auto_trans_ckpt does); here the one rank's file with a one-device strategy file."""
+    legacy = runs["legacy"]
+    (tmp_path / "src" / "rank_0").mkdir(parents=True)
+    (tmp_path / "src" / "rank_0" / legacy.name).write_bytes(legacy.read_bytes())
+    with safe_open(str(legacy), "np") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    write_strategy_file(tmp_path / "strategy.ckpt", {k: MsParamLayout((1,), tuple(-1 for _ in shape))
+                                                     for k, shape in shapes.items() if len(shape) > 0})
+    ms.unified_safetensors(str(tmp_path / "src"), str(tmp_path / "strategy.ckpt"), str(tmp_path / "merged"))
+    assert (tmp_path / "merged" / "hyper_param.safetensors").is_file()
+    merged = write_foreign_run(mindformers.read_run(tmp_path / "merged", runs["tmp"] / "mf.yaml"), tmp_path / "m")
+    a, b = Checkpoint.open(runs["tmp"] / "imported" / "checkpoints"), Checkpoint.open(merged)
+    assert b.step == SAVED and b.state == a.state and a.names() == b.names()
+    assert all(np.array_equal(a.read_full(n), b.read_full(n)) for n in a.names())
 
 
 @pytest.mark.slow
@@ -168,9 +190,11 @@ def test_bad_inputs_are_one_line(runs, tmp_path, capsys):
     for rank in ("rank_0", "rank_1"):
         (tmp_path / "two" / rank).mkdir(parents=True)
         (tmp_path / "two" / rank / legacy.name.replace("rank_0", rank)).write_bytes(legacy.read_bytes())
-    with pytest.raises(CheckpointError, match="holds 2 ranks' slices; merge them first"):
+    with pytest.raises(CheckpointError, match=r"holds 2 ranks' slices; merge them with mindspore.unified_safetensors"):
         mindformers.read_run(tmp_path / "two", yaml_file)
-    from safetensors.numpy import load_file, save_file
+    (tmp_path / "tiny_rank_0-1_3.ckpt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="convert it with mindspore.ckpt_to_safetensors"):
+        mindformers.read_run(tmp_path / "tiny_rank_0-1_3.ckpt", yaml_file)
     tensors = load_file(str(legacy))
     tensors["adam_m.model.norm_out.weight"] = np.zeros(32, np.float32)
     save_file(tensors, str(tmp_path / legacy.name))

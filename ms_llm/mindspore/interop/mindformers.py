@@ -12,11 +12,14 @@ safetensors):
         [<prefix>-]model-<rank>-<ranks>.safetensors (weights), [<prefix>-]opt-<rank>-<ranks>.safetensors
         (adam_m., adam_v., global_step) and common.json (epoch_num, step_num, global_step, loss_scale,
         global_batch_size).
+    merged (a run saved by several ranks, merged by mindspore.unified_safetensors with its strategy
+        files, as MindFormers' auto_trans_ckpt does): part*.safetensors of whole tensors and
+        hyper_param.safetensors (the step counters and loss scale), which MindFormers resumes from.
 Weights carry the names of MindFormers' LLaMA (the legacy LlamaForCausalLM that both layouts save;
 MindFormers' own convert_weight.py renames Hugging Face tensors to them without permuting any row).
-One rank is read (a run saved by one device, or merged by MindSpore's transform functions);
-several ranks are refused with what to do. Tensors are read from the safetensors files one at a
-time (safetensors_io headers, checked; pread of the tensor's bytes).
+One rank's files or a merged folder are read; several ranks' slices are refused with the MindSpore
+call that merges them, a .ckpt file with the one that converts it. Tensors are read from the
+safetensors files one at a time (safetensors_io headers, checked; pread of the tensor's bytes).
 
 Training state: step = step_num (steps taken, a skipped overflow step included), optimizer_step =
 global_step (Adam's bias-correction count), the loss scale when it is not 1 (static, or dynamic with
@@ -50,6 +53,8 @@ from ms_llm.run.loss_scale import GROWTH_INTERVAL
 from ms_llm.run.lr import lr_at
 
 LEGACY_FILE = re.compile(r"(.+)_rank_(\d+)-(\d+)_(\d+)\.safetensors")
+LEGACY_CKPT = re.compile(r"(.+)_rank_(\d+)-(\d+)_(\d+)\.ckpt")
+HYPER = "hyper_param.safetensors"
 V2_FILE = re.compile(r"(?:(.+)-)?(model|opt)-(\d{7})-(\d{7})\.safetensors")
 ITERATION = re.compile(r"iteration_(\d{8})")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -97,36 +102,47 @@ def hf_name(name: str, where: str) -> str:
 def detect(folder: Path) -> bool:
     folder = Path(folder)
     if folder.is_file():
-        return LEGACY_FILE.fullmatch(folder.name) is not None
+        return bool(LEGACY_FILE.fullmatch(folder.name) or LEGACY_CKPT.fullmatch(folder.name))
     if not folder.is_dir():
         return False
-    if (folder / "common.json").is_file() or any(ITERATION.fullmatch(p.name) for p in folder.iterdir()):
+    if any((folder / f).is_file() for f in ("common.json", HYPER)) or \
+            any(ITERATION.fullmatch(p.name) for p in folder.iterdir()):
         return True
     ranks = folder / "rank_0" if (folder / "rank_0").is_dir() else folder
-    return any(LEGACY_FILE.fullmatch(p.name) for p in ranks.iterdir() if p.is_file())
+    return any(LEGACY_FILE.fullmatch(p.name) or LEGACY_CKPT.fullmatch(p.name) for p in ranks.iterdir())
 
 
 def _legacy_file(folder: Path) -> Path:
     """The 1.x file to read: `folder` itself, or rank_0's (of a checkpoint folder) file meta.json
     names, else its latest by epoch and step (MindFormers' get_resume_checkpoint)."""
     if folder.is_file():
-        return folder
+        return _safetensors(folder)
     ranks = sorted(p.name for p in folder.iterdir() if re.fullmatch(r"rank_\d+", p.name))
     if len(ranks) > 1:
-        raise CheckpointError(f"{folder}: holds {len(ranks)} ranks' slices; merge them first with MindSpore's "
-                              "unified_safetensors / transform_checkpoints and import the merged rank_0")
+        raise CheckpointError(f"{folder}: holds {len(ranks)} ranks' slices; merge them with mindspore.unified_"
+                              f"safetensors('{folder}', '<strategy file or folder>', '<out>') (MindFormers' "
+                              "auto_trans_ckpt does the same) and import <out>")
     rank = folder / ranks[0] if ranks else folder
     meta = rank / "meta.json"
     if meta.is_file():
         name = parse_json(read_regular(meta), str(meta)).get("last_ckpt_file")
-        if not isinstance(name, str) or not LEGACY_FILE.fullmatch(name):
+        if not isinstance(name, str) or not (LEGACY_FILE.fullmatch(name) or LEGACY_CKPT.fullmatch(name)):
             raise CheckpointError(f"{meta}: 'last_ckpt_file' is {name!r}; expected "
                                   "<prefix>_rank_<r>-<epoch>_<step>.safetensors")
-        return confined(rank, name, "meta.json's last_ckpt_file")
-    found = [(int(m.group(3)), int(m.group(4)), p) for p in rank.iterdir() if (m := LEGACY_FILE.fullmatch(p.name))]
+        return _safetensors(confined(rank, name, "meta.json's last_ckpt_file"))
+    found = [(int(m.group(3)), int(m.group(4)), p) for p in rank.iterdir()
+             if (m := LEGACY_FILE.fullmatch(p.name) or LEGACY_CKPT.fullmatch(p.name))]
     if not found:
         raise CheckpointError(f"{rank}: no MindFormers checkpoint (<prefix>_rank_<r>-<epoch>_<step>.safetensors)")
-    return max(found)[2]
+    return _safetensors(max(found)[2])
+
+
+def _safetensors(path: Path) -> Path:
+    """`path`, unless it is a .ckpt (protobuf, read whole by MindSpore): then what converts it."""
+    if LEGACY_CKPT.fullmatch(path.name):
+        raise CheckpointError(f"{path}: a MindSpore .ckpt file; convert it with mindspore.ckpt_to_safetensors"
+                              f"('{path}', '<out folder>') and import the .safetensors file it writes")
+    return path
 
 
 def _v2_files(folder: Path) -> tuple[list[Path], dict]:
@@ -179,7 +195,9 @@ class _File:
 
 def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
     folder = Path(folder)
-    if folder.is_dir() and ((folder / "common.json").is_file() or (folder / TRACKER).is_file()):
+    if folder.is_dir() and (folder / HYPER).is_file():
+        paths, info = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" and p.is_file()), {}
+    elif folder.is_dir() and ((folder / "common.json").is_file() or (folder / TRACKER).is_file()):
         paths, info = _v2_files(folder)
     else:
         paths, info = [_legacy_file(folder)], {}
