@@ -128,6 +128,29 @@ def test_moe_and_cp_flags_are_model_moe_and_the_algorithm(extra, layers):
     assert back.job.model == m and back.job.strategy == s
 
 
+@pytest.mark.parametrize("flag,ep,etp,edp", [("", 4, 2, 1), ("--expert-tensor-parallel-size 1", 4, 1, 2),
+                                             ("--expert-tensor-parallel-size 4", 2, 4, 1)])
+def test_expert_tensor_parallel_folds_the_experts(flag, ep, etp, edp):
+    """--expert-tensor-parallel-size (Megatron's default: tp) is strategy.etp: the experts fold over a
+    stage's dp 4 x tp 2 ranks as edp x ep x etp, etp 1 taking the tp ranks into ep, etp 4 dp ranks into
+    etp. The script we write says it when it is not tp, and reads back the same."""
+    moe = MOE_ARGS.replace("--context-parallel-size 2 ", "").replace("--expert-model-parallel-size 4",
+                                                                     f"--expert-model-parallel-size {ep}")
+    conv = read(ARGS + moe + flag, "fold.args", options=ReadOptions(world_size=32))
+    s = conv.job.strategy
+    assert (s.dp, s.tp, s.ep, s.expert_tp, s.edp) == (4, 2, ep, etp, edp) and conv.warnings == []
+    assert s.etp == (-1 if etp == 2 else etp)                   # canonical: -1 is "= tp"
+    written = dump(conv, "megatron")
+    assert written.warnings == [] and (f"--expert-tensor-parallel-size {etp}" in written.text) == (etp != 2)
+    assert read(written.text, "fold.sh").job.strategy == s
+
+
+def test_expert_tensor_parallel_of_a_dense_model_is_dropped():
+    conv = read(ARGS + "--expert-tensor-parallel-size 1", "dense.args", options=ReadOptions(world_size=32))
+    assert conv.job.strategy.etp == -1
+    assert conv.warnings == ["--expert-tensor-parallel-size 1: the model has no experts; dropped"]
+
+
 @pytest.mark.parametrize("kind,algorithm,warned", [
     ("p2p", "ring", False), ("a2a", "ulysses", False), ("all_gather", "allgather", False),
     ("a2a+p2p", "ring", True), ("a2a p2p", "ulysses", True)])

@@ -89,7 +89,19 @@ def _moe_cp_job():
     return from_job(job, 4, "moe_cp")
 
 
+def _moe_folded_job():
+    """Expert parallel folding: ep 4 over dp 2 x tp 2 with whole experts (etp 1)."""
+    moe = {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32}
+    job = job_from_dict({"name": "moe_folded", "model": {**vars(load_section("model", "tiny")), "moe": moe},
+                         "strategy": {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sequence_parallel": True},
+                         "train": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 64, "steps": 10}},
+                        ROOT / "configs")
+    return from_job(job, 4, "moe_folded")
+
+
 JOBS = _jobs()
+# Megatron-LM writes what the other peers cannot: expert tensor parallel apart from tp.
+MEGATRON_JOBS = {**JOBS, "moe_ep_folded_over_tp": _moe_folded_job()}
 # Small jobs MindFormers builds: (strategy, world size)
 TINY = {"dp2_tp2_pp2_sp_zero3_uneven": ({"dp": 2, "tp": 2, "pp": 2, "sequence_parallel": True, "zero": {"stage": 3},
                                          "recompute": {"policy": "full", "num_layers": 1},
@@ -138,15 +150,15 @@ def _probe(script: str, cases: dict, tmp: Path) -> dict:
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory) -> dict:
     cases = {name: parse_args(launch_command(dump(conv, "megatron").text, "out.sh").args, "out.sh")
-             for name, conv in JOBS.items()}
+             for name, conv in MEGATRON_JOBS.items()}
     return _probe("megatron_config_probe.py", cases, tmp_path_factory.mktemp("megatron"))
 
 
-@pytest.mark.parametrize("name", JOBS)
+@pytest.mark.parametrize("name", MEGATRON_JOBS)
 def test_megatron_core_reads_our_arguments(name, megatron):
     result = megatron[name]
     assert "error" not in result, result
-    c, s, m = result["ok"], JOBS[name].job.strategy, JOBS[name].job.model
+    c, s, m = result["ok"], MEGATRON_JOBS[name].job.strategy, MEGATRON_JOBS[name].job.model
     assert (c["tensor_model_parallel_size"], c["pipeline_model_parallel_size"], c["context_parallel_size"]) == \
         (s.tp, s.pp, s.cp)
     assert c["sequence_parallel"] == (s.sequence_parallel and s.tp > 1)
@@ -177,9 +189,10 @@ def test_megatron_core_reads_our_arguments(name, megatron):
         moe, shared = m.moe, m.moe.shared_experts * m.expert_ffn_size or None
         assert (c["num_moe_experts"], c["moe_router_topk"], c["moe_ffn_hidden_size"],
                 c["moe_shared_expert_intermediate_size"], not c["moe_router_pre_softmax"], c["moe_z_loss_coeff"] or 0.0,
-                c["moe_expert_capacity_factor"] or -1.0, c["expert_model_parallel_size"]) == \
+                c["moe_expert_capacity_factor"] or -1.0, c["expert_model_parallel_size"],
+                c["expert_tensor_parallel_size"]) == \
             (moe.num_experts, moe.top_k, m.expert_ffn_size, shared, moe.normalize_top_k, moe.z_loss_coeff,
-             moe.capacity_factor, s.ep)
+             moe.capacity_factor, s.ep, s.expert_tp)
         assert c["moe_layer_freq"] == (moe_pattern(m) if moe.first_dense_layers or moe.dense_layers else moe.layer_freq)
         assert (c["moe_router_score_function"], c["moe_router_topk_scaling_factor"] or 1.0,
                 c["moe_router_num_groups"] or 1, c["moe_router_group_topk"] or 1,

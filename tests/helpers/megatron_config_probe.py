@@ -75,7 +75,7 @@ def main(cases: dict) -> dict:
         out[name] = {"ok": {k: getattr(c, k) for k in (
             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
             "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-            "expert_model_parallel_size", "sequence_parallel", "virtual_pipeline_model_parallel_size",
+            "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel", "virtual_pipeline_model_parallel_size",
             "recompute_granularity", "recompute_method", "recompute_num_layers", "gated_linear_unit",
             "add_bias_linear", "add_qkv_bias", "qk_layernorm", "normalization", "bf16", "fp16", "cp_comm_type",
             "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",

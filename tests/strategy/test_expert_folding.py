@@ -1,18 +1,23 @@
 """Expert parallel folding (Megatron-core's MoE parallel folding): the routed experts' mesh (edp, ep, etp)
-over the same ranks as the dense (dp, cp, tp); every rank's expert piece, the named groups, the experts'
-ZeRO over edp, and what the cost model charges for it."""
+over the same ranks as the dense (dp, cp, tp); every rank's expert piece, the named groups (against
+megatron-core's own rank generator), the experts' ZeRO over edp, and what the cost model charges for it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
-from ms_llm.strategy.cost import communication, memory
+from ms_llm.strategy.cost import communication, estimate, memory
 from ms_llm.strategy.devices import DEVICES
 from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import plan
 from ms_llm.strategy.report import plan_report, strategy_summary
 from ms_llm.strategy.shape import cost_shape
-from ms_llm.strategy.cost import estimate
 
 MOE = from_dict(ModelConfig, {"vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 8, "num_kv_heads": 4,
                               "ffn_hidden_size": 256, "max_seq_len": 256,
@@ -108,3 +113,37 @@ def test_report_names_the_expert_mesh_and_groups():
     text = plan_report(p, estimate(cost_shape(p), DEVICES["h100"]), DEVICES["h100"])
     assert "experts    pp1 x edp1 x ep4 x etp1" in text and "ep: 1 group of 4, rank 0 in [0, 1, 2, 3]" in text
     assert "(of which experts)" in text
+
+
+MEGATRON_GROUPS = """
+import json, sys
+from megatron.core.parallel_state import RankGenerator
+out = {}
+for name, (tp, cp, dp, pp, ep, etp) in json.loads(sys.argv[1]).items():
+    world = tp * cp * dp * pp
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    experts = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    out[name] = {"tp": dense.get_ranks("tp"), "dp": dense.get_ranks("dp"), "etp": experts.get_ranks("tp"),
+                 "ep": experts.get_ranks("ep"), "edp": experts.get_ranks("dp"), "pp": experts.get_ranks("pp")}
+print(json.dumps(out))
+"""
+
+
+def test_expert_groups_are_megatrons():
+    """megatron-core's own rank generator (initialize_model_parallel's expert RankGenerator, order
+    tp-cp-ep-dp-pp) gives the same tp / dp groups for attention and etp / ep / edp groups for the experts."""
+    root = Path(__file__).resolve().parents[2]
+    cases = {"ep4_dp2_tp2": (2, 1, 2, 1, 4, 1), "ep2_etp2_dp4": (1, 1, 4, 1, 2, 2),
+             "ep2_tp2_default": (2, 1, 4, 1, 2, 2), "ep2_etp4_dp2_tp2_pp2": (2, 1, 4, 2, 2, 4),
+             "ep8_dp2_tp4_pp2": (4, 1, 2, 2, 8, 1), "ep2_etp1_cp2_tp2": (2, 2, 2, 1, 2, 1)}
+    proc = subprocess.run([sys.executable, "-c", MEGATRON_GROUPS, json.dumps(cases)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root / ".oracles")}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (tp, cp, dp, pp, ep, etp) in cases.items():
+        p = plan(MOE, ParallelStrategy(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp),
+                 TrainConfig(global_batch_size=dp * 4, micro_batch_size=1, seq_len=64), tp * cp * dp * pp)
+        em = p.expert_mesh
+        ours = {"tp": p.mesh.groups("tp"), "dp": p.mesh.groups("dp"), "etp": em.groups("etp"), "ep": em.groups("ep"),
+                "edp": em.groups("edp"), "pp": em.groups("pp")}
+        assert {k: sorted(v) for k, v in ours.items()} == {k: sorted(v) for k, v in theirs[name].items()}, name

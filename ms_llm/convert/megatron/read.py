@@ -2,7 +2,9 @@
 
 Reads a launch script (`torchrun ... pretrain_gpt.py --flag value ...`, see shell.py) or a file
 holding just the arguments. The world size is torchrun's nproc_per_node * nnodes or --world-size.
-Implicit values are resolved as Megatron's arguments.py does: dp = world / (tp * pp * cp),
+Implicit values are resolved as Megatron's arguments.py does: dp = world / (tp * pp * cp), the
+experts folded over the same ranks as edp x ep x etp with etp = tp unless
+--expert-tensor-parallel-size says otherwise (MoE parallel folding),
 global batch = micro batch * dp when unset, sequence parallel dropped when tp = 1, vocabulary
 padded to a multiple of make-vocab-size-divisible-by * tp, embeddings tied unless
 --untie-embeddings-and-output-weights, dropout 0.1, weight decay 0.01, Adam beta2 0.999.
@@ -78,13 +80,17 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     pp = f.get("--pipeline-model-parallel-size", int, 1, ir="strategy.pp")
     cp = f.get("--context-parallel-size", int, 1, ir="strategy.cp")
     ep = f.get("--expert-model-parallel-size", int, 1, ir="strategy.ep")
+    etp = f.get("--expert-tensor-parallel-size", int, -1, ir="strategy.etp")     # Megatron's default: tp
     dp = world // (tp * pp * cp) if world and world % (tp * pp * cp) == 0 else None
     if world and dp is None:
         raise ConversionError(f"{source}: world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} "
                               f"(Megatron computes dp = world / (tp*pp*cp)); pass --world-size N with a multiple "
                               f"of {tp * pp * cp}")
     model, tie_note = read_model(f, tp, pp, warnings)
-    strategy = {"dp": dp or -1, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+    if model["moe"] is None and etp not in (-1, tp):
+        warnings.append(f"--expert-tensor-parallel-size {etp}: the model has no experts; dropped")
+        etp = -1
+    strategy = {"dp": dp or -1, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp,
                 "context_parallel": {"algorithm": _cp_algorithm(f, cp, warnings)}}
     sp = f.get("--sequence-parallel", bool, False, ir="strategy.sequence_parallel")
     if sp and tp == 1:

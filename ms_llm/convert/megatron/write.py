@@ -29,7 +29,7 @@ def _divisible_by(vocab: int, tp: int) -> int:
 def write(job: JobConfig, world_size: int) -> Written:
     m, s, t = job.model, job.strategy, job.train
     warnings: list[str] = []
-    expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep",
+    expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep", "strategy.etp",
                  "strategy.sequence_parallel", "strategy.pipeline.micro_batches", "strategy.recompute.policy",
                  "train.global_batch_size", "train.micro_batch_size", "train.seq_len", "train.steps", "train.seed",
                  "train.log_every", "train.optimizer", "train.schedule", "train.checkpoint.interval",
@@ -58,6 +58,8 @@ def write(job: JobConfig, world_size: int) -> Written:
         parallel.append(f"--cp-comm-type {COMM_TYPES[algorithm]}")
     if s.ep > 1:
         parallel.append(f"--expert-model-parallel-size {s.ep}")
+    if s.expert_tp != s.tp:       # Megatron's default is tp
+        parallel.append(f"--expert-tensor-parallel-size {s.expert_tp}")
     if s.sequence_parallel:
         parallel.append("--sequence-parallel")
     parallel += _write_pipeline(m, s, warnings) + _write_zero(s, warnings) + _write_recompute(s, warnings)
