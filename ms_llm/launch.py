@@ -13,7 +13,9 @@ Several machines: the same command on each, `--nnodes N --node-rank R --master-a
 --master-port P --run-dir RUN`; node R runs global ranks R*W/N .. (R+1)*W/N - 1 and node 0
 hosts the rendezvous. Every node resolves the same YAML the same way, so each writes the
 same config.yaml (atomically: nodes may share the folder). The backend's launcher's output
-goes to the console and <run>/launcher.log, worker logs to <run>/logs/. With
+goes to the console and <run>/launcher.log, worker logs to <run>/logs/; when workers fail, the
+console gets a line per failed rank and a last line with the cause (a full disk named with its
+bytes), the launcher's own report going to launcher.log alone. With
 --max-restarts N a failed launch is started again (ms_llm.elastic) up to N times; with
 --elastic a supervisor owns the job (ms_llm.elastic.supervisor: hang detection, no retry of
 failures that repeat, shrink and grow, recovery time in metrics.jsonl).
@@ -42,7 +44,7 @@ from ms_llm.job import JobConfig, Override, dump_yaml, flags, job_to_dict, load_
 from ms_llm.nodes import Nodes, remove_tmp
 from ms_llm.run import RunFolder
 from ms_llm.run.folder import RunLock
-from ms_llm.run.heartbeat import read_heartbeats
+from ms_llm.run.heartbeat import DETERMINISTIC, failed_since
 from ms_llm.run.memory_tier import MemoryTier
 from ms_llm.run.metrics import run_summary, whole_end
 from ms_llm.strategy.plan import ModelPlan, plan
@@ -242,12 +244,16 @@ def release_memory_tier(job: JobConfig, run: RunFolder) -> None:
         MemoryTier.for_run(job.name, run.root).release()
 
 
-def worker_error(run: RunFolder, since: float) -> str:
-    """': <error>' of the first rank that recorded why it failed (its heartbeat) after `since`,
-    else ''. The launcher's last line then says why, below the backend launcher's own report."""
-    failed = [b for _, b in sorted(read_heartbeats(run.heartbeat).items())
-              if b.get("phase") == "failed" and b.get("time", 0) >= since]
-    return f": {failed[0].get('error', '')}" if failed else ""
+def why_failed(run: RunFolder, since: float) -> str:
+    """': <why>' for the launcher's last line: a cause a rank recorded (its heartbeat) after
+    `since` that no retry fixes, else a full or read-only run folder (ranks that hit it may
+    have been unable to say so), else the first error a rank recorded, else ''."""
+    first = next(iter(failed_since(run.heartbeat, since).values()), None)
+    cause = first.get("cause") if first else None
+    if cause not in DETERMINISTIC or cause in ("disk_full", "read_only"):
+        if (problem := run.disk_problem()) is not None:
+            return f": {problem}"
+    return f": {first.get('error', '')}" if first else ""
 
 
 def train(req: TrainRequest) -> int:
@@ -282,7 +288,7 @@ def launch(req: TrainRequest, job: JobConfig, p: ModelPlan, run: RunFolder) -> i
         release_memory_tier(job, run)
         remove_tmp(run, nodes)
     if rc != 0:
-        print(f"ms-llm train: workers failed (exit {rc}){worker_error(run, started)}; logs in {run.logs} and "
+        print(f"ms-llm train: workers failed (exit {rc}){why_failed(run, started)}; logs in {run.logs} and "
               f"{run.launcher_log}", file=sys.stderr)
     elif nodes.rank == 0 and (done := run_summary(run.metrics, since)):
         print(f"{done}; run folder {run.root}", flush=True)

@@ -16,8 +16,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 PR_SET_PDEATHSIG = 1
+REPORT_LINES = 1000       # of a launcher's failure report kept in memory: torchrun's is ~40 per failed rank
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -90,25 +92,37 @@ def die_with_parent(cmd: list[str], sig: int = signal.SIGKILL) -> list[str]:
     return [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()), str(int(sig)), *cmd]
 
 
-def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool = True) -> subprocess.Popen:
+def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool = True,
+                 report: Optional[Callable[[str], bool]] = None) -> subprocess.Popen:
     """Start `cmd`, by default in a session of its own (the elastic supervisor stops it and
     everything below it by PID), dying with this process either way, echoing its merged output to the
-    console and to `log` from a thread."""
-    out = open(log, "a")
-    out.write("$ " + " ".join(cmd) + "\n")
-    out.flush()
+    console and to `log` from a thread. From the first line `report` matches on (the launcher's own
+    failure report), lines go to `log` alone and to `proc.report`, for the caller to say in a line
+    per rank what the console needs of it."""
+    out = None
+    try:
+        out = open(log, "a")
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+    except OSError:                                       # a full disk: the console still gets the output
+        pass
     # In a session of its own the supervisor stops it by PID (SIGKILL on its death will do); in this
     # one, SIGTERM on the launcher's death lets torchrun stop its workers as it does on Ctrl-C.
     cmd = die_with_parent(cmd) if session else die_with_parent(cmd, signal.SIGTERM)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=session)
+    proc.report = []
 
     def echo() -> None:
-        logging = True
-        with contextlib.suppress(OSError), out:         # closing a log on a full disk may fail too
+        logging = out is not None
+        with contextlib.suppress(OSError), out or contextlib.nullcontext():   # closing it on a full disk may fail
             for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+                if proc.report or (report is not None and report(line)):
+                    if len(proc.report) < REPORT_LINES:
+                        proc.report.append(line)
+                else:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
                 if logging:
                     try:
                         out.write(line)
@@ -120,10 +134,11 @@ def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool =
     return proc
 
 
-def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> int:
-    """Run `cmd`, echoing its merged output to the console and to `log`; in this session, so
-    Ctrl-C reaches it."""
-    proc = spawn_logged(cmd, env, log, session=False)
-    rc = proc.wait()
+def run_logged(cmd: list[str], env: dict[str, str], log: Path,
+               report: Optional[Callable[[str], bool]] = None) -> subprocess.Popen:
+    """Run `cmd` to its end, as spawn_logged does, in this session (Ctrl-C reaches it); the
+    finished process (returncode, report)."""
+    proc = spawn_logged(cmd, env, log, session=False, report=report)
+    proc.wait()
     proc.echo.join()
-    return rc
+    return proc

@@ -2,20 +2,31 @@
 
 ms_llm.launch has resolved the job, asked torch_backend.support and written <run>/config.yaml;
 this module starts torchrun (worker logs in <run>/logs/, its output on the console and in
-<run>/launcher.log). It imports no torch; the workers do.
+<run>/launcher.log). When workers fail, torchrun's own report (a traceback and a block per
+rank) goes to launcher.log alone; the console gets one line per failed rank. It imports no
+torch; the workers do.
 
     torchrun --standalone --nproc-per-node W ... -m torch_backend.worker --run-dir RUN
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 from typing import Optional
 
 from ms_llm.job import JobConfig
 from ms_llm.nodes import Nodes, worker_env
 from ms_llm.processes import run_logged, spawn_logged
 from ms_llm.run import RunFolder
+from ms_llm.run.heartbeat import failure_lines
+
+# The first line of torchrun's own failure report: its agent stopping the workers or logging a
+# failed one, or its ChildFailedError traceback (worker lines carry a [rankN]: prefix).
+REPORT = re.compile(r"[IWE]\d{4} .*\] (Sending process \d+ closing signal|failed \(exitcode)|Traceback \(most recent")
+# A failed rank in the ChildFailedError block: "rank      : 1 (local_rank: 1)" then "exitcode  : -15 (pid: 42)".
+EXIT = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", re.M)
 
 
 def torchrun(world: int, nodes: Nodes = Nodes()) -> list[str]:
@@ -38,13 +49,29 @@ def torch_command(run: RunFolder, world: int, nodes: Nodes) -> list[str]:
             "--role=rank", "-m", "torch_backend.worker", "--run-dir", str(run.root)]
 
 
+def torchrun_report(line: str) -> bool:
+    return REPORT.match(line) is not None
+
+
+def exits(report: list[str]) -> dict[int, int]:
+    """rank -> exit status (negative: the signal) of each failed rank torchrun's report names."""
+    return {int(rank): int(code) for rank, code in EXIT.findall("".join(report))}
+
+
 def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
-    """One torchrun launch of this node's workers; returns its exit status."""
-    return run_logged(torch_command(run, world, nodes), worker_env(run, nodes), run.launcher_log)
+    """One torchrun launch of this node's workers; returns its exit status, and for a failure
+    prints a line per failed rank in place of torchrun's report."""
+    since = time.time()
+    proc = run_logged(torch_command(run, world, nodes), worker_env(run, nodes), run.launcher_log, torchrun_report)
+    if proc.returncode != 0:
+        for line in failure_lines(run.heartbeat, since, exits(proc.report)):
+            print(f"ms-llm train: {line}", file=sys.stderr, flush=True)
+    return proc.returncode
 
 
 def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
           env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     """torchrun started and left running, for the elastic supervisor (ms_llm.elastic); `env` on
     top of the workers' environment."""
-    return spawn_logged(torch_command(run, world, nodes), worker_env(run, nodes, env), run.launcher_log)
+    return spawn_logged(torch_command(run, world, nodes), worker_env(run, nodes, env), run.launcher_log,
+                        report=torchrun_report)

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -186,7 +185,7 @@ class Supervisor:
             self.log(f"failure ({outcome.kind}): {outcome.detail}")
             self.record(event="failure", kind=outcome.kind, ranks=list(outcome.ranks), step=outcome.step,
                         detail=outcome.detail, world=world)
-            why = deterministic(outcome, self.failures[:-1], world) or self._disk_problem()
+            why = deterministic(outcome, self.failures[:-1], world) or self.run.disk_problem()
             if why is not None:
                 return self._report(f"not retried: {why}", 1)
             if restarts >= self.options.max_restarts:
@@ -267,23 +266,6 @@ class Supervisor:
             self.record(event="world", world=q.world_size, dp=q.strategy.dp, micro_batches=q.micro_batches,
                         reason=why, changed=changed)
         return q
-
-    def _disk_problem(self) -> Optional[str]:
-        """A run folder that is full or read-only fails every relaunch (whichever write hits it
-        first: a shard, a heartbeat, a log): found here, whatever the workers managed to say.
-        Partial .tmp folders count as free: the next start removes them."""
-        newest = latest(self.run.checkpoints)
-        need = sum(f.stat().st_size for f in newest.iterdir()) if newest is not None else 1 << 20
-        partial = sum(f.stat().st_size for d in self.run.checkpoints.glob("step_*.tmp") for f in d.iterdir())
-        free = shutil.disk_usage(self.run.root).free + partial
-        if free < need:
-            return (f"the disk is full: {self.run.root} has {free:,} bytes free (counting partial saves), a "
-                    f"checkpoint needs {need:,}")
-        try:
-            self.run.probe_write()
-        except OSError as exc:
-            return f"the run folder {self.run.root} cannot be written ({exc.strerror or exc})"
-        return None
 
     def _newest_step(self) -> int:
         folder = latest(self.run.checkpoints)

@@ -2,8 +2,8 @@
 
 ms_llm.launch has resolved the job, asked ms_llm.mindspore.support and written <run>/config.yaml;
 this module starts msrun (--join=True, cwd the run folder, worker logs in <run>/logs/, msrun's
-own output in <run>/launcher.log) and prints rank 0's progress lines from metrics.jsonl. It
-imports no MindSpore; the workers and msrun do.
+own output in <run>/launcher.log) and prints rank 0's progress lines from metrics.jsonl, and a
+line per failed rank when workers fail. It imports no MindSpore; the workers and msrun do.
 
     python -m ms_llm.mindspore.launch --worker_num=W --local_worker_num=W/N --master_addr=HOST
         --master_port=P --node_rank=R --log_dir=RUN/logs --join=True
@@ -18,9 +18,11 @@ scheduler runs on node rank 0, not on every machine that owns --master_addr.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,10 +37,13 @@ from ms_llm.mindspore.compile_cache import RUN_ENV, job_cache
 from ms_llm.nodes import GATE_ENV, Nodes, collective_timeout_s, free_port, worker_env
 from ms_llm.processes import descendants, die_with_parent, kill_all
 from ms_llm.run import RunFolder, StepMetrics
+from ms_llm.run.heartbeat import failure_lines, read_heartbeats
 from ms_llm.run.metrics import read_records, whole_end
 from ms_llm.strategy.plan import ModelPlan
 
 WORKER = "ms_llm.mindspore.worker"
+# msrun's line for a worker that failed (it names the pid, not the rank)
+MSRUN_EXIT = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 
 
 def msrun_command(run: RunFolder, world: int, nodes: Nodes, port: int, logs: Optional[Path] = None) -> list[str]:
@@ -93,8 +98,9 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
                         run.logs / Path(gate).name if gate else None)
     env[RUN_ENV] = str(job_cache(run, world))
     with open(run.launcher_log, "a") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
+        with contextlib.suppress(OSError):            # a full disk: msrun runs all the same
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
         proc = subprocess.Popen(die_with_parent(cmd, signal.SIGTERM), stdout=log,        # gone with this process
                                 stderr=subprocess.STDOUT, env=env, cwd=run.root, start_new_session=session)
     proc.echo = threading.Thread(target=_follow, args=(run, proc, job.train.steps, job.train.log_every, gate),
@@ -105,18 +111,37 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
 
 def start(job: JobConfig, run: RunFolder, world: int, nodes: Nodes) -> int:
     """One msrun launch of this node's workers (in this session: Ctrl-C reaches it); returns
-    msrun's exit status."""
+    msrun's exit status, and for a failure prints a line per failed rank (msrun's own report
+    and the workers' tracebacks stay in the logs)."""
+    since, offset = time.time(), _size(run.launcher_log)
     proc = spawn(job, run, world, nodes, session=False)
     proc.wait()
     proc.echo.join()
     if proc.returncode != 0:
-        first = run.logs / f"worker_{nodes.rank * nodes.local(world)}.log"      # this node's first rank
-        tail = first.read_text().splitlines()[-15:] if first.is_file() else []
-        print(f"ms-llm train: msrun exited with {proc.returncode}; logs in {run.logs} and {run.launcher_log}",
-              file=sys.stderr)
-        for line in tail:
-            print(f"  {line}", file=sys.stderr)
+        for line in failure_lines(run.heartbeat, since, msrun_exits(run, offset)):
+            print(f"ms-llm train: {line}", file=sys.stderr, flush=True)
     return proc.returncode
+
+
+def msrun_exits(run: RunFolder, offset: int) -> dict[int, int]:
+    """rank -> exit status of each worker msrun saw fail, from what it wrote to launcher.log past
+    `offset` (its last MiB: msrun also copies the worker logs there), the rank found by the pid in
+    the heartbeats. Empty when the log could not be written (a full disk)."""
+    try:
+        with open(run.launcher_log, "rb") as log:
+            log.seek(max(offset, _size(run.launcher_log) - (1 << 20)))
+            text = log.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return {}
+    ranks = {b.get("pid"): rank for rank, b in read_heartbeats(run.heartbeat).items()}
+    return {ranks[int(pid)]: int(code) for pid, code in MSRUN_EXIT.findall(text) if int(pid) in ranks}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def dry_run(p: ModelPlan, run_dir: Optional[Path]) -> int:

@@ -18,11 +18,15 @@ import fcntl
 import json
 import os
 import socket
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from ms_llm.errors import RunFolderError
+from ms_llm.errors import CheckpointError, RunFolderError
+
+NO_CHECKPOINT_NEEDS = 1 << 20      # bytes a first checkpoint is assumed to need, none being there to measure
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,32 @@ class RunFolder:
                 os.fsync(f.fileno())
         finally:
             probe.unlink(missing_ok=True)
+
+    def disk_problem(self) -> Optional[str]:
+        """Why the folder cannot take the next checkpoint, or None: too little space for one as
+        large as the newest, or no write succeeds. A full disk fails every write of a run (a shard,
+        a heartbeat, a log), whichever comes first, so the workers may have said nothing of it;
+        the launchers ask here after a failure. Partial saves count as free: the next start
+        removes them."""
+        from ms_llm.checkpoint.storage.commit import latest      # the checkpoint package: only after a failure
+
+        try:
+            newest = latest(self.checkpoints)
+        except (OSError, CheckpointError):        # a bad pointer is the resume's to handle (it falls back)
+            newest = None
+        need = _bytes(newest) if newest is not None else NO_CHECKPOINT_NEEDS
+        try:
+            free = shutil.disk_usage(self.root).free + sum(_bytes(d) for d in self.checkpoints.glob("step_*.tmp"))
+        except OSError as exc:
+            return f"the run folder {self.root} cannot be read ({exc.strerror or exc})"
+        if free < need:
+            return (f"the disk is full: {self.root} has {free:,} bytes free (counting partial saves), a "
+                    f"checkpoint needs {need:,}")
+        try:
+            self.probe_write()
+        except OSError as exc:
+            return f"the run folder {self.root} cannot be written ({exc.strerror or exc})"
+        return None
 
     @property
     def logs(self) -> Path:
@@ -85,6 +115,13 @@ class RunFolder:
     @property
     def launcher_log(self) -> Path:
         return self.root / "launcher.log"
+
+
+def _bytes(folder: Path) -> int:
+    """Bytes of the files directly in `folder` (a checkpoint's are), 0 once it is gone."""
+    with contextlib.suppress(FileNotFoundError):           # removed meanwhile (retention, a restart)
+        return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    return 0
 
 
 class RunLock:

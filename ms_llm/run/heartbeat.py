@@ -15,8 +15,10 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from ms_llm.errors import CheckpointError, ConfigError, OutOfMemory, RunFolderError, StrategyError, TrainingDiverged
@@ -58,13 +60,19 @@ class Heartbeat:
         record = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": step, "phase": phase,
                   "time": time.time(), **extra}
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+        except OSError as exc:           # a full disk: the worker stops with this one line (the cause chained)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise RunFolderError(f"run folder {self.path.parent.parent}: cannot write rank {self.rank}'s "
+                                 f"heartbeat ({exc.strerror or exc})") from exc
 
     def fail(self, step: int, exc: BaseException) -> None:
         """Best effort: on a full disk even this small file may not be written."""
         text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        with contextlib.suppress(OSError):                 # the worker's own exit status still reports it
+        with contextlib.suppress(RunFolderError):          # the worker's own exit status still reports it
             self.beat(step, phase="failed", error=f"{type(exc).__name__}: {text}", cause=failure_cause(exc))
 
 
@@ -78,3 +86,39 @@ def read_heartbeats(folder: Path) -> dict[int, dict]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return beats
+
+
+def failed_since(folder: Path, since: float) -> dict[int, dict]:
+    """rank -> its failure record, for the ranks that recorded one at or after `since` (an earlier
+    launch's records are not this one's)."""
+    return {rank: b for rank, b in read_heartbeats(folder).items()
+            if b.get("phase") == "failed" and b.get("time", 0) >= since}
+
+
+def failure_lines(folder: Path, since: float, exits: Mapping[int, int]) -> list[str]:
+    """One line per rank that failed, in rank order: how it ended (`exits`: rank -> its exit
+    status as the backend's launcher reported it, negative for a signal) and the error it
+    recorded. What the console gets in place of the launcher's own report."""
+    failed = failed_since(folder, since)
+    lines = []
+    for rank in sorted(set(failed) | set(exits)):
+        code = exits.get(rank)
+        if code is None:
+            how = "failed"
+        elif code < 0:
+            how = f"was killed by {_signal_name(-code)}"
+        else:
+            how = f"exited with {code}"
+        if rank in failed:
+            record = failed[rank]
+            lines.append(f"rank {rank} {how} after step {record.get('step', '?')}: {record.get('error', '')}")
+        else:
+            lines.append(f"rank {rank} {how}" + ("" if code is None or code < 0 else " (no error recorded)"))
+    return lines
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -202,3 +202,65 @@ def test_workers_of_a_killed_plain_launcher_exit_within_seconds(tmp_path, backen
     left = [p for p in below if alive(p)]
     kill_all(left)
     assert left == []
+
+
+TORCHRUN_REPORT = """\
+W1128 09:49:21.100000 13510 elastic/multiprocessing/api.py:900] Sending process 13518 closing signal SIGTERM
+E1128 09:49:21.200000 13510 elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 13519) of binary: python
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+Failures:
+[1]:
+  time      : 2026-11-28_09:49:21
+  host      : localhost
+  rank      : 2 (local_rank: 0)
+  exitcode  : -15 (pid: 13518)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 13518
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_09:49:21
+  host      : localhost
+  rank      : 3 (local_rank: 1)
+  exitcode  : 1 (pid: 13519)
+  error_file: <N/A>
+============================================================
+"""
+
+
+def test_a_failed_launch_is_told_in_one_line_per_rank(tmp_path):
+    """What replaces the backend launcher's report on the console: each failed rank's exit (from
+    torchrun's report, or msrun's line matched to the rank by pid) and the error it recorded, if
+    this launch recorded one."""
+    from torch_backend.launch import exits, torchrun_report
+    from ms_llm.mindspore.launch import msrun_exits
+    from ms_llm.run.heartbeat import Heartbeat, failure_lines
+
+    report = TORCHRUN_REPORT.splitlines(keepends=True)
+    assert [torchrun_report(line) for line in report[:4]] == [True, True, True, False]
+    assert not torchrun_report("[rank0]:Traceback (most recent call last):\n")     # a worker's own output
+    assert exits(report) == {2: -15, 3: 1}
+
+    run = RunFolder.create("lines", tmp_path / "run")
+    since = time.time()
+    run.heartbeat.mkdir()
+    (run.heartbeat / "rank_00000.json").write_text(json.dumps(      # an earlier launch's failure: not this one's
+        {"rank": 0, "pid": 1, "step": 3, "phase": "failed", "time": since - 60, "error": "ValueError: earlier"}))
+    Heartbeat(run.heartbeat, 3).fail(7, RunFolderError("run folder X: cannot write (No space left on device)"))
+    assert failure_lines(run.heartbeat, since, exits(report)) == [
+        "rank 2 was killed by SIGTERM",
+        "rank 3 exited with 1 after step 7: RunFolderError: run folder X: cannot write (No space left on device)"]
+    assert failure_lines(run.heartbeat, since, {1: 2}) == [
+        "rank 1 exited with 2 (no error recorded)",
+        "rank 3 failed after step 7: RunFolderError: run folder X: cannot write (No space left on device)"]
+
+    run.launcher_log.write_text("earlier launch: Worker process 1 exit with exception. Error code: 9.\n")
+    offset = run.launcher_log.stat().st_size
+    pid = read_heartbeats(run.heartbeat)[3]["pid"]
+    with open(run.launcher_log, "a") as log:
+        log.write(f"[ERROR] ME(1:2,MainProcess):[_api.py:365] Worker process {pid} exit with exception. "
+                  "Error code: 1.\n"
+                  "[ERROR] ME: Worker process 999999999 exit with exception. Error code: -9.\n")    # no heartbeat
+    assert msrun_exits(run, offset) == {3: 1}
