@@ -205,8 +205,8 @@ def test_workers_of_a_killed_plain_launcher_exit_within_seconds(tmp_path, backen
 
 
 TORCHRUN_REPORT = """\
-W1128 09:49:21.100000 13510 elastic/multiprocessing/api.py:900] Sending process 13518 closing signal SIGTERM
-E1128 09:49:21.200000 13510 elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 13519) of binary: python
+W1128 09:49:21.100000 13510 api.py:900] Sending process 13518 closing signal SIGTERM
+E1128 09:49:21.200000 13510 api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 13519) of binary: py
 Traceback (most recent call last):
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
