@@ -120,8 +120,9 @@ def _deepseek_v3_count(cfg: dict) -> int:
 
 def test_deepseek3_671b_converts_to_the_published_model():
     """MLA, MTP and the routing kept, 671.0B parameters as its own shape keys count them (37.6B
-    activated), no warning about the model but MindFormers' softmax temperature, and the
-    expert-parallel degree the IR cannot place yet named."""
+    activated), no warning about the model but MindFormers' softmax temperature, and its expert
+    parallel 32 over data_parallel 4 x model_parallel 8 kept: whole experts (etp 1), ep folded over
+    the tensor-parallel ranks too, as its grouped-GEMM experts run."""
     conv = _read("pretrain_deepseek3_671b")
     m = conv.job.model
     cfg = yaml.safe_load(PRETRAIN["pretrain_deepseek3_671b"].read_text())["model"]["model_config"]
@@ -132,8 +133,9 @@ def test_deepseek3_671b_converts_to_the_published_model():
                 "topk_group", "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "seq_aux_loss",
                 "TopkBiasBalanceCallback", "first_k_dense_replace"):
         assert not re.search(rf"\b{key}\b", text), key
-    assert "parallel_config.expert_parallel = 32: experts spread over tensor-parallel ranks too" in text
-    assert conv.job.strategy.ep == 4 and "read as ep = 4" in text
+    s = conv.job.strategy
+    assert (s.dp, s.tp, s.ep, s.etp, s.edp) == (4, 8, 32, 1, 1)
+    assert not re.search(r"expert_parallel|expert_model_parallel|strategy\.e", text)
     # the job we write back is MindFormers' DeepseekV3 with the same keys, plain softmax scale spelled out
     mc = yaml.safe_load(dump(conv, "mindformers2").text)["model"]["model_config"]
     assert {k: mc[k] for k in ("model_type", "n_routed_experts", "n_group", "topk_group", "first_k_dense_replace",
@@ -142,8 +144,11 @@ def test_deepseek3_671b_converts_to_the_published_model():
         {"model_type": "deepseek_v3", "n_routed_experts": 256, "n_group": 8, "topk_group": 4,
          "first_k_dense_replace": 3, "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-4,
          "num_nextn_predict_layers": 1, "rotary_scaling_factor": 1.0}
-    back = read(dump(conv, "mindformers2").text, "back.yaml", "mindformers")
+    written = dump(conv, "mindformers2")
+    assert not any("strategy.e" in w for w in written.warnings)
+    back = read(written.text, "back.yaml", "mindformers")
     assert back.job.model == m and not any(w.startswith("model") for w in back.warnings)
+    assert back.job.strategy.ep == 32 and back.job.strategy.etp == 1
 
 
 def test_the_expert_bias_moves_only_with_its_callback():

@@ -237,11 +237,11 @@ def test_qwen3_32b_2x_layout():
 def test_qwen3_moe_reads_model_moe_and_names_the_routing_it_cannot_express():
     conv = load(SHIPPED / "qwen3_moe" / "pretrain_qwen3_30b_a3b_4k.yaml", "mindformers")
     m, s = conv.job.model, conv.job.strategy
-    assert (m.ffn_hidden_size, s.ep) == (6144, 1)
+    assert (m.ffn_hidden_size, s.dp, s.tp, s.ep, s.etp) == (6144, 1, 4, 4, 1)     # ep over the mp ranks, whole experts
     assert m.moe == MoEConfig(num_experts=128, top_k=8, expert_ffn_hidden_size=768, normalize_top_k=False,
                               aux_loss_coeff=0.001, routed_scaling_factor=1.5)
     text = "\n".join(conv.warnings)
-    assert "parallel_config.expert_parallel = 4: experts spread over tensor-parallel ranks" in text
+    assert "expert_parallel" not in text
     assert "model.model_config.moe_router_load_balancing_type = gbs_aux_loss (the balance loss over the global " \
            "batch): not expressible" in text
     assert "norm_topk_prob" not in text and "router_aux_loss_coef" not in text     # read, or the same value
@@ -324,3 +324,63 @@ def test_context_parallel_algo_and_ring_attention(change, algorithm, warned):
                                               "colossalai_cp, not ulysses_cp"):
         read(ring.replace("  context_parallel: 2\n", "  context_parallel: 2\n  context_parallel_algo: ulysses_cp\n"),
              "ring.yaml")
+
+
+# r1.x LLaMA with MindSpore's MoEConfig (MoEV2), on dp 2 x mp 2 (the MindFormers oracle's model, small)
+MOE_R1 = {"model": {"model_config": {"num_layers": 2, "hidden_size": 256, "num_heads": 8, "vocab_size": 512,
+                                     "seq_length": 64, "intermediate_size": 512, "compute_dtype": "float32",
+                                     "param_init_type": "float32",
+                                     "moe_config": {"expert_num": 4, "num_experts_chosen": 2, "capacity_factor": 1.5,
+                                                    "routing_policy": "TopkRouterV2"}}},
+          "runner_config": {"batch_size": 1}}
+
+
+def _moe_r1(ep: int, expert_model_parallel=None, mcore: bool = False) -> str:
+    data = yaml.safe_load(yaml.safe_dump(MOE_R1))
+    data["parallel_config"] = {"data_parallel": 2, "model_parallel": 2, "expert_parallel": ep}
+    if expert_model_parallel is not None:
+        data["model"]["model_config"]["moe_config"]["expert_model_parallel"] = expert_model_parallel
+    return yaml.safe_dump(data)
+
+
+@pytest.mark.parametrize("ep, emp, etp, edp", [(2, None, 2, 1), (4, 1, 1, 1), (2, 1, 1, 2), (2, 2, 2, 1)])
+def test_r1_expert_model_parallel_is_expert_tensor_parallel(ep, emp, etp, edp):
+    """MoEV2 splits each expert over moe_config.expert_model_parallel ranks (unset: model_parallel) and
+    carves ep out of dp*mp / that: the IR's etp (-1 when it is model_parallel), folding ep over the
+    model-parallel ranks when it is 1. Written back the same."""
+    conv = read(_moe_r1(ep, emp), "moe.yaml")
+    s = conv.job.strategy
+    assert (s.ep, s.expert_tp, s.edp, s.etp) == (ep, etp, edp, -1 if etp == 2 else etp)
+    assert not any("expert" in w for w in conv.warnings)
+    out = dump(conv, "mindformers")
+    assert not any("strategy.e" in w for w in out.warnings)
+    written = yaml.safe_load(out.text)
+    assert written["model"]["model_config"]["moe_config"].get("expert_model_parallel") == (1 if etp == 1 else None)
+    assert read(out.text, "back.yaml").job.strategy == s
+
+
+def test_r1_expert_model_parallel_takes_1_or_model_parallel():
+    with pytest.raises(ConversionError, match=r"moe_config\.expert_model_parallel: got 3; MindFormers takes 1 or "
+                                              r"model_parallel = 2"):
+        read(_moe_r1(2, 3), "moe.yaml")
+
+
+def test_2x_experts_are_whole_and_a_split_expert_is_named():
+    """MindFormers 2.x trains grouped-GEMM experts, whole on every rank: etp 1 whatever
+    parallel_config.expert_model_parallel says (named when it says more); writing a strategy whose
+    experts are split names strategy.etp."""
+    two = {"use_legacy": False, "parallel_config": {"data_parallel": 2, "model_parallel": 2, "expert_parallel": 4,
+                                                    "expert_model_parallel": 2},
+           "model": {"model_config": {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256,
+                                      "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
+                                      "intermediate_size": 512, "num_experts": 4, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 64, "seq_length": 64}},
+           "runner_config": {"batch_size": 1}}
+    conv = read(yaml.safe_dump(two), "two.yaml")
+    assert (conv.job.strategy.ep, conv.job.strategy.etp) == (4, 1)
+    assert any(w.startswith("parallel_config.expert_model_parallel = 2: MindFormers 2.1's grouped-GEMM experts are "
+                            "whole") for w in conv.warnings)
+    assert not any("strategy.e" in w for w in dump(conv, "mindformers2").warnings)
+    split = dataclasses.replace(conv.job, strategy=dataclasses.replace(conv.job.strategy, ep=2, etp=2))
+    warnings = dump(from_job(split, 4), "mindformers2").warnings
+    assert any(w.startswith("strategy.etp = 2: MindFormers 2.1's grouped-GEMM experts are whole") for w in warnings)

@@ -166,9 +166,14 @@ def with_widths(moe: dict, model: dict, f: Fields | None = None, mc: str = "") -
     return moe
 
 
+def legacy_section(f: Fields, mc: str) -> str:
+    """Where r1.x holds its moe_config: in model_config, or at the top."""
+    return f"{mc}.moe_config" if f.has(f"{mc}.moe_config") else "moe_config"
+
+
 def read_legacy_moe(f: Fields, mc: str, model: dict) -> dict | None:
     """r1.x MoE: a moe_config section (in model_config or at the top), MindSpore's MoEConfig keys."""
-    section = f"{mc}.moe_config" if f.has(f"{mc}.moe_config") else "moe_config"
+    section = legacy_section(f, mc)
     if not f.get(f"{section}.expert_num", int, 0, ir="model.moe.num_experts"):
         return None
     moe = {}

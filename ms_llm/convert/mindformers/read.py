@@ -21,7 +21,8 @@ from pathlib import Path
 from ms_llm.convert.common import ConversionError, Converted, Fields, ReadOptions, make_job
 from ms_llm.convert.mindformers import pynative as mindformers_pynative
 from ms_llm.convert.mindformers.data import read_data
-from ms_llm.convert.mindformers.model import MC, Layout, layout_of, mindformers_ffn, read_dtypes, read_model
+from ms_llm.convert.mindformers.model import MC, MCORE, Layout, layout_of, mindformers_ffn, read_dtypes, read_model
+from ms_llm.convert.mindformers.moe import legacy_section
 from ms_llm.convert.mindformers.train import OPTIMIZERS, read_schedule
 from ms_llm.job import parse_yaml
 
@@ -85,10 +86,10 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     if cp > 1 and not model["flash_attention"]:
         raise f.error(f"{pc}.context_parallel", f"needs {MC}.use_flash_attention: True (MindFormers refuses "
                                                  "context parallel without it)")
-    ep = _expert_parallel(f, ep, dp * cp, (model["moe"] or {}).get("num_experts", 0), warnings)
+    ep, etp = _expert_parallel(f, layout, ep, (dp, cp, tp), (model["moe"] or {}).get("num_experts", 0), warnings)
     precision = _precision(f, layout, warnings)
     model["dtype"] = precision["param_dtype"]
-    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": sp,
+    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "sequence_parallel": sp,
                 "context_parallel": {"algorithm": algorithm},
                 "zero": _zero(f, dp, warnings), "pipeline": _pipeline(f, model["num_layers"], pp, warnings),
                 "recompute": _recompute(f, warnings), "precision": precision}
@@ -133,20 +134,38 @@ def _cp_algorithm(f: Fields, cp: int, warnings: list[str]) -> str:
     return "ring" if ring else CP_ALGOS[algo]
 
 
-def _expert_parallel(f: Fields, ep: int, dp_cp: int, experts: int, warnings: list[str]) -> int:
-    """MindFormers carves experts out of dp * tp (expert tensor parallel 1); the IR carves them out
-    of dp * cp. An ep the IR cannot place is named and read as the largest degree it can."""
-    if ep == 1:
-        return 1
+def _expert_parallel(f: Fields, layout: Layout, ep: int, degrees: tuple[int, int, int], experts: int,
+                     warnings: list[str]) -> tuple[int, int]:
+    """(ep, etp): MindFormers folds the experts over a stage's dp*cp*mp ranks as the IR does (edp x ep x
+    etp, ms_llm/strategy/mesh.py). r1.x's MoE (MoEV2) splits each expert's width over
+    moe_config.expert_model_parallel, 1 or model_parallel (unset: model_parallel, the IR's etp -1), and
+    carves ep out of dp*cp*mp / that. 2.x trains grouped-GEMM experts only (FFNGroupedGEMM), whole on
+    every rank with ep innermost over (dp*mp*cp/ep, ep): etp 1, whatever parallel_config.
+    expert_model_parallel (its expert_tensor_parallel_size, which only the unused batched experts read)
+    says. An ep that does not fold is named and read as the largest degree that does."""
+    dp, cp, tp = degrees
+    if layout is MCORE:
+        key = "parallel_config.expert_model_parallel"
+        given = f.get(key, int, None, ir="strategy.etp")
+        if experts and given not in (None, 1):
+            warnings.append(f"{key} = {given}: MindFormers 2.1's grouped-GEMM experts are whole on every rank (its "
+                            "expert_tensor_parallel_size is read by no expert layer it trains); read as etp = 1")
+        etp = 1 if experts else -1
+    else:
+        key = f"{legacy_section(f, MC)}.expert_model_parallel"
+        etp = f.get(key, int, -1, ir="strategy.etp")
+        if etp not in (-1, 1, tp):
+            raise f.error(key, f"got {etp}; MindFormers takes 1 or model_parallel = {tp} (its MoE refuses others)")
     if not experts:
-        warnings.append(f"parallel_config.expert_parallel = {ep}: the model has no experts; read as 1")
-        return 1
-    fit = math.gcd(math.gcd(ep, dp_cp), experts)
+        if ep != 1:
+            warnings.append(f"parallel_config.expert_parallel = {ep}: the model has no experts; read as 1")
+        return 1, -1
+    ranks = dp * cp * tp // (tp if etp == -1 else etp)
+    fit = math.gcd(math.gcd(ep, ranks), experts)
     if fit != ep:
-        warnings.append(f"parallel_config.expert_parallel = {ep}: experts spread over tensor-parallel ranks too "
-                        f"(MindFormers' expert tensor parallel 1) are not yet expressible; the IR carves ep out of "
-                        f"dp*cp = {dp_cp}: read as ep = {fit}")
-    return fit
+        warnings.append(f"parallel_config.expert_parallel = {ep}: the experts fold over dp*cp*mp / expert tensor "
+                        f"parallel = {ranks} ranks and {experts} experts; read as ep = {fit}")
+    return fit, etp
 
 
 def _check_mode(f: Fields, tp: int, pp: int, warnings: list[str]) -> None:

@@ -34,7 +34,7 @@ def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
     """The r1.x layout, or with `mcore` the 2.x one (mindformers2_yaml)."""
     m, s, t = job.model, job.strategy, job.train
     warnings: list[str] = []
-    expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep",
+    expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep", "strategy.etp",
                  "strategy.sequence_parallel", "strategy.pipeline", "strategy.zero.stage", "strategy.zero.shard_size",
                  "strategy.recompute", "strategy.precision", "train.global_batch_size", "train.micro_batch_size",
                  "train.seq_len", "train.steps", "train.seed", "train.log_every", "train.optimizer", "train.schedule",
@@ -60,6 +60,8 @@ def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
     parallel_config = {"data_parallel": s.dp, "model_parallel": s.tp, "context_parallel": s.cp,
                        "pipeline_stage": s.pp, "expert_parallel": s.ep, "use_seq_parallel": s.sequence_parallel,
                        "micro_batch_num": micro if s.pp > 1 else 1, "vocab_emb_dp": False}
+    if mcore:
+        _mcore_expert_tp(m, s, warnings)
     algorithm = cp_algorithm(job, "MindFormers' context_parallel_algo", warnings)
     if algorithm in ("ulysses", "allgather"):
         parallel_config["context_parallel_algo"] = CP_ALGOS[algorithm]
@@ -157,6 +159,13 @@ def _mcore_model_config(m, s, t, warnings: list[str]) -> dict:
     return mc
 
 
+def _mcore_expert_tp(m, s, warnings: list[str]) -> None:
+    """MindFormers 2.1 trains whole experts (grouped GEMM, expert tensor parallel 1)."""
+    if m.moe is not None and s.expert_tp != 1:
+        warnings.append(f"strategy.etp = {s.expert_tp}: MindFormers 2.1's grouped-GEMM experts are whole on every "
+                        f"rank (expert tensor parallel 1), ep {s.ep} folded over dp*cp*mp; not written")
+
+
 def _pipeline_keys(m, s) -> dict:
     """offset (layers per stage beyond the even share) and pp_interleave_num, as LayerSetting reads them."""
     pipe = s.pipeline
@@ -185,6 +194,11 @@ def _model_config(m, s, t, warnings: list[str]) -> dict:
                         "only with flash attention; use_flash_attention: True written")
     if m.moe is not None:
         mc["moe_config"] = write_legacy_moe(m, warnings)
+        if s.expert_tp == 1 and s.tp > 1:          # MoEV2: experts whole, ep folded over mp too
+            mc["moe_config"]["expert_model_parallel"] = 1
+        elif s.expert_tp != s.tp:
+            warnings.append(f"strategy.etp = {s.expert_tp}: r1.x's MoE splits an expert over 1 or model_parallel "
+                            f"= {s.tp} ranks; not written (model_parallel applies)")
     mc.update(_legacy_rope(m, warnings))
     if m.head_dim * m.num_heads != m.hidden_size:
         warnings.append(f"model.head_dim = {m.head_dim}: r1.x's LlamaConfig derives it as hidden_size / num_heads "
