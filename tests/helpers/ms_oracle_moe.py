@@ -1,7 +1,9 @@
 """The MoE part of the MindFormers oracle (tests/mindspore/test_ms_oracle.py): MindFormers 2.1's LLaMA with a
 moe_config (MoEV2: TopkRouterV2 + LlamaFeedForward with expert_num, capacity dispatch with static shapes,
 the experts' BatchMatMuls on (dp_moe, E, ep * capacity, H)) against ms_llm's MoE layer
-(ms_llm/mindspore/moe.py, lower_moe.py), at ep2, ep4 and ep8 with mp2 and dp.
+(ms_llm/mindspore/moe.py, lower_moe.py), at ep2, ep4 and ep8 with mp2 and dp, and with expert parallel
+folding: moe_config.expert_model_parallel 1 (whole experts, MoEV2's mp_moe, our etp 1) with ep4 over
+dp2 x mp2, where MoEV2 routes and dispatches over dp*mp token groups and so do we (lower_moe.py).
 
 Both dispatch by capacity per token group, one group per data-parallel rank: a CumSum over each
 group's copies, a Gather of the tokens into (groups, E, C, H), the experts on E over ep and the groups
@@ -50,6 +52,9 @@ CASES = {
                         {"moe_config": MOE}),
     "dp8_mp2_ep8_moe": ({"data_parallel": 8, "model_parallel": 2, "expert_parallel": 8, "vocab_emb_dp": False},
                         {"moe_config": {**MOE, "expert_num": 8}}),
+    # expert parallel folding: whole experts (expert_model_parallel 1), ep 4 over dp 2 x mp 2 (our etp 1)
+    "dp2_mp2_ep4_etp1_moe": ({"data_parallel": 2, "model_parallel": 2, "expert_parallel": 4, "vocab_emb_dp": False},
+                             {"moe_config": {**MOE, "expert_model_parallel": 1}}),
 }
 
 _NEVER_CALLED = "built but never called on MoEV2's path in these cases"

@@ -25,10 +25,13 @@ computed from (OpShard.layouts), what each rank holds whatever form MindSpore is
 primitives, the views that line them up with ours and what has no counterpart are in
 ms_oracle_deepseek.py. Four configs: dp2 x tp2 with sequence parallel and ep2,
 dp4 x ep4, the same dp2 x tp2 x ep2 over two pipeline stages (where MTP must sit with lm_head on the
-last), and dp2 x cp2 x ep2; DEEPSEEK_CHOICES names where MindFormers chooses otherwise. Two differences
+last), and dp2 x cp2 x ep2; DEEPSEEK_CHOICES names where MindFormers chooses otherwise. Three differences
 found were ours and are fixed: the plan kept the MLA latents whole over tp under sequence parallel
-(Megatron-core and MindFormers compute them on each rank's sequence chunk), and the router ran on
-tokens gathered over tp under sequence parallel (both route each rank's own chunk).
+(Megatron-core and MindFormers compute them on each rank's sequence chunk), the router ran on
+tokens gathered over tp under sequence parallel (both route each rank's own chunk), and the routed
+experts could not fold over tp: MindFormers 2.x keeps each expert whole with ep innermost over
+(dp*tp/ep, ep), which the converter now reads as etp 1 (expert parallel folding) and the plan lays out
+the same way.
 """
 from __future__ import annotations
 
@@ -53,6 +56,10 @@ from ms_llm.convert.common import ReadOptions
 from ms_llm.convert.mindformers.read import read
 from ms_llm.mindspore.lower import lower
 from ms_llm.mindspore.op_strategy import LayoutStrategy, OpShard, as_layout, whole_over
+from ms_llm.config.model import ModelConfig
+from ms_llm.config.schema import from_dict
+from ms_llm.config.train import TrainConfig
+from ms_llm.strategy.ir import ParallelStrategy
 from ms_llm.strategy.plan import plan
 
 pytestmark = pytest.mark.mindspore
@@ -561,6 +568,30 @@ def test_the_moe_all_to_all_placement_can_fail(oracle):
         ours[p + op] = good
 
 
+def test_expert_tensor_parallel_carved_from_dp_by_hand():
+    """ep2 x etp2 over dp4 (etp carved out of data parallel) has no MindFormers counterpart: its MoE splits an
+    expert over 1 or model_parallel ranks. So the experts' strategies, as MindSpore is given them, are checked
+    by hand: rank r = (ep, etp) = divmod(r, 2) holds experts 2ep, 2ep+1, the etp half of their width (gate
+    and down weights, the SwiGLU hidden) and every row of their two token groups (edp 1)."""
+    model = from_dict(ModelConfig, {"vocab_size": 512, "hidden_size": 256, "num_layers": 2, "num_heads": 8,
+                                    "ffn_hidden_size": 512, "max_seq_len": 64,
+                                    "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 128}}, "model")
+    p = plan(model, ParallelStrategy(dp=4, ep=2, etp=2), TrainConfig(global_batch_size=4, micro_batch_size=1,
+                                                                      seq_len=64), 4)
+    ops = {o.op: o for o in lower(p).ops}
+    x = "model.layers.0.mlp.experts."
+    expect = {(x + "bmm_gate", 0): lambda ep, etp: (ep, 0, 0),      # rows (E, G*C, H): whole over etp
+              (x + "bmm_gate", 1): lambda ep, etp: (ep, etp, 0),    # gate_proj (E, F, H)
+              (x + "bmm_down", 0): lambda ep, etp: (ep, 0, etp),    # SwiGLU hidden (E, G*C, F)
+              (x + "bmm_down", 1): lambda ep, etp: (ep, 0, etp)}    # down_proj (E, H, F)
+    for (op, i), block in expect.items():
+        given = ops[op].inputs[i]
+        assert Blocks.of(given, 4).owners == tuple(block(*divmod(r, 2)) for r in range(4)), (op, i, str(given))
+        if isinstance(given, LayoutStrategy):                       # as MindSpore builds it, too
+            assert Blocks.of(given.build().to_dict(), 4) == Blocks.of(given, 4)
+    assert Blocks.of(ops["model.layers.0.mlp.gate.matmul"].inputs[0], 4).splits == (4, 1)    # routed per dp rank
+
+
 # ---- DeepSeek-V3: MindFormers 2.1's own training graph (ms_oracle_deepseek.py) ----------------------
 
 DEEPSEEK_CHOICES = (
@@ -573,11 +604,6 @@ DEEPSEEK_CHOICES = (
            "sequence-parallel tokens, like its routed experts (tp folded into data parallel); the plan splits them "
            "over tp as a dense MLP (Megatron-core's SharedExpertMLP: column- then row-parallel), tp-fold less "
            "weight and optimizer memory for one all-gather and one reduce-scatter of the tokens."),
-    Choice(lambda dp, mp, cp, pc: mp > 1, ("model.layers.*.mlp.experts.*", "model.mtp.*.layer.mlp.experts.*"),
-           "routed experts under tp: MindFormers 2.1 folds tp into the experts' data parallel (device matrix "
-           "(dp*tp/ep, ep), ep innermost over the tp ranks) and keeps each expert whole; the plan keeps ep over "
-           "dp*cp and splits each expert's width over tp (Megatron-core's default expert_tensor_parallel_size = "
-           "tensor_model_parallel_size). MindFormers' expert_parallel beyond dp*cp is the converter's warned case."),
     Choice(lambda dp, mp, cp, pc: mp > 1, ("model.mtp.*.eh_proj.matmul",),
            "the MTP projection eh_proj: MindFormers replicates its (H, 2H) weight and runs it on each rank's "
            "sequence-parallel tokens; the plan makes it column-parallel over tp with its output gathered (the "
