@@ -63,6 +63,8 @@ def _auto_parallel_degrees(plan: ModelPlan) -> list[str]:
     """What only semi_auto_parallel runs: every split but data parallel's."""
     s = plan.strategy
     degrees = [f"{n}={getattr(s, n)}" for n in ("tp", "pp", "cp", "ep") if getattr(s, n) > 1]
+    if plan.model.moe is not None and s.etp > 1 and s.etp != s.tp:     # experts' width split apart from tp
+        degrees.append(f"etp={s.etp}")
     return degrees + (["sequence_parallel"] if s.sequence_parallel else [])
 
 

@@ -145,6 +145,7 @@ MS_REFUSALS = [
     ("moe-shared", {"dp": 2, "zero": {"stage": 1}, "precision": FP32}, 2, MOE4, [CPU],
      r"^strategy\.zero: MindSpore trains MoE through its compiled step only"),
     ("moe-ep", {"dp": 2, "ep": 2, "precision": FP32}, 2, MOE4, [CPU], r"^strategy: ep=2 needs"),
+    ("moe-etp", {"dp": 2, "etp": 2, "precision": FP32}, 2, MOE4, [CPU], r"^strategy: etp=2 needs"),
     ("moe-dropless", {"dp": 2, "ep": 2}, 2, {"moe": {"num_experts": 4}}, [ASCEND],
      r"^model\.moe\.capacity_factor: -1 \(dropless\) gives every expert a slot for every token on Ascend"),
     ("zero-bubble", {"pp": 2, "pipeline": {"schedule": "zero_bubble"}, "precision": FP32}, 2, {}, [ASCEND],
