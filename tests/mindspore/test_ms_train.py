@@ -73,13 +73,14 @@ def torch_losses(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.mindspore
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_dp2_losses_match_the_torch_backend(tmp_path, zero_stage, torch_losses):
-    """ZeRO changes where optimizer states live, not the arithmetic: stage 0 (one GRAPH-mode step)
-    and stage 1 (the shared engine) both follow torch dp2."""
+def test_dp2_losses_match_the_torch_backend(tmp_path, torch_losses):
+    """MindSpore dp2 (one GRAPH-mode step) from its own initial weights follows torch dp2 and the
+    single-process reference. The shared ZeRO engine on MindSpore is checked from different
+    initial replicas at stages 1-3 (test_zero_mindspore) and through ms-llm train at stage 3
+    (test_checkpoint_resume's torch -> MindSpore -> torch run)."""
     pytest.importorskip("mindspore")
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(JOB | {"strategy": {"dp": 2, "zero": {"stage": zero_stage}, "precision": FP32}}))
+    job_file.write_text(yaml.safe_dump(JOB | {"strategy": {"dp": 2, "precision": FP32}}))
     ms_losses = launch(job_file, "mindspore", tmp_path / "ms")
     trainer, reference = torch_losses
     assert len(ms_losses) == len(trainer) == len(reference) == 5
