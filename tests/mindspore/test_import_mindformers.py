@@ -183,6 +183,14 @@ def test_mindformers_resumes_the_export_with_the_same_next_losses(runs):
 
 
 @pytest.mark.slow
+def test_the_export_imports_back_without_a_config(runs, tmp_path):
+    source = Checkpoint.open(runs["tmp"] / "run_torch" / "checkpoints" / "step_00000006")
+    back = Checkpoint.open(write_foreign_run(mindformers.read_run(runs["tmp"] / "export", None), tmp_path))
+    assert back.step == 6 and back.model_config() == source.model_config() and back.names() == source.names()
+    assert all(np.array_equal(back.read_full(n), source.read_full(n)) for n in source.names())
+
+
+@pytest.mark.slow
 def test_bad_inputs_are_one_line(runs, tmp_path, capsys):
     legacy, yaml_file = runs["legacy"], runs["tmp"] / "mf.yaml"
     with pytest.raises(CheckpointError, match="records neither the head count"):

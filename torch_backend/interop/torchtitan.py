@@ -15,7 +15,8 @@ only DCP's classes, values with torch.load(weights_only=True), one tensor at a t
 
 The checkpoint holds no head count and no training settings, so read_run needs the run's config:
 torchtitan's TOML or 0.3 command line (ms_llm/convert/torchtitan), or an ms_llm job YAML (a flavor
-ms_llm has no model file for: `ms-llm convert-strategy CONFIG --model MODEL.yaml -o job.yaml`).
+ms_llm has no model file for: `ms-llm convert-strategy CONFIG --model MODEL.yaml -o job.yaml`);
+a folder ms_llm exported names its model in one more entry and reads back without one.
 
 write_run writes step-N the same way, with the fused wqkv moments of 0.3's llama3 flavors. torchtitan
 resumes from it with `--checkpoint.folder <out> --checkpoint.exclude_from_loading dataloader`, or
@@ -23,6 +24,7 @@ resumes from it with `--checkpoint.folder <out> --checkpoint.exclude_from_loadin
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -33,11 +35,13 @@ import torch
 from ms_llm.checkpoint import Checkpoint, optim_name, split_optim_name
 from ms_llm.checkpoint.interop import names
 from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor
+from ms_llm.checkpoint.storage.untrusted import parse_json
 from ms_llm.config.model import ModelConfig
+from ms_llm.config.schema import from_dict, to_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.convert import Converted, detect_format, read as read_config
 from ms_llm.convert.common import ConversionError, ReadOptions
-from ms_llm.errors import CheckpointError
+from ms_llm.errors import CheckpointError, MsLlmError
 from ms_llm.job import job_to_dict, load_section, read_text
 from ms_llm.run.lr import lr_at
 from torch_backend.checkpoint import DTYPE_NAMES, to_numpy
@@ -46,6 +50,9 @@ from torch_backend.dcp import DcpEntries, save_streamed
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STEP_FOLDER = re.compile(r"step-(\d+)")
 FUSED = "attention.qkv_linear.wqkv.weight"
+# The ms_llm model an export was written from (one entry torchtitan never asks for), so it imports back
+# without --config.
+MODEL_KEY = "ms_llm.model"
 # Files of Megatron-core's torch_dist format, which is DCP too: a folder with them is not torchtitan's.
 MEGATRON_FILES = ("metadata.json", "common.pt")
 
@@ -77,8 +84,11 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
     if step_folder is None:
         raise CheckpointError(f"{folder}: no torchtitan checkpoint here (a step-N folder holding DCP's .metadata)")
     entries = DcpEntries(step_folder)
-    conv = _converted(config, step_folder, _writers(entries))
-    model = conv.job.model
+    if config is None and entries.has(MODEL_KEY):         # an ms_llm export: it names its model
+        model, job, notes = _exported_model(entries), None, []
+    else:
+        conv = _converted(config, step_folder, _writers(entries))
+        model, job, notes = conv.job.model, job_to_dict(conv.job), list(conv.warnings)
     step = _integer(entries, "train_state.step")
     tensors, params = {}, []
     for key, (shape, dtype) in entries.tensors.items():
@@ -101,11 +111,10 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
     if state["optimizer_step"] > step:
         raise CheckpointError(f"{step_folder}: optimizer.state.{params[0]}.step is {state['optimizer_step']} but "
                               f"train_state.step is {step}")
-    notes = list(conv.warnings)
     if entries.has("dataloader") or any(k.startswith("dataloader.") for k in entries.metadata.state_dict_metadata):
         notes.append("torchtitan's data loader state is not carried: ms_llm's data order continues from step "
                      f"{step} (set train.data to the run's tokenized data)")
-    return ForeignRun("torchtitan", model, step, tensors, state, job_to_dict(conv.job), notes)
+    return ForeignRun("torchtitan", model, step, tensors, state, job, notes)
 
 
 def _converted(config: Optional[Path], folder: Path, world: Optional[int]) -> Converted:
@@ -124,6 +133,14 @@ def _converted(config: Optional[Path], folder: Path, world: Optional[int]) -> Co
             raise
         raise ConversionError(f"{exc}; for import-run, convert it first (ms-llm convert-strategy {config} --model "
                               "MODEL.yaml -o job.yaml) and pass that job as --config") from None
+
+
+def _exported_model(entries: DcpEntries) -> ModelConfig:
+    text = _value(entries, MODEL_KEY, (str,))
+    try:
+        return from_dict(ModelConfig, parse_json(text.encode(), f"{entries.folder}: {MODEL_KEY}"), "model")
+    except MsLlmError as exc:
+        raise CheckpointError(f"{entries.folder}: {MODEL_KEY}: {exc}") from None
 
 
 def _writers(entries: DcpEntries) -> Optional[int]:
@@ -211,7 +228,8 @@ def _value(entries: DcpEntries, key: str, kinds: tuple[type, ...]) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise CheckpointError(f"{entries.folder}: {key!r} is {type(value).__name__}; expected a number")
+        raise CheckpointError(f"{entries.folder}: {key!r} is {type(value).__name__}; expected "
+                              f"{' or '.join(k.__name__ for k in kinds)}")
     return value
 
 
@@ -254,6 +272,7 @@ def write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path:
     entries["lr_scheduler.last_epoch"] = step
     entries["train_state.step"] = step
     entries["train_state.ntokens_seen"] = step * train.global_batch_size * train.seq_len if job else 0
+    entries[MODEL_KEY] = json.dumps(to_dict(model, full=True))       # torchtitan loads only what it asks for
     return save_streamed(entries, folder)
 
 

@@ -26,7 +26,8 @@ global_step (Adam's bias-correction count), the loss scale when it is not 1 (sta
 the DynamicLossScaleUpdateCell's counters), the lr of the next step from the run's config.
 MindFormers' data position is its dataset's own; ms_llm's data order continues from the step.
 
-write_run writes the 1.x layout of one rank (rank_0/CKP_rank_0-<epoch>_<step>.safetensors and
+An export names its model in the safetensors metadata (ms_llm_model), so it imports back without
+--config. write_run writes the 1.x layout of one rank (rank_0/CKP_rank_0-<epoch>_<step>.safetensors and
 meta.json), which MindFormers resumes with `resume_training: True` and `load_checkpoint: <out>`
 (`auto_trans_ckpt: True` to load it under another parallel config).
 """
@@ -44,10 +45,12 @@ from ms_llm.checkpoint import Checkpoint, optim_name, split_optim_name
 from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor
 from ms_llm.checkpoint.storage.safetensors_io import TensorSpan, open_shard_file, read_header, storage_dtype, write_file
 from ms_llm.checkpoint.storage.untrusted import confined, parse_json, read_regular
+from ms_llm.config.model import ModelConfig
+from ms_llm.config.schema import from_dict, to_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.convert import read as read_config
 from ms_llm.convert.common import ReadOptions
-from ms_llm.errors import CheckpointError
+from ms_llm.errors import CheckpointError, MsLlmError
 from ms_llm.job import job_to_dict, load_section, read_text
 from ms_llm.run.loss_scale import GROWTH_INTERVAL
 from ms_llm.run.lr import lr_at
@@ -63,7 +66,8 @@ MOMENTS = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}
 # scale (and the dynamic scale cell's counters) and appended run facts.
 RUN_VALUES = ("epoch_num", "step_num", "global_step", "loss_scale", "global_batch_size", "scale_sense",
               "current_iterator_step", "last_overflow_iterator_step")
-SKIPPED_PREFIXES = ("accu_grads.",)         # gradient-accumulation buffers, not training state
+SKIPPED_PREFIXES = ("accu_grads.",)
+MODEL_KEY = "ms_llm_model"          # safetensors metadata of an ms_llm export: its model, so it imports back alone         # gradient-accumulation buffers, not training state
 # Hugging Face (ms_llm) name -> MindFormers LLaMA name (models/llama/convert_weight.py's name_replace).
 _TO_MINDFORMERS = {
     "model.embed_tokens.weight": "model.tok_embeddings.embedding_weight",
@@ -171,7 +175,7 @@ class _File:
 
     def __init__(self, path: Path):
         self.path = path
-        self.spans, _, _ = read_header(str(path))
+        self.spans, self.metadata, _ = read_header(str(path))
 
     def read(self, key: str) -> np.ndarray:
         span: TensorSpan = self.spans[key]
@@ -207,8 +211,12 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
         values.update({k: v for k in RUN_VALUES if (v := f.scalar(k)) is not None})
     values.update({k: float(v) for k, v in info.items() if k in RUN_VALUES and isinstance(v, (int, float))})
     where = str(paths[0].parent)
-    job = _job(config, where)
-    model = job.model
+    exported = next((f.metadata[MODEL_KEY] for f in files if MODEL_KEY in f.metadata), None)
+    if config is None and exported is not None:     # an ms_llm export: it names its model
+        job, model = None, _exported_model(exported, where)
+    else:
+        job = _job(config, where)
+        model = job.model
     tensors: dict[str, LazyTensor] = {}
     for f in files:
         for key in f.spans:
@@ -224,13 +232,15 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
     step, optimizer_step = _count(values, "step_num", where), _count(values, "global_step", where)
     if optimizer_step > step:
         raise CheckpointError(f"{where}: global_step {optimizer_step} is past step_num {step}")
-    state: dict[str, Any] = {"optimizer_step": optimizer_step, "lr": lr_at(step, job.train)}
+    state: dict[str, Any] = {"optimizer_step": optimizer_step}
+    if job is not None:
+        state["lr"] = lr_at(step, job.train)
     scale = _loss_scale(values, step, optimizer_step)
     if scale is not None:
         state["loss_scale"] = scale
     notes = ["MindFormers' data position is its dataset's: ms_llm's data order continues from step "
              f"{step} (set train.data to the run's tokenized data)"]
-    return ForeignRun("mindformers", model, step, tensors, state, job_to_dict(job), notes)
+    return ForeignRun("mindformers", model, step, tensors, state, job_to_dict(job) if job else None, notes)
 
 
 def _job(config: Optional[Path], where: str):
@@ -239,6 +249,13 @@ def _job(config: Optional[Path], where: str):
                               "settings; pass --config with the run's MindFormers YAML (or an ms_llm job YAML)")
     text = read_text(Path(config))
     return read_config(text, str(config), None, ReadOptions()).job
+
+
+def _exported_model(text: str, where: str) -> ModelConfig:
+    try:
+        return from_dict(ModelConfig, parse_json(text.encode(), f"{where}: {MODEL_KEY}"), "model")
+    except MsLlmError as exc:
+        raise CheckpointError(f"{where}: {MODEL_KEY}: {exc}") from None
 
 
 def _reader(f: _File, key: str):
@@ -303,6 +320,7 @@ def write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path:
         return values[key][1] if key in values else ckpt.read_full(sources[key])
 
     rank.mkdir(parents=True, exist_ok=True)
-    write_file(str(rank / name), entries, fetch, {"remove_redundancy": "False", "format": "ms"})
+    metadata = {"remove_redundancy": "False", "format": "ms", MODEL_KEY: json.dumps(to_dict(ckpt.model_config()))}
+    write_file(str(rank / name), entries, fetch, metadata)
     (rank / "meta.json").write_text(json.dumps({"last_epoch": epoch, "last_step": step, "last_ckpt_file": name}))
     return rank / name
