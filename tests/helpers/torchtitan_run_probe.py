@@ -6,10 +6,10 @@ this is Trainer.train_step with torchtitan's own parts, configured by its own Co
 command line: the llama3 model (torchtitan's blocks and init, fused q/k/v as its flavors build it) at the
 test's tiny size, the job's loss (ChunkedLossWrapper over CrossEntropyLoss: sum / tokens),
 OptimizersContainer, LRSchedulersContainer, dist_utils.clip_grad_norm_ and CheckpointManager with a
-ParallelAwareDataloader over the test's batches (one document per row: positions 0..T-1). Two departures, neither changing the math: attention is
-torchtitan's ScaledDotProductAttention (causal) because FlexAttention has no backward on CPU (block-causal
-masking of one document per row is causal), and parallelize_llama (FSDP of degree 1, whose mixed-precision
-policy is float32 in the test's job) is left out.
+ParallelAwareDataloader over the test's batches (one document per row: positions 0..T-1). Two departures,
+neither changing the math: attention is torchtitan's ScaledDotProductAttention (causal) because
+FlexAttention has no backward on CPU (block-causal masking of one document per row is causal), and
+parallelize_llama (FSDP of degree 1, whose mixed-precision policy is float32 in the test's job) is left out.
 
 argv[1]: JSON {"mode": "train" | "resume", "args": [torchtitan job arguments], "model": {dim, n_layers,
 n_heads, n_kv_heads, vocab_size, hidden_dim, max_seq_len, rope_theta, norm_eps}, "batches": .npy

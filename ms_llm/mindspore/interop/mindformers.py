@@ -66,8 +66,8 @@ MOMENTS = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}
 # scale (and the dynamic scale cell's counters) and appended run facts.
 RUN_VALUES = ("epoch_num", "step_num", "global_step", "loss_scale", "global_batch_size", "scale_sense",
               "current_iterator_step", "last_overflow_iterator_step")
-SKIPPED_PREFIXES = ("accu_grads.",)
-MODEL_KEY = "ms_llm_model"          # safetensors metadata of an ms_llm export: its model, so it imports back alone         # gradient-accumulation buffers, not training state
+SKIPPED_PREFIXES = ("accu_grads.",)         # gradient-accumulation buffers, not training state
+MODEL_KEY = "ms_llm_model"          # safetensors metadata of an ms_llm export: its model, so it imports back alone
 # Hugging Face (ms_llm) name -> MindFormers LLaMA name (models/llama/convert_weight.py's name_replace).
 _TO_MINDFORMERS = {
     "model.embed_tokens.weight": "model.tok_embeddings.embedding_weight",
