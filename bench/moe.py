@@ -13,14 +13,19 @@ ms_llm.mindspore.moe.MoE (a jitted forward + backward, graph mode) at the same s
 factor 1.25 (its static-shape token dispatch) and dropless, whose worst-case capacity gives every
 expert a slot for every token, the work the MindSpore layer did before it dispatched tokens.
 
-Expert parallelism: one torchrun launch runs ep1, ep2 and ep4 in turn on the same batches (4 ranks,
-dp 4, shared ZeRO-0); each times `--steps` training steps after 2 warm-up steps, and where an MoE
-layer's time goes: the all-to-all dispatch and combine (forward and backward) against the experts'
-matmuls (forward and backward). At ep1 every rank holds all 8 experts and sends nothing; at ep4
-each holds 2 and exchanges 3/4 of its routed token copies.
+Expert parallelism: one torchrun launch runs ep1, ep2, ep4 and ep2 x etp2 in turn on the same batches
+(4 ranks, dp 4, shared ZeRO-0); each times `--steps` training steps after 2 warm-up steps, and where an
+MoE layer's time goes: the all-to-all dispatch and combine (forward and backward) and, under etp, the
+gather of the dispatched rows over the etp ranks and the reduce-scatter of their partial outputs, against
+the experts' matmuls (forward and backward). At ep1 every rank holds all 8 experts and sends nothing; at
+ep4 each holds 2 and exchanges 3/4 of its routed token copies; ep2 x etp2 (etp carved out of dp: Megatron's
+MoE parallel folding) holds half the width of 4 experts. Beside the times, the memory per rank of the
+routed experts' weights, gradients and AdamW states: the cost model's (ms_llm.strategy.cost, MemoryBreakdown
+.experts) and the tensors rank 0 holds (gradients as the expert path reduces them).
 
     python bench/moe.py [--tokens 4096] [--repeats 5] [--threads 1] [--steps 8] [--seq 64]
     python bench/moe.py --quick      # tiny shapes, one round: checks the bench runs, in seconds
+    python bench/moe.py --table parallel --settings ep2_etp2     # some rows of one table
 """
 from __future__ import annotations
 
@@ -43,22 +48,29 @@ import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 
 import torch_backend.moe as moe  # noqa: E402
+import torch_backend.moe_dispatch as moe_dispatch  # noqa: E402
 from ms_llm.config.model import ModelConfig, MoEConfig  # noqa: E402
 from ms_llm.data import GlobalBatchSampler, build_stdlib_corpus, load_tokens  # noqa: E402
 from ms_llm.init import init_param  # noqa: E402
 from ms_llm.job import job_from_dict  # noqa: E402
 from ms_llm.machine import Machine  # noqa: E402
+from ms_llm.strategy.cost import memory  # noqa: E402
 from ms_llm.strategy.plan import plan as make_plan  # noqa: E402
+from ms_llm.strategy.shape import cost_shape  # noqa: E402
 from torch_backend.apply import apply  # noqa: E402
 from torch_backend.dist import init_distributed, shutdown  # noqa: E402
 from torch_backend.launch import torchrun  # noqa: E402
 from torch_backend.layers import MLP  # noqa: E402
 from torch_backend.lower import lower  # noqa: E402
 from torch_backend.mesh import build_meshes  # noqa: E402
+from torch_backend.parallelize.ep import ExpertGrads  # noqa: E402
 from torch_backend.step import TrainStep  # noqa: E402
 
-WORLD, GLOBAL_BATCH, EPS = 4, 16, (1, 2, 4)
-TIMES = {"all_to_all": 0.0, "experts": 0.0}
+WORLD, GLOBAL_BATCH = 4, 16
+# setting -> the expert degrees over dp 4 (etp carved out of dp: the experts fold as edp x ep x etp)
+SETTINGS = {"ep1": {"ep": 1}, "ep2": {"ep": 2}, "ep4": {"ep": 4}, "ep2_etp2": {"ep": 2, "etp": 2}}
+TIMES = {"all_to_all": 0.0, "etp": 0.0, "experts": 0.0}
+GRAD_BYTES = {"experts": 0}
 SEED = 7
 
 
@@ -187,8 +199,23 @@ class _Mark(torch.autograd.Function):
 
 
 def instrument() -> None:
-    """Time every all_to_all_single of the MoE layer, and the experts' forward and backward."""
+    """Time every all_to_all_single of the MoE layer, its gathers and reduce-scatters over etp, and the
+    experts' forward and backward; record the bytes of the expert gradients the expert path reduces."""
     raw_all_to_all, raw_experts = dist.all_to_all_single, moe.Experts.forward
+    raw_gather, raw_scatter, raw_reduce = moe_dispatch._all_gather_rows, moe_dispatch._reduce_scatter_rows, \
+        ExpertGrads.reduce
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            TIMES["etp"] += time.perf_counter() - t
+            return out
+        return call
+
+    def reduce(self):
+        GRAD_BYTES["experts"] = sum(p.grad.numel() * p.grad.element_size() for p in self.params.values())
+        return raw_reduce(self)
 
     def all_to_all_single(*args, **kwargs):
         t = time.perf_counter()
@@ -206,13 +233,24 @@ def instrument() -> None:
 
     moe.dist.all_to_all_single = all_to_all_single
     moe.Experts.forward = experts
+    moe_dispatch._all_gather_rows, moe_dispatch._reduce_scatter_rows = timed(raw_gather), timed(raw_scatter)
+    ExpertGrads.reduce = reduce
 
 
-def measure(ep: int, steps: int, seq: int, tokens_path: str) -> dict:
+def expert_bytes(lowered) -> int:
+    """The routed experts' weights, gradients and optimizer states this rank holds."""
+    experts = lowered.dp.experts
+    weights = sum(p.numel() * p.element_size() for p in experts.params.values())
+    states = sum(t.numel() * t.element_size() for st in experts.optimizer.state.values() for t in st.values()
+                 if torch.is_tensor(t) and t.dim() > 0)
+    return weights + GRAD_BYTES["experts"] + states
+
+
+def measure(setting: str, steps: int, seq: int, tokens_path: str) -> dict:
     model = yaml.safe_load((ROOT / "configs" / "models" / "tiny_moe.yaml").read_text())
     job = job_from_dict({
-        "name": f"moe_ep{ep}", "device": "cpu", "model": model,
-        "strategy": {"dp": WORLD, "ep": ep, "zero": {"engine": "shared"},
+        "name": f"moe_{setting}", "device": "cpu", "model": model,
+        "strategy": {"dp": WORLD, **SETTINGS[setting], "zero": {"engine": "shared"},
                      "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
         "train": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // WORLD, "seq_len": seq,
                   "steps": steps + 2, "seed": 7, "optimizer": {"name": "adamw", "lr": 1e-3}},
@@ -227,36 +265,38 @@ def measure(ep: int, steps: int, seq: int, tokens_path: str) -> dict:
     for k in range(2):
         step(k, batches[k])[0].item()
     dist.barrier()
-    TIMES.update(all_to_all=0.0, experts=0.0)
+    TIMES.update(all_to_all=0.0, etp=0.0, experts=0.0)
     t = time.perf_counter()
     for k in range(2, steps + 2):
         step(k, batches[k])[0].item()
     dist.barrier()
     wall = time.perf_counter() - t
-    parts = torch.tensor([TIMES["all_to_all"], TIMES["experts"]])
+    parts = torch.tensor([TIMES["all_to_all"], TIMES["etp"], TIMES["experts"]])
     dist.all_reduce(parts)
-    return {"ep": ep, "tokens_per_s": steps * GLOBAL_BATCH * seq / wall, "step_ms": 1e3 * wall / steps,
-            "all_to_all_ms": 1e3 * parts[0].item() / WORLD / steps, "experts_ms": 1e3 * parts[1].item() / WORLD / steps}
+    ms = (1e3 * parts / WORLD / steps).tolist()
+    return {"setting": setting, "tokens_per_s": steps * GLOBAL_BATCH * seq / wall, "step_ms": 1e3 * wall / steps,
+            "all_to_all_ms": ms[0], "etp_ms": ms[1], "experts_ms": ms[2],
+            "model_mb": memory(cost_shape(plan)).experts / 1e6, "measured_mb": expert_bytes(lowered) / 1e6}
 
 
 def worker(args) -> None:
     init_distributed()
     torch.set_num_threads(1)
     instrument()
-    rows = [measure(ep, args.steps, args.seq, args.corpus) for ep in EPS]
+    rows = [measure(setting, args.steps, args.seq, args.corpus) for setting in args.settings.split(",")]
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
     shutdown()
 
 
 def expert_parallel(args) -> None:
-    """Launch the ep1 / ep2 / ep4 workers and print their table."""
+    """Launch the workers of the ep settings and print their table."""
     tmp = ROOT / ".tmp"
     tmp.mkdir(exist_ok=True)
     corpus = str(build_stdlib_corpus(tmp / "bench-data", max_bytes=1_000_000))
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [*torchrun(WORLD), __file__, "--worker", "--corpus", corpus, "--steps", str(args.steps),
-           "--seq", str(args.seq)]
+           "--seq", str(args.seq), "--settings", args.settings]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -265,13 +305,16 @@ def expert_parallel(args) -> None:
     base = rows[0]["tokens_per_s"]
     print(f"expert parallel: tiny_moe (8 experts, top-2, 2 MoE layers), {WORLD} gloo ranks x 1 thread, dp {WORLD}, "
           f"global batch {GLOBAL_BATCH} x seq {args.seq}, AdamW, fp32; {args.steps} timed steps per row; "
-          f"per-rank ms per step")
-    print(f"{'setting':<8} {'tokens/s':>9} {'vs ep1':>7} {'step ms':>8} {'all-to-all ms':>14} {'experts ms':>11} "
-          f"{'a2a/experts':>12}")
+          f"per-rank ms per step; vs: tokens/s against the first row; expert MB: the routed experts' weights, "
+          f"gradients and AdamW states per rank, cost model and measured on rank 0")
+    print(f"{'setting':<9} {'tokens/s':>9} {'vs':>5} {'step ms':>8} {'all-to-all ms':>14} {'etp ms':>7} "
+          f"{'experts ms':>11} {'comm/experts':>13} {'expert MB model':>16} {'measured':>9}")
     for r in rows:
-        ratio = r["all_to_all_ms"] / r["experts_ms"] if r["experts_ms"] else float("nan")
-        print(f"ep{r['ep']:<6} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>7.2f} {r['step_ms']:>8.1f} "
-              f"{r['all_to_all_ms']:>14.2f} {r['experts_ms']:>11.2f} {ratio:>12.2f}")
+        comm = r["all_to_all_ms"] + r["etp_ms"]
+        ratio = comm / r["experts_ms"] if r["experts_ms"] else float("nan")
+        print(f"{r['setting']:<9} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>5.2f} {r['step_ms']:>8.1f} "
+              f"{r['all_to_all_ms']:>14.2f} {r['etp_ms']:>7.2f} {r['experts_ms']:>11.2f} {ratio:>13.2f} "
+              f"{r['model_mb']:>16.3f} {r['measured_mb']:>9.3f}")
 
 
 QUICK = {"experts": 8, "top_k": 2, "hidden": 32, "width": 16, "tokens": 64, "repeats": 1, "steps": 1, "seq": 16}
@@ -289,6 +332,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="timed training steps per ep setting")
     p.add_argument("--seq", type=int, default=64, help="sequence length of the ep settings")
     p.add_argument("--quick", action="store_true", help="tiny shapes, one round, one step: seconds")
+    p.add_argument("--table", choices=("all", "compute", "parallel"), default="all",
+                   help="the expert-compute table, the expert-parallel one, or both (default)")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help=f"comma-separated rows of the expert-parallel table, of {', '.join(SETTINGS)} (default all)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--corpus", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -296,9 +343,15 @@ def main() -> None:
         return worker(args)
     if args.quick:
         vars(args).update(QUICK)
-    expert_compute(args)
-    print()
-    expert_parallel(args)
+    unknown = set(args.settings.split(",")) - set(SETTINGS)
+    if unknown:
+        p.error(f"--settings: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SETTINGS)}")
+    if args.table in ("all", "compute"):
+        expert_compute(args)
+    if args.table == "all":
+        print()
+    if args.table in ("all", "parallel"):
+        expert_parallel(args)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def test_gpu_mfu_checks_model_and_fit_before_it_needs_a_gpu():
 
 def test_moe_bench_quick_prints_both_tables():
     """bench/moe.py --quick: the expert-compute table (torch MoE grouped, dense, padded, loop, the
-    MindSpore layer, each timed and against dense) and the ep1 / ep2 / ep4 table, at tiny shapes."""
+    MindSpore layer, each timed and against dense) and the ep1 / ep2 / ep4 / ep2 x etp2 table with the experts'
+    memory per rank, the cost model's equal to the tensors held, at tiny shapes."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--quick"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -86,5 +87,6 @@ def test_moe_bench_quick_prints_both_tables():
     assert re.fullmatch(r"MindSpore MoE \(capacity 1\.25\) / torch dense: \d+\.\d\d wall \(goal <= 1\.5 wall: "
                         r"(met|missed)\); dropless / capacity 1\.25: \d+\.\d", lines[9]), lines[9]
     assert lines[10] == "" and lines[11].startswith("expert parallel: tiny_moe (8 experts, top-2")
-    assert [line.split()[0] for line in lines[13:]] == ["ep1", "ep2", "ep4"]
-    assert all(len(line.split()) == 7 for line in lines[13:])
+    assert [line.split()[0] for line in lines[13:]] == ["ep1", "ep2", "ep4", "ep2_etp2"]
+    assert all(len(line.split()) == 10 for line in lines[13:])
+    assert all(line.split()[-2] == line.split()[-1] for line in lines[13:])     # expert MB: model = measured
