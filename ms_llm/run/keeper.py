@@ -3,8 +3,10 @@
 Holds an exclusive lock on ROOT/keeper.lock for its lifetime (one keeper per tier), writes
 its pid to ROOT/keeper.pid, verifies every checksum of each newly committed checkpoint once
 and seals it (seal.py: a restore then reads it without a second checksum pass), and removes
-ROOT when the job wrote ROOT/done or when no save touched ROOT/heartbeat for --ttl seconds.
-Started detached by memory_tier.MemoryTier.
+ROOT when the job wrote ROOT/done, when no save touched ROOT/heartbeat for --ttl seconds, or
+at once when the `ms-llm train` process the job runs under (plain launcher or elastic
+supervisor, its pid in the environment rank 0 passed on) is gone, killed outright included.
+Started detached by memory_tier.MemoryTier: it outlives a crashed trainer, not its launch.
 """
 from __future__ import annotations
 
@@ -12,15 +14,18 @@ import argparse
 import contextlib
 import fcntl
 import os
+import select
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.storage import commit as commit_mod
 from ms_llm.checkpoint.storage.seal import SEAL, fingerprint, write_seal
 from ms_llm.errors import CheckpointError
+from ms_llm.nodes import SUPERVISOR_ENV
 from ms_llm.run.memory_tier import DONE, HEARTBEAT, LOCK, PIDFILE
 
 
@@ -56,6 +61,29 @@ def seal_new(root: Path, failed: set[Path]) -> None:
             failed.add(folder)
 
 
+def watch_launcher() -> tuple[Optional[int], str]:
+    """(a pidfd of the launch's `ms-llm train` process, readable once it has exited; None when
+    there is none to watch) and why to release now ('' unless it is gone already). A pidfd, not
+    the pid, which the system may give to another process."""
+    pid = os.environ.get(SUPERVISOR_ENV)
+    if not pid:
+        return None, ""
+    try:
+        return os.pidfd_open(int(pid)), ""
+    except ProcessLookupError:
+        return None, f"its launcher (pid {pid}) is gone"
+    except (OSError, ValueError, AttributeError):      # no pidfd (Linux < 5.3): the ttl remains
+        return None, ""
+
+
+def wait(launcher: Optional[int], poll_s: float) -> str:
+    """Sleep `poll_s`, woken at once when the launcher exits: then why to release."""
+    if launcher is None:
+        time.sleep(poll_s)
+        return ""
+    return "its launcher is gone" if select.select([launcher], [], [], poll_s)[0] else ""
+
+
 def run(root: Path, ttl_s: float, poll_s: float) -> int:
     fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -66,9 +94,10 @@ def run(root: Path, ttl_s: float, poll_s: float) -> int:
     (root / PIDFILE).write_text(str(os.getpid()))
     print(f"keeper {os.getpid()}: keeping {root} (ttl {ttl_s:.0f} s)", flush=True)
     failed: set[Path] = set()
-    while not (reason := should_release(root, ttl_s, time.time())):
+    launcher, reason = watch_launcher()
+    while not reason and not (reason := should_release(root, ttl_s, time.time())):
         seal_new(root, failed)
-        time.sleep(poll_s)
+        reason = wait(launcher, poll_s)
     print(f"keeper {os.getpid()}: releasing {root}: {reason}", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     with contextlib.suppress(OSError):             # the last tier out removes the shared base folder

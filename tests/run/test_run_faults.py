@@ -21,6 +21,7 @@ from ms_llm.processes import alive, descendants, kill_all
 from ms_llm.run import RunFolder
 from ms_llm.run.folder import RunLock
 from ms_llm.run.heartbeat import read_heartbeats
+from ms_llm.run.memory_tier import MemoryTier
 from ms_llm.run.metrics import (MetricsLogger, StepMetrics, append_record, read_metrics, read_records,
                                 run_summary, whole_end)
 
@@ -80,7 +81,7 @@ def test_the_progress_follower_prints_the_steps_written_after_a_torn_tail(tmp_pa
     assert [line.split("|")[0].split()[1] for line in out] == ["3/4", "4/4"]
 
 
-def _torch_job(tmp: Path, steps: int, interval: int, backend: str = "torch") -> Path:
+def _torch_job(tmp: Path, steps: int, interval: int, backend: str = "torch", memory_tier: bool = False) -> Path:
     tokens = build_stdlib_corpus(tmp / "corpus")
     model = dict(name="faults", vocab_size=264, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
                  ffn_hidden_size=32, max_seq_len=16, dtype="float32")
@@ -89,7 +90,7 @@ def _torch_job(tmp: Path, steps: int, interval: int, backend: str = "torch") -> 
            "train": {"global_batch_size": 2, "micro_batch_size": 2, "seq_len": 8, "steps": steps, "seed": 3,
                      "log_every": 1, "optimizer": {"name": "adamw", "lr": 1e-3},
                      "schedule": {"warmup_steps": 1, "decay": "constant"}, "data": {"source": str(tokens)},
-                     "checkpoint": {"interval": interval}}}
+                     "checkpoint": {"interval": interval, "memory_tier": memory_tier}}}
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -202,6 +203,35 @@ def test_workers_of_a_killed_plain_launcher_exit_within_seconds(tmp_path, backen
     left = [p for p in below if alive(p)]
     kill_all(left)
     assert left == []
+
+
+@pytest.mark.slow
+def test_the_memory_tier_of_a_killed_elastic_launcher_is_freed_within_seconds(tmp_path):
+    """--elastic with memory_tier: true, then kill -9 of `ms-llm train` (the supervisor: nothing
+    of it runs to clean up). The snapshot keeper, detached from the workers so that it outlives a
+    crashed trainer, sees its launcher gone and removes the tier from /dev/shm at once (it used
+    to keep it for the hour of its ttl). The keeper is the same for both backends: torch shows it."""
+    config, run = _torch_job(tmp_path, steps=100_000, interval=1, memory_tier=True), tmp_path / "run"
+    tier = MemoryTier.for_run("faults", run)
+    launcher = subprocess.Popen([sys.executable, "-m", "ms_llm", "train", str(config), "--run-dir", str(run),
+                                 "--elastic"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_training(run, launcher)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and launcher.poll() is None and tier.latest() is None:
+            time.sleep(0.1)                         # a snapshot in /dev/shm, its keeper holding it
+        keeper = tier.keeper_pid()
+        assert tier.latest() is not None and keeper is not None and alive(keeper)
+    finally:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+    killed = time.monotonic()
+    while time.monotonic() < killed + 10 and (alive(keeper) or tier.root.exists()):
+        time.sleep(0.05)
+    left = [keeper] if alive(keeper) else []
+    kill_all(left)
+    tier.release()
+    assert left == [] and not tier.root.exists(), f"after {time.monotonic() - killed:.1f} s"
 
 
 TORCHRUN_REPORT = """\
