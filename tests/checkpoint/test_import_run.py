@@ -128,6 +128,20 @@ def test_a_read_that_differs_from_its_header_names_the_tensor(tmp_path):
     assert list(tmp_path.iterdir()) == []                  # the half-written step is gone
 
 
+def test_the_iteration_tracker_tells_megatron_from_mindformers(tmp_path):
+    """Megatron-LM and MindFormers 2.x both keep latest_checkpointed_iteration.txt at the root, beside
+    iter_NNNNNNN and iteration_NNNNNNNN folders; a folder that looks like both is refused, not guessed."""
+    megatron, mindformers = tmp_path / "megatron", tmp_path / "mindformers"
+    for root, step in ((megatron, "iter_0000003"), (mindformers, "iteration_00000003")):
+        (root / step).mkdir(parents=True)
+        (root / "latest_checkpointed_iteration.txt").write_text("3")
+    assert detect_format(megatron) == "megatron" and detect_format(mindformers) == "mindformers"
+    (mindformers / "iter_0000003").mkdir()
+    with pytest.raises(CheckpointError, match=r"looks like a checkpoint of megatron and of mindformers; name its "
+                                              r"format with --format megatron\|mindformers"):
+        detect_format(mindformers)
+
+
 def test_registry_names_the_folder_and_every_format(tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(CheckpointError) as err:

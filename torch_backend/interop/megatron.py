@@ -57,7 +57,11 @@ DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, 
 
 def detect(folder: Path) -> bool:
     folder = Path(folder)
-    if (folder / TRACKER).is_file() or any(folder.glob("mp_rank_*/model_optim_rng.pt")):
+    # MindFormers 2.x writes the same tracker file beside iteration_NNNNNNNN folders: Megatron's are
+    # iter_NNNNNNN (or release).
+    if (folder / TRACKER).is_file() and (any(folder.glob("iter_*")) or (folder / "release").is_dir()):
+        return True
+    if any(folder.glob("mp_rank_*/model_optim_rng.pt")):
         return True
     meta = folder / "metadata.json"
     if not meta.is_file() or meta.stat().st_size > 4096:

@@ -43,7 +43,7 @@ def detect_format(folder: str | Path) -> str:
     folder = Path(folder)
     if not folder.exists():
         raise CheckpointError(f"{folder}: no such file or folder")
-    tried, unavailable = [], []
+    tried, unavailable, matched = [], [], []
     for fmt in PEERS:
         try:
             module = peer_module(fmt)
@@ -52,7 +52,12 @@ def detect_format(folder: str | Path) -> str:
             continue
         tried.append(fmt)
         if module.detect(folder):
-            return fmt
+            matched.append(fmt)
+    if len(matched) == 1:
+        return matched[0]
+    if matched:
+        raise CheckpointError(f"{folder}: looks like a checkpoint of {' and of '.join(matched)}; name its format with "
+                              f"--format {'|'.join(matched)}")
     looked = [f"not {' / '.join(tried)}"] if tried else []
     looked += [f"{', '.join(unavailable)} cannot be read here (their code does not import)"] if unavailable else []
     raise CheckpointError(f"{folder}: not a checkpoint of a format ms_llm knows ({'; '.join(looked)}); name it with "
