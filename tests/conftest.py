@@ -29,6 +29,7 @@ LONGEST_FIRST = (
     "mindspore/test_ms_deepseek.py", "mindspore/test_ms_deepseek_train.py", "mindspore/test_ms_moe.py",
     "mindspore/test_ms_compile_cache.py", "torch/test_torch_deepseek_matrix.py",
     "checkpoint/test_import_megatron.py",
+    "checkpoint/test_import_deepspeed.py",
     "torch/test_torch_fp16.py", "mindspore/test_ms_train.py", "cli/test_readme.py", "torch/test_torch_moe_matrix.py",
     "torch/test_zero_torch.py", "convert/test_convert_peers.py", "data/test_data_train.py", "cli/test_boundary.py",
     "cli/test_fuzz.py", "torch/test_torch_cp_long.py", "checkpoint/test_import_run.py",

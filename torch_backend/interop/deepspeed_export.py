@@ -48,12 +48,14 @@ from ms_llm.job import JobConfig, job_from_dict
 from ms_llm.run.lr import lr_at
 from ms_llm.strategy.ir import ParallelStrategy
 from torch_backend.checkpoint import to_numpy
-from torch_backend.interop.deepspeed import (HF_CONFIG, LATEST, MODEL_STATES, MOMENTS, OPTIM_STATES, RANK_MODEL_STATES,
-                                             DynamicLossScaler, FragmentAddress, LossScaler, _Peer)
+from torch_backend.interop.deepspeed_files import (HF_CONFIG, LATEST, MODEL_STATES, MOMENTS, OPTIM_STATES,
+                                                   RANK_MODEL_STATES, DynamicLossScaler, FragmentAddress, LossScaler,
+                                                   _Peer)
 
 DS_VERSION = "0.19.8"                        # the DeepSpeed release whose layout this writes
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SUB_GROUP_SIZE = 10 ** 9                     # zero_optimization.sub_group_size's default (ZeRO-3)
+TIED = ("model.embed_tokens.weight", "lm_head.weight")     # a tied head: one parameter, both names in the module
 
 
 class _PeerPickler(pickle._Pickler):
@@ -183,7 +185,7 @@ def write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path:
     state = ckpt.state
     optimizer_step = int(state.get("optimizer_step", step)) if has_moments else 0
     layout = Zero3(params, target) if target.stage == 3 else Zero12(params, target)
-    header = _header(target, step, optimizer_step, state)
+    header = _header(target, step, optimizer_step)
     files = layout.files(tag, header, _optimizer(target, step, optimizer_step, state, len(layout.groups)))
     for f in files:
         f.save()
@@ -194,8 +196,7 @@ def write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path:
             for kind in MOMENTS:
                 arrays[kind] = (ckpt.read_full(optim_name(kind, name)).astype(np.float32, copy=False).reshape(-1)
                                 if has_moments else np.zeros(arrays["fp32"].size, np.float32))
-            lp = arrays["fp32"] if target.dtype == "float32" else \
-                to_numpy(torch.from_numpy(arrays["fp32"]).to(TORCH[target.dtype])).view(np.uint16)
+            lp = _lp(ckpt, name, arrays["fp32"], target.dtype)
             for f in files:
                 layout.fill(f, fds[f.path], name, arrays, lp)
             del arrays, lp
@@ -208,6 +209,16 @@ def write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path:
     return out
 
 
+def _lp(ckpt: Checkpoint, name: str, master: np.ndarray, dtype: str) -> np.ndarray:
+    """The module's weight in the training dtype, flat (bfloat16 as its bits): the checkpoint's own
+    where it has that dtype, else the master rounded (what DeepSpeed copies into its 16-bit weights)."""
+    if dtype == "float32":
+        return master
+    if ckpt.entry(name).dtype == dtype:
+        return ckpt.read_full(name).reshape(-1)
+    return to_numpy(torch.from_numpy(master).to(TORCH[dtype])).reshape(-1)
+
+
 def _master(ckpt: Checkpoint, name: str) -> np.ndarray:
     """The fp32 master weight, flat: optim.master.<name> where the checkpoint keeps one, else the weight."""
     key = optim_name("master", name) if optim_name("master", name) in ckpt.index.tensors else name
@@ -217,9 +228,10 @@ def _master(ckpt: Checkpoint, name: str) -> np.ndarray:
     return array.astype(np.float32, copy=False).reshape(-1)
 
 
-def _header(target: Target, step: int, optimizer_step: int, state: dict) -> dict:
-    """What every model-states file holds besides the module."""
-    return {"buffer_names": [], "optimizer": None, "frozen_param_shapes": OrderedDict(), "shared_params": {},
+def _header(target: Target, step: int, optimizer_step: int) -> dict:
+    """What every model-states file holds besides the module (a tied head is the embedding's)."""
+    shared = {TIED[1]: TIED[0]} if target.job.model.tie_embeddings else {}
+    return {"buffer_names": [], "optimizer": None, "frozen_param_shapes": OrderedDict(), "shared_params": shared,
             "frozen_param_fragments": OrderedDict(), "lr_scheduler": {"last_batch_iteration": step - 1},
             "data_sampler": None, "random_ltd": None, "skipped_steps": step - optimizer_step, "global_steps": step,
             "global_samples": step * target.job.train.global_batch_size, "dp_world_size": target.dp,
@@ -238,11 +250,14 @@ def _optimizer(target: Target, step: int, optimizer_step: int, state: dict, grou
     scale = state.get("loss_scale") or {}
     fp16 = target.ds_config.get("fp16") or {}
     if target.dtype == "float16" and fp16.get("loss_scale", 0) == 0:
-        scaler = _peer(DynamicLossScaler, cur_scale=float(scale.get("scale", 2.0 ** fp16.get("initial_scale_power", 16))),
-                       dynamic=True, cur_iter=step, last_overflow_iter=step - int(scale.get("good_steps", 0)) - 1,
-                       scale_factor=2.0, scale_window=int(fp16.get("loss_scale_window", 1000)),
-                       min_scale=float(fp16.get("min_loss_scale", 1)), delayed_shift=int(fp16.get("hysteresis", 2)),
-                       cur_hysteresis=int(fp16.get("hysteresis", 2)),
+        initial = 2.0 ** fp16.get("initial_scale_power", 16)
+        hysteresis = int(fp16.get("hysteresis", 2))
+        # DeepSpeed's DynamicLossScaler attributes; it doubles after scale_window steps since the last overflow
+        scaler = _peer(DynamicLossScaler, cur_scale=float(scale.get("scale", initial)), dynamic=True, cur_iter=step,
+                       last_overflow_iter=step - int(scale.get("good_steps", 0)) - 1, scale_factor=2.0,
+                       scale_window=int(fp16.get("loss_scale_window", 1000)),
+                       min_scale=float(fp16.get("min_loss_scale", 1)), delayed_shift=hysteresis,
+                       cur_hysteresis=hysteresis,
                        consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
                        raise_error_at_min_scale=True, dtype=torch.float16)
     else:
@@ -280,6 +295,8 @@ class Zero12:
         lp = TORCH[self.target.dtype]
         states = _File(tag / MODEL_STATES, {})
         module = OrderedDict((n, states.placeholder(math.prod(s), lp, n).view(s)) for n, s in self.params.items())
+        if self.target.job.model.tie_embeddings:
+            module[TIED[1]] = module[TIED[0]]
         states.obj = {"module": module, **header,
                       "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in self.params.items())]}
         files = [states]
@@ -347,7 +364,10 @@ class Zero3:
         files = []
         for rank in range(self.target.dp):
             states = _File(tag / RANK_MODEL_STATES.format(rank), {})
-            states.obj = {"module": OrderedDict((n, torch.empty(0, dtype=lp)) for n in self.params), **header,
+            module = OrderedDict((n, torch.empty(0, dtype=lp)) for n in self.params)
+            if self.target.job.model.tie_embeddings:
+                module[TIED[1]] = module[TIED[0]]
+            states.obj = {"module": module, **header,
                           "param_shapes": [OrderedDict((n, torch.Size(self.params[n])) for n in names)
                                            for names in self.groups]}
             f = _File(tag / OPTIM_STATES.format(prefix, rank), {}, rank)
