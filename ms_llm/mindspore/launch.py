@@ -93,6 +93,8 @@ def spawn(job: JobConfig, run: RunFolder, world: int, nodes: Nodes,
     # HCCL (Ascend) fails a collective whose peer does not arrive within HCCL_EXEC_TIMEOUT seconds
     # (Atlas training parts round it down to a multiple of 68, at least 68): the same bound as torch's.
     env.setdefault("HCCL_EXEC_TIMEOUT", str(max(68, int(collective_timeout_s()))))
+    # On CPU (MindSpore's own ring all-reduce) a send waits MS_CPU_COMM_OP_TIMEOUT seconds for its peer.
+    env.setdefault("MS_CPU_COMM_OP_TIMEOUT", str(int(collective_timeout_s())))
     gate = env.get(GATE_ENV)            # a standby's logs apart: msrun would truncate the running launch's
     cmd = msrun_command(run, world, nodes, nodes.master_port or free_port(),          # (it checks MindSpore is there)
                         run.logs / Path(gate).name if gate else None)

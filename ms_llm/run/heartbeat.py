@@ -71,9 +71,19 @@ class Heartbeat:
 
     def fail(self, step: int, exc: BaseException) -> None:
         """Best effort: on a full disk even this small file may not be written."""
-        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         with contextlib.suppress(RunFolderError):          # the worker's own exit status still reports it
-            self.beat(step, phase="failed", error=f"{type(exc).__name__}: {text}", cause=failure_cause(exc))
+            self.beat(step, phase="failed", error=f"{type(exc).__name__}: {first_line(exc)}",
+                      cause=failure_cause(exc))
+
+
+def first_line(exc: BaseException) -> str:
+    """The error's first line that says something. MindSpore's open with a rule of dashes and a
+    heading ('- Kernel error:') before the line that names what failed."""
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if line.strip("-= ") and not (line.startswith("- ") and line.endswith(":")):
+            return line
+    return type(exc).__name__
 
 
 def read_heartbeats(folder: Path) -> dict[int, dict]:

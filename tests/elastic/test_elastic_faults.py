@@ -177,12 +177,15 @@ def test_shrink_on_failure_then_grow_when_capacity_returns(reference):
 
 
 @pytest.mark.slow
-def test_stopped_rank_is_detected_then_too_many_failures_stop_with_a_report(reference):
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_stopped_rank_is_detected_then_too_many_failures_stop_with_a_report(reference, backend):
     """SIGSTOP: the rank's heartbeat stops, the supervisor kills every worker (the stopped one
     too) and resumes. A second failure exceeds --max-restarts 1: the job stops with a report
-    and every checkpoint on disk loads."""
-    tmp, _, config, _, _ = reference
-    run = tmp / "stop"
+    and every checkpoint on disk loads. On MindSpore (CPU: HCCL_EXEC_TIMEOUT is Ascend's) the
+    stopped rank's peer waits in its all-reduce until the supervisor's hang detection stops both."""
+    tmp, tokens, config, _, _ = reference
+    config = _ms_job(tmp, tokens) if backend == "mindspore" else config
+    run = tmp / f"stop-{backend}"
     proc = _start(_cmd(config, run, 2, "--elastic", "--max-restarts", "1", "--hang-timeout", "4"))
     chaos = Chaos(run, proc)
     chaos.strike(1, 5, signal.SIGSTOP)
@@ -426,4 +429,27 @@ def test_mindspore_shrinks_dp2_to_dp1_on_a_failure(reference):
         resumed, repeated)
     for k in repeated:
         assert losses[k][1] == pytest.approx(losses[k][0], abs=1e-5), k
+    _no_workers_left(run)
+
+
+@pytest.mark.slow
+def test_mindspore_collective_on_cpu_times_out_like_torch(corpus):
+    """A plain MindSpore launch (no supervisor) with rank 1 stopped: rank 0's all-reduce fails after
+    the launch's collective timeout (MS_LLM_COLLECTIVE_TIMEOUT_S, 5 s here, which the launcher gives
+    MindSpore's CPU ring all-reduce as MS_CPU_COMM_OP_TIMEOUT; MindSpore's own default is 30 s, torch
+    has the same bound through gloo). The launch ends with a line naming rank 0's error, no hang."""
+    tmp, tokens = corpus
+    run = tmp / "ms-collective"
+    cmd = [sys.executable, "-m", "ms_llm", "train", str(_tiny_job(tmp, tokens, "mindspore")), "--run-dir", str(run),
+           "--nproc", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=dict(os.environ, MS_LLM_COLLECTIVE_TIMEOUT_S="5"))
+    stopped = Chaos(run, proc).strike(1, 3, signal.SIGSTOP)
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-3000:]
+    waiter = read_heartbeats(run / "heartbeat")[0]
+    assert waiter["phase"] == "failed" and "AllReduce" in waiter["error"], waiter
+    assert 5 <= waiter["time"] - stopped["time"] < 25, (waiter, stopped)       # the failure recorded ~3 s after
+    line = f"ms-llm train: workers failed (exit 1): {waiter['error']}"
+    assert out.splitlines()[-1].startswith(line) and "Traceback" not in out, out[-3000:]
     _no_workers_left(run)
