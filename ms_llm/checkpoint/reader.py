@@ -31,7 +31,7 @@ from ms_llm.checkpoint.storage import commit as commit_mod
 from ms_llm.checkpoint.storage.boxes import Region, byte_run, intersect, local_slices
 from ms_llm.checkpoint.storage.collector import collector_paused
 from ms_llm.checkpoint.storage.format import INDEX, Index, ShardEntry, TensorEntry, decode_state, parse_shard
-from ms_llm.checkpoint.storage.index_parts import part_name
+from ms_llm.checkpoint.storage.index_parts import RawShards, part_name
 from ms_llm.checkpoint.storage.safetensors_io import TensorSpan, open_shard_file, read_header, storage_dtype
 from ms_llm.checkpoint.storage.seal import Seal
 from ms_llm.checkpoint.storage.transfer import BoxMove, Checked, Move, Mover, RunMove, Shard, check_shard
@@ -221,9 +221,9 @@ class Checkpoint:
         """Every shard index part `rank` lists, as a same-layout load of that rank would find it."""
         where = str(self.folder / part_name(rank))
         for name, shards in self.index.parts.part(rank).items():
-            entry = self.index.tensors[name]
-            for i, raw in enumerate(shards):
-                self._verify_shard(entry, parse_shard(raw, (where, i), name, entry.shape, entry.itemsize))
+            entry, raw = self.index.tensors[name], RawShards(shards, [(where, len(shards))])
+            for i in range(len(shards)):
+                self._verify_shard(entry, parse_shard(raw, i, name, entry.shape, entry.itemsize))
 
     def _verify_tensor(self, name: str) -> None:
         entry = self.index.tensors[name]
@@ -256,8 +256,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {entry.shape}; the wanted box "
                                   f"{region.offsets}+{region.sizes} does not fit (a different model config?)")
         size = dtype.itemsize
-        # Saved shards whose bounding box misses the wanted one are skipped before their sub-boxes.
-        near = entry.shards_near(region)
+        # Saved shards whose raw box surely misses the wanted one are not even parsed (maybe_near).
+        near = entry.maybe_near(region)
         overlaps = [(wp, k, sp, box) for wp in region.pieces() for k, saved in near for sp in saved.region.pieces()
                     if (box := intersect(wp.offsets, wp.sizes, sp.offsets, sp.sizes)) is not None]
         # The files to read hold what the index says, before anything is allocated.

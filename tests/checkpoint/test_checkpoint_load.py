@@ -259,6 +259,29 @@ def test_a_load_parses_only_the_shards_it_reads(tp4):
         assert max(parsed.values()) == most and len(c.index.tensors[W].shards) == 4, parsed
 
 
+def test_split_values_shared_by_tensors_are_checked_for_each(tp4, tmp_path):
+    """A layout's tensors repeat the same `parts` runs and `split` in the head, and a load parses
+    each distinct value once: a malformed one is still refused for every tensor that holds it,
+    each refusal naming its own tensor, while the tensors holding a well-formed one read exactly."""
+    ref, folder = tp4
+    copy = tmp_path / folder.name
+    shutil.copytree(folder, copy)
+    head = json.loads((copy / "index.json").read_text())
+    bad = [f"model.layers.{i}.mlp.gate_proj.weight" for i in (0, 1)]
+    for name in bad:
+        head["tensors"][name]["split"] = [[0, 32.0, [[1, 4]]]]
+    (copy / "index.json").write_text(json.dumps(head))
+    pieces = rank_pieces(plan_for({"tp": 2, "pp": 2}, 4), 0)
+    good = [n for n in pieces if n.endswith("up_proj.weight")]
+    with Checkpoint(copy, rank=0) as c:
+        first = c.read_pieces({good[0]: pieces[good[0]]})       # its split text parsed first
+        for name in bad:
+            with pytest.raises(CheckpointError, match=rf"tensor '{name}': 'split\[1\]' is 32.0"):
+                c.read_pieces({name: pieces[name]})
+        got = first | c.read_pieces({n: pieces[n] for n in good[1:]})
+    assert len(good) > 1 and all(np.array_equal(got[n], cut(ref[n], pieces[n].region)) for n in good)
+
+
 def test_parsing_and_planning_a_load_pause_the_collector(tp4, monkeypatch):
     """The index parse and the planning allocate thousands of acyclic objects: with the
     collector on, each of its thresholds would traverse them again. At a threshold low enough

@@ -202,10 +202,13 @@ class TensorEntry:
     def shards_near(self, region: Region) -> list[tuple[int, ShardEntry]]:
         """The shards whose box meets `region`'s box, each with its position in the list it was
         found in (all the tensor's shards, or those of the savers a split narrows the read to)."""
-        candidates = (self.shards.maybe_near(region) if isinstance(self.shards, ParsedShards)
-                      else list(enumerate(self.shards)))
-        return [(k, s) for k, s in candidates
+        return [(k, s) for k, s in self.maybe_near(region)
                 if intersect(region.offsets, region.sizes, s.region.offsets, s.region.sizes)]
+
+    def maybe_near(self, region: Region) -> list[tuple[int, ShardEntry]]:
+        """shards_near without its last check, for a caller that intersects the boxes anyway:
+        a few shards that miss the region may remain."""
+        return self.shards.maybe_near(region) if isinstance(self.shards, ParsedShards) else list(enumerate(self.shards))
 
 
 class SavedBy:
@@ -223,11 +226,14 @@ class SavedBy:
         """The savers' rank runs; None for a head that does not name them (every part holds some)."""
         if self._holders is None:
             return None
-        return parse_rank_ranges(self._holders, len(self.parts.records), self.where)
+        return self.parts.once(("parts", str(self._holders)),
+                               lambda: parse_rank_ranges(self._holders, len(self.parts.records), self.where))
 
     @cached_property
     def grids(self) -> tuple[Grid, ...]:
-        return parse_split(self.split, sum(len(run) for run in self.holders), len(self.shape), self.where)
+        savers = sum(len(run) for run in self.holders)
+        return self.parts.once(("split", str(self.split), savers, len(self.shape)),
+                               lambda: parse_split(self.split, savers, len(self.shape), self.where))
 
     def shards(self) -> RawShards:
         """Every saved shard, from every saver's part."""
@@ -271,8 +277,7 @@ class ParsedShards(Sequence):
         shard = self._parsed.get(i)
         if shard is None:
             raw = self._raw
-            shard = self._parsed[i] = parse_shard(raw.entries[i], raw.origin(i), self._name, self._shape,
-                                                  self._itemsize)
+            shard = self._parsed[i] = parse_shard(raw, i, self._name, self._shape, self._itemsize)
         return shard
 
     def __iter__(self) -> Iterator[ShardEntry]:
@@ -293,7 +298,7 @@ class ParsedShards(Sequence):
         if raw is None:
             return [(i, self[i]) for i, entry in enumerate(self._raw.entries)
                     if not _surely_apart(entry, lo, hi, self._shape)]
-        return [(i, parse_shard(entry, raw.origin(i), self._name, self._shape, self._itemsize))
+        return [(i, parse_shard(raw, i, self._name, self._shape, self._itemsize))
                 for i, entry in enumerate(raw.entries) if not _surely_apart(entry, lo, hi, self._shape)]
 
     def find(self, region: Region) -> Optional[int]:
@@ -320,11 +325,12 @@ def _surely_apart(raw: object, lo: tuple[int, ...], hi: tuple[int, ...], shape: 
     return apart
 
 
-def parse_shard(raw: object, origin: tuple[str, int], name: str, shape: tuple[int, ...], itemsize: int) -> ShardEntry:
-    """One raw shard entry of tensor `name`, checked; errors name its file and position."""
+def parse_shard(shards: RawShards, i: int, name: str, shape: tuple[int, ...], itemsize: int) -> ShardEntry:
+    """Raw shard entry `i` of tensor `name`, checked; errors name its file and position."""
+    raw = shards.entries[i]
     shard = ShardEntry.from_written_json(raw, shape, itemsize)
     if shard is None:
-        file, position = origin
+        file, position = shards.origin(i)
         shard = ShardEntry.from_json(raw, f"{file}: tensor {name!r} shard {position}", shape, itemsize)
     return shard
 
@@ -338,7 +344,7 @@ def find_raw(shards: RawShards, region: Region, name: str, shape: tuple[int, ...
     for i, raw in enumerate(shards.entries):
         if (isinstance(raw, dict) and raw.get("offsets") == offsets and raw.get("sizes") == sizes
                 and raw.get("flat") == flat):
-            shard = parse_shard(raw, shards.origin(i), name, shape, itemsize)
+            shard = parse_shard(shards, i, name, shape, itemsize)
             if shard.region == region:
                 return i, shard
     return None

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, TypeVar
 
 from ms_llm.checkpoint.storage.checksum import ALGORITHMS, DEFAULT as CHECKSUM
 from ms_llm.checkpoint.storage.collector import collector_paused
@@ -31,6 +31,7 @@ from ms_llm.checkpoint.storage.untrusted import MAX_COUNT, confined, integer, in
 from ms_llm.errors import CheckpointError
 
 PART_FORMAT = "ms_llm.checkpoint.part"
+T = TypeVar("T")
 
 
 class RawShards(NamedTuple):
@@ -174,6 +175,16 @@ class IndexParts:
         self._parts: dict[int, dict[str, list]] = {}
         self._files: dict[int, str] = {}
         self._reads: dict[int, tuple[int, ...]] = {}
+        self._once: dict[tuple, object] = {}
+
+    def once(self, key: tuple, parse: Callable[[], T]) -> T:
+        """`parse()` of a head value, run once per distinct `key` (the value's text and what else
+        its meaning depends on): a layout's tensors repeat the same `parts` runs and `split`, and
+        a load parses them for every tensor it reads. A value that fails raises every time."""
+        found = self._once.get(key, self)
+        if found is self:
+            found = self._once[key] = parse()
+        return found
 
     def shards(self, name: str, holders: Optional[Sequence[range]] = None) -> RawShards:
         """Every saved shard of tensor `name`, in rank order, from the parts of `holders` (the
