@@ -39,6 +39,17 @@ from ms_llm.errors import ConfigError
 # ---------------------------------------------------------------- encoding, here or in worker processes
 
 _worker: tuple | None = None
+IN_FLIGHT = 4           # batches queued at once with one worker (a few MB of text)
+# What the fork server imports once for every worker it forks (a library not installed is
+# skipped). '__main__' is multiprocessing's default; Python 3.11's server skips it, and each
+# worker imports the caller's script itself.
+FORKSERVER_PRELOAD = ["__main__", __name__, "tokenizers", "sentencepiece"]
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+# Characters per batch with several worker processes: a worker's last batch is the run's tail,
+# so smaller than the one-worker batches (whose threads share each batch).
+WORKER_BATCH_CHARS = 256 << 10
+PER_WORKER = 4          # batches in flight per worker process: results are taken in order, and a
+                        # slow one holds up the next submissions while the others finish
 
 
 def _init_worker(spec: TokenizerSpec, dtype: str, eos: int | None) -> None:
@@ -69,27 +80,34 @@ def encode_batch(tokenizer, dtype: np.dtype, eos: int | None, texts: list[str]) 
 
 def encoded(batches: Iterable[list[str]], tokenizer, dtype: np.dtype, eos: int | None,
             workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """encode_batch over `batches`, results in submission order, at most 2 batches per worker in
-    flight so a large input never piles up in memory.
+    """encode_batch over `batches`, results in submission order, a few batches in flight so a
+    large input never piles up in memory.
 
-    workers == 1: this process, two threads. The tokenizer libraries release the GIL while they
-    encode, so reading and writing overlap with encoding, and the next batch keeps the cores
-    busy while the last documents of a batch finish (`tokenizers` spreads each batch over its
-    own thread pool).
-    workers > 1: that many processes, spawned rather than forked: the tokenizer libraries keep
-    thread pools that a fork would copy mid-flight."""
+    workers == 1: this process, IN_FLIGHT threads. The tokenizer libraries release the GIL while
+    they encode, so reading and writing overlap with encoding. `tokenizers` spreads each batch
+    over its own thread pool, whose threads take the next queued batch while the last documents
+    of one finish: with only two in flight, both ended together and the cores idled until the
+    next two came.
+    workers > 1: that many processes, each encoding on one thread. Not forked from this process:
+    the tokenizer libraries keep thread pools that a fork would copy mid-flight. They are forked
+    from multiprocessing's fork server, a clean single-threaded process started once (per process
+    that asks), with this module and the tokenizer libraries already imported: spawning each
+    worker afresh cost it 0.25 s of CPU, 2 workers a fifth of bench/data.py's whole encoding."""
     if workers <= 1:
-        executor = ThreadPoolExecutor(2, thread_name_prefix="encode")
+        executor, limit = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="encode"), IN_FLIGHT
         submit = lambda texts: executor.submit(encode_batch, tokenizer, dtype, eos, texts)  # noqa: E731
     else:   # each worker loads its own copy from the spec
-        executor = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
-                                                             initargs=(tokenizer.spec, dtype.str, eos))
+        context = multiprocessing.get_context(START_METHOD)
+        if START_METHOD == "forkserver":
+            context.set_forkserver_preload(FORKSERVER_PRELOAD)      # read when the server starts
+        executor = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec, dtype.str, eos))
         submit = lambda texts: executor.apply_async(_encode_in_worker, (texts,))  # noqa: E731
+        limit = PER_WORKER * workers
     pending: deque = deque()
     try:
         for texts in batches:
             pending.append(submit(texts))
-            if len(pending) >= 2 * workers:
+            if len(pending) >= limit:
                 yield _result(pending.popleft())
         while pending:
             yield _result(pending.popleft())
@@ -277,7 +295,8 @@ def prepare_text(job: TextJob) -> dict:
         dtype, counts = dtype_for_vocab(tok.vocab_size), Counts()
         progress = Progress(counts, trained_at)
         docs = read_documents(files, counts, job.text_key, job.skip_invalid_utf8, job.hf_split)
-        chunks = encoded(batched(docs), tok, dtype, eos, job.workers)
+        batches = batched(docs, None if job.workers == 1 else WORKER_BATCH_CHARS)
+        chunks = encoded(batches, tok, dtype, eos, job.workers)
         write_dataset(outputs.prefix, tok.vocab_size, chunks, counts, progress)
         if job.train_tokenizer:
             outputs.commit(trained, outputs.tokenizer)

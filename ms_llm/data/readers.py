@@ -218,12 +218,14 @@ def read_documents(files: list[tuple[str, Path]], counts: Counts, text_key: str 
                 counts.skipped_empty += 1
 
 
-def batched(docs: Iterable[str]) -> Iterator[list[str]]:
+def batched(docs: Iterable[str], max_chars: int | None = None) -> Iterator[list[str]]:
+    """Documents in lists of up to `max_chars` characters (BATCH_CHARS when not given) or BATCH_DOCS."""
+    limit = BATCH_CHARS if max_chars is None else max_chars
     batch, chars = [], 0
     for text in docs:
         batch.append(text)
         chars += len(text)
-        if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
+        if chars >= limit or len(batch) >= BATCH_DOCS:
             yield batch
             batch, chars = [], 0
     if batch:
