@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -387,6 +388,93 @@ def load_state(dest: dict, loaded: dict) -> None:
         dest[n].copy_(x)
 
 
+def mindspore_step(work: Path) -> dict[str, float]:
+    """(a) on the MindSpore compiled step (ms_llm.mindspore.step.GraphStep, stand-alone, GRAPH mode, as the
+    worker builds it) training MODEL: its whole training state (weights and both AdamW moments) saved with
+    overlap as the shared loop saves it (held pieces, save_items, writer.save), the fence where the step
+    calls it (after forward and backward, before the update), against mindspore.save_checkpoint of the
+    same tensors; the step alone, beside the overlapped snapshot (and its persist), and with the fence
+    first (the snapshot taken before the step, where it was while the update shared one graph with the
+    forward and backward). Median seconds of REPEATS interleaved runs."""
+    import mindspore as ms
+
+    from ms_llm.config.schema import to_dict
+    from ms_llm.job import job_from_dict
+    from ms_llm.mindspore.state import MsTrainerState
+    from ms_llm.mindspore.worker import build_graph_step
+    from ms_llm.run import RunFolder
+    from ms_llm.strategy.plan import plan
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    job = job_from_dict({"model": to_dict(MODEL, full=True),
+                         "strategy": {"dp": 1, "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
+                         "train": {"global_batch_size": 1, "micro_batch_size": 1, "seq_len": 64, "steps": 1000}})
+    mplan = plan(job.model, job.strategy, job.train)
+    step = build_graph_step(job, mplan, RunFolder(work / "ms_run"), rank=0, world=1, ascend=False)
+    step.compile()
+    state = MsTrainerState(step, mplan, 0, 1)
+    rows = np.random.default_rng(0).integers(0, MODEL.vocab_size, (1, 65)).astype(np.int32)
+    steps, saves = itertools.count(), itertools.count(1)
+    writer = CheckpointWriter(work / "ms_async", 0, 1, keep_last=2, session="ms-bench")
+
+    def train_step(fence=lambda: None) -> None:
+        step(next(steps), rows, fence)
+
+    def snapshot(prep: list[float]) -> SaveStats:
+        """What TrainerCheckpoints.save does on the training thread; its own time (the tensors'
+        host views, on Ascend their device-to-host copies) goes to `prep`."""
+        t0 = time.perf_counter()
+        held = state.held(create=False)
+        items = state.save_items({n: p for n, (p, _) in held.items()}, {n: t for n, (_, t) in held.items()})
+        prep.append(time.perf_counter() - t0)
+        return writer.save(next(saves), items, overlap=True)
+    held = state.held(create=False)
+    ms_list = [{"name": n, "data": t} for n, (_, t) in held.items()]
+    nbytes = sum(t.nbytes for _, t in held.values())
+    train_step()
+    snapshot([])                           # the first save allocates and faults in the host buffer
+    writer.wait()
+    t: dict[str, list[float]] = {k: [] for k in ("step", "step_overlap", "prep", "stall", "step_first", "prep_first",
+                                                 "stall_first", "ms_save")}
+    for i in range(REPEATS):
+        t["step"].append(timed(train_step))
+        stats = snapshot(t["prep"])
+        t["step_overlap"].append(timed(lambda: train_step(writer.fence)))
+        writer.wait()
+        os.sync()
+        t["stall"].append(t["prep"][-1] + stats.stall_s)
+        stats = snapshot(t["prep_first"])
+        writer.fence()                     # the fence first: the snapshot copies before the step
+        t["step_first"].append(timed(train_step))
+        writer.wait()
+        os.sync()
+        t["stall_first"].append(t["prep_first"][-1] + stats.stall_s)
+        t["ms_save"].append(timed(lambda: ms.save_checkpoint(ms_list, str(work / f"ms_state{i}.ckpt"))))
+        (work / f"ms_state{i - 1}.ckpt").unlink(missing_ok=True)
+        os.sync()
+    writer.close()
+    return {"bytes": nbytes, "tensors": len(ms_list), **{k: med(v) for k, v in t.items()}}
+
+
+def mindspore_rows(m: dict[str, float] | None) -> list[tuple[str, str, str]]:
+    """(a)'s rows of the MindSpore compiled step (mindspore_step); none without MindSpore."""
+    if m is None:
+        return []
+    return [
+        (f"    MindSpore compiled step, stall per save ({m['bytes'] / 1e6:.0f} MB: weights + Adam moments)",
+         f"{m['stall'] * 1e3:8.1f} ms", f"stall ratio {m['stall'] / m['ms_save']:.3f} (goal <= 0.05); held + "
+                                       f"save_items {m['prep'] * 1e3:.1f} ms of it; fenced before the update"),
+        ("      the same with the fence first (snapshot before the step)", f"{m['stall_first'] * 1e3:8.1f} ms",
+         f"stall ratio {m['stall_first'] / m['ms_save']:.3f}"),
+        ("      mindspore.save_checkpoint of the same tensors", f"{m['ms_save'] * 1e3:8.1f} ms", ""),
+        ("      the step (1 x 64 tokens) alone", f"{m['step'] * 1e3:8.1f} ms", ""),
+        ("      beside the overlapped snapshot + persist", f"{m['step_overlap'] * 1e3:8.1f} ms",
+         f"{m['step_overlap'] / m['step']:.3f}x the step alone (goal <= 1.05)"),
+        ("      after the snapshot taken before it (beside its persist)", f"{m['step_first'] * 1e3:8.1f} ms",
+         f"{m['step_first'] / m['step']:.3f}x"),
+    ]
+
+
 def run(work: Path, shm: Path) -> int:
     import safetensors.torch
     import torch
@@ -461,6 +549,7 @@ def run(work: Path, shm: Path) -> int:
     writer.close()
     del model, params, model_items          # the loads below run without the model's memory around
     a = {k: med(v) for k, v in t.items() if v}
+    m = mindspore_step(work) if ms is not None else None
 
     # ---- (b) same-strategy and reshard loads ------------------------------------------------
     # Checkpoints saved under tp4 (four shard files) and under dp1 (one file). Same strategy:
@@ -566,6 +655,7 @@ def run(work: Path, shm: Path) -> int:
          f"{(a['fb_overlap'] - a['fb']) * 1e3:+.1f} ms: the copies and the persist share the cores"),
         ("      beside the persist only", f"{a['fb_persist'] * 1e3:8.1f} ms",
          f"{(a['fb_persist'] - a['fb']) * 1e3:+.1f} ms"),
+        *mindspore_rows(m),
         ("(b) save: ms_llm persist (crc32c + write + fsync)", f"{mb / a['persist']:8.0f} MB/s", ""),
         ("    raw write + fsync of the same bytes", f"{mb / a['raw_write']:8.0f} MB/s",
          f"throughput ratio {a['raw_write'] / a['persist']:.2f}"),

@@ -5,19 +5,28 @@ weights, each rank the piece its layout gives it (whole on a CPU machine; the sh
 lowering gives it under semi_auto_parallel on Ascend); and ZeroStep, the shared engine, whose
 flat segments ms_llm.checkpoint.zero_state cuts into pieces. Engine segments are replaced by
 each (functional) update, so a slice is looked up when it is used.
+
+A GraphStep's Parameters are copied into a save's snapshot on the writer's threads, beside the
+next forward and backward (the step fences before its update); on Ascend the device-to-host copy
+is there too, as torch_backend's copies are, not on the training thread.
 """
 from __future__ import annotations
 
+import functools
 import os
+from typing import Callable
 
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from ms_llm.checkpoint import layout_piece, optim_name, optim_pieces, param_pieces
+from ms_llm.checkpoint.shards import Piece
+from ms_llm.checkpoint.storage.safetensors_io import dtype_name
+from ms_llm.checkpoint.writer import SaveItem, held_items
 from ms_llm.checkpoint.zero_state import EngineSlice, engine_slices
 from ms_llm.errors import CheckpointError
-from ms_llm.mindspore.checkpoint import load_into, save_items
+from ms_llm.mindspore.checkpoint import load_into, save_items, to_numpy
 from ms_llm.run.checkpoints import Held
 from ms_llm.strategy.plan import ModelPlan
 
@@ -78,30 +87,63 @@ class SegmentSlice:
         self._flat()[s.start:s.start + s.numel] = value.reshape(-1).astype(self.dtype)
 
 
+def _copier(param) -> Callable[[np.ndarray], None]:
+    """Fills the snapshot's buffer from `param` when the writer's thread runs it."""
+    def copy(dst: np.ndarray) -> None:
+        np.copyto(dst, param.asnumpy())
+    return copy
+
+
+def _graph_item(piece: Piece, param) -> SaveItem:
+    """A GraphStep Parameter's item: copied on the writer's threads; bfloat16 (widened by a
+    MindSpore cast) here."""
+    if param.dtype == ms.bfloat16:
+        return SaveItem(piece, *to_numpy(param))
+    if tuple(param.shape) != piece.local_shape:
+        raise CheckpointError(f"{piece.name}: Parameter {tuple(param.shape)} does not match its planned piece "
+                              f"{piece.local_shape}; the model was not laid out by this plan")
+    return SaveItem(piece, _copier(param), dtype_name(np.empty(0, ms.dtype_to_nptype(param.dtype))))
+
+
 class MsTrainerState:
     """ms_llm.run.checkpoints.TrainerState over a GraphStep or a ZeroStep."""
     backend = "mindspore"
-    save_items = staticmethod(save_items)
     load_into = staticmethod(load_into)
 
     def __init__(self, step_fn, plan: ModelPlan, rank: int, world: int):
         self.step_fn, self.plan, self.rank, self.world = step_fn, plan, rank, world
         self._gather = _Gather() if world > 1 else None
+        self._engine = getattr(getattr(step_fn, "runner", None), "engine", None)
 
     def held(self, create: bool) -> Held:
-        engine = getattr(getattr(self.step_fn, "runner", None), "engine", None)
-        if engine is not None:
-            out = {n: (s.piece, SegmentSlice(engine, s)) for n, s in engine_slices(engine, self.plan, self.rank).items()}
-            weights = {p.name: p for p in self.step_fn.runner.weights}
-        else:
-            opt = self.step_fn.optimizer
-            weights = {p.name: p for p in opt.parameters}
-            out = self._optimizer(opt)
+        if self._engine is None:
+            return dict(self._graph_held)
+        out = {n: (s.piece, SegmentSlice(self._engine, s))
+               for n, s in engine_slices(self._engine, self.plan, self.rank).items()}
+        weights = {p.name: p for p in self.step_fn.runner.weights}
         for name, piece in param_pieces(self.plan, self.rank).items():
             if name not in out:                 # ZeRO-3 shards are already in, from the engine
                 out[name] = (piece, weights[name])
         out.update(self._buffers())
         return out
+
+    @functools.cached_property
+    def _graph_held(self) -> Held:
+        """A GraphStep's state: the same Parameters at every save, so the plan is cut into pieces
+        once (each save would spend about 15 ms of Python on a 75-tensor model doing it again)."""
+        opt = self.step_fn.optimizer
+        weights = {p.name: p for p in opt.parameters}
+        out = self._optimizer(opt)
+        out.update({name: (piece, weights[name]) for name, piece in param_pieces(self.plan, self.rank).items()})
+        out.update(self._buffers())
+        return out
+
+    def save_items(self, pieces: dict[str, Piece], tensors: dict) -> list[SaveItem]:
+        """A GraphStep's Parameters as copy functions (_graph_item); an engine's slices, cut by
+        PyNative ops, as host arrays taken here on the training thread."""
+        if self._engine is None:
+            return held_items(pieces, tensors, _graph_item)
+        return save_items(pieces, tensors)
 
     def _buffers(self) -> Held:
         """The plan's buffers of this rank's stage (the expert biases), whole and equal on every
@@ -145,9 +187,8 @@ class MsTrainerState:
         return every[0].astype(np.uint16).tobytes().hex()
 
     def set_optimizer_step(self, steps: int) -> None:
-        engine = getattr(getattr(self.step_fn, "runner", None), "engine", None)
-        if engine is not None:
-            engine.step_count = steps
+        if self._engine is not None:
+            self._engine.step_count = steps
         else:
             self.step_fn.optimizer.set_step(steps)
 
