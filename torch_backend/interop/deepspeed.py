@@ -25,6 +25,7 @@ import torch
 from ms_llm import convert
 from ms_llm.checkpoint import Checkpoint, optim_name
 from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor
+from ms_llm.checkpoint.storage.safetensors_io import storage_dtype
 from ms_llm.checkpoint.storage.untrusted import confined, integer, read_regular
 from ms_llm.config.hf import model_from_hf_config
 from ms_llm.config.model import ModelConfig
@@ -34,7 +35,8 @@ from ms_llm.job import job_from_dict, job_to_dict
 from ms_llm.run.lr import lr_at
 from torch_backend.checkpoint import to_numpy
 from torch_backend.interop.deepspeed_files import (HF_CONFIG, MODEL_STATES, MOMENTS, RANK_MODEL_STATES, Found, Place,
-                                                   _Peer, count, field, load, locate, open_ranks, param_shapes)
+                                                   _Peer, copy_out, count, field, load, locate, open_ranks,
+                                                   param_shapes)
 
 
 def detect(folder: Path) -> bool:
@@ -145,12 +147,15 @@ def _lp_weight(place: Place, lp: str, master: LazyTensor, states_path: Optional[
     def read() -> np.ndarray:
         if states_path is None:
             return to_numpy(torch.from_numpy(master.read()).to(_TORCH[lp]))
-        module = field(load(states_path, "the model states"), "module", states_path, dict)
-        weight = module.get(place.name)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != place.shape:
-            raise CheckpointError(f"{states_path}: module weight {place.name!r} is missing or not of shape "
-                                  f"{list(place.shape)}")
-        return to_numpy(weight.to(_TORCH[lp]).clone())
+        def weight(data: Any) -> torch.Tensor:
+            value = field(data, "module", states_path, dict).get(place.name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != place.shape:
+                raise CheckpointError(f"{states_path}: module weight {place.name!r} is missing or not of shape "
+                                      f"{list(place.shape)}")
+            return value
+        out = np.empty(place.numel, storage_dtype(lp))
+        copy_out(states_path, "the model states", weight, 0, out)
+        return out.reshape(place.shape)
     return LazyTensor(place.shape, lp, read)
 
 
@@ -168,13 +173,17 @@ def _universal(found: Found, shapes, lp: str, states_path: Path):
             def reader(kind: str, folder: Path = folder, shape=shape) -> Callable[[], np.ndarray]:
                 def read() -> np.ndarray:
                     path = folder / f"{kind}.pt"
-                    value = load(path, f"the universal checkpoint's {kind} of {folder.name}", (dict, torch.Tensor))
-                    if isinstance(value, dict):        # ZeRO-1/2's {'param': ..., 'cat_dim': ...}, ZeRO-3's bare tensor
-                        value = field(value, "param", path, torch.Tensor)
-                    if value.numel() != math.prod(shape) or value.dim() not in (1, len(shape)):
-                        raise CheckpointError(f"{path}: 'param' has shape {list(value.shape)}, param_shapes says "
-                                              f"{list(shape)}; merged from tensor-parallel slices?")
-                    return value.detach().float().reshape(shape).numpy().copy()    # ZeRO-3's are flat
+
+                    def param(data: Any) -> torch.Tensor:
+                        if isinstance(data, dict):      # ZeRO-1/2's {'param': ..., 'cat_dim': ...}, ZeRO-3's bare
+                            data = field(data, "param", path, torch.Tensor)      # tensor, flat
+                        if data.numel() != math.prod(shape) or data.dim() not in (1, len(shape)):
+                            raise CheckpointError(f"{path}: 'param' has shape {list(data.shape)}, param_shapes says "
+                                                  f"{list(shape)}; merged from tensor-parallel slices?")
+                        return data
+                    out = np.empty(math.prod(shape), np.float32)
+                    copy_out(path, f"the universal checkpoint's {kind} of {folder.name}", param, 0, out)
+                    return out.reshape(shape)
                 return read
             master = LazyTensor(shape, "float32", reader("fp32"))
             if lp == "float32":

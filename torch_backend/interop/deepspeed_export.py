@@ -147,10 +147,12 @@ class Target:
 
 def target_of(ckpt: Checkpoint, job: Optional[dict]) -> Target:
     model = ckpt.model_config()
-    if job is None:
-        strategy = ckpt.strategy()
-        dp = strategy.dp if strategy.dp > 0 else 1
-        job = {"name": "deepspeed_export", "model": to_dict(model, full=True), "strategy": to_dict(strategy, full=True),
+    if job is None:                     # the checkpoint's own degrees, ZeRO stage and precision
+        s = ckpt.strategy()
+        dp = s.dp if s.dp > 0 else 1
+        strategy = {**{k: getattr(s, k) for k in ("tp", "pp", "cp", "ep")}, "dp": dp,
+                    "zero": {"stage": s.zero.stage}, "precision": to_dict(s.precision, full=True)}
+        job = {"name": "deepspeed_export", "model": to_dict(model, full=True), "strategy": strategy,
                "train": {"global_batch_size": dp, "micro_batch_size": 1}}
     try:
         jc = job_from_dict(job, None, "export-run --job: ")
@@ -191,15 +193,18 @@ def write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path:
         f.save()
     fds = {f.path: os.open(f.path, os.O_RDWR) for f in files}
     try:
-        for name in params:
-            arrays = {"fp32": _master(ckpt, name)}
-            for kind in MOMENTS:
-                arrays[kind] = (ckpt.read_full(optim_name(kind, name)).astype(np.float32, copy=False).reshape(-1)
-                                if has_moments else np.zeros(arrays["fp32"].size, np.float32))
-            lp = _lp(ckpt, name, arrays["fp32"], target.dtype)
+        for name in params:                 # one tensor in memory at a time (and the master's cast)
+            master = _master(ckpt, name)
+            lp = _lp(ckpt, name, master, target.dtype)
             for f in files:
-                layout.fill(f, fds[f.path], name, arrays, lp)
-            del arrays, lp
+                layout.fill(f, fds[f.path], name, "fp32", master, lp)
+            del master, lp
+            for kind in MOMENTS:
+                moment = (ckpt.read_full(optim_name(kind, name)).astype(np.float32, copy=False).reshape(-1)
+                          if has_moments else np.zeros(math.prod(params[name]), np.float32))
+                for f in files:
+                    layout.fill(f, fds[f.path], name, kind, moment, None)
+                del moment
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -322,15 +327,16 @@ class Zero12:
             files.append(f)
         return files
 
-    def fill(self, f: _File, fd: int, name: str, arrays: dict[str, np.ndarray], lp: np.ndarray) -> None:
-        lo, hi = self.offsets[name], self.offsets[name] + lp.size
+    def fill(self, f: _File, fd: int, name: str, kind: str, array: np.ndarray, lp: Optional[np.ndarray]) -> None:
+        """Write weight `name`'s `kind` (fp32 master or a moment; `lp`: the module's weight) where `f` holds it."""
+        lo, hi = self.offsets[name], self.offsets[name] + array.size
         for key, (t, what, at) in f.fills.items():
-            if what == name:
+            if what == name and lp is not None:
                 _pwrite(fd, f.offsets[key], lp)
-            elif what in arrays:
+            elif what == kind:
                 a, b = max(lo, at), min(hi, at + t.numel())
                 if a < b:
-                    _pwrite(fd, f.offsets[key] + (a - at) * 4, arrays[what][a - lo:b - lo])
+                    _pwrite(fd, f.offsets[key] + (a - at) * 4, array[a - lo:b - lo])
 
 
 class Zero3:
@@ -382,16 +388,16 @@ class Zero3:
             files += [states, f]
         return files
 
-    def fill(self, f: _File, fd: int, name: str, arrays: dict[str, np.ndarray], lp: np.ndarray) -> None:
-        rank = f.rank
-        if rank is None:
+    def fill(self, f: _File, fd: int, name: str, kind: str, array: np.ndarray, lp: Optional[np.ndarray]) -> None:
+        """Write rank f.rank's piece of weight `name`'s `kind` (ZeRO-3 keeps no module weights)."""
+        if f.rank is None:
             return
         group, offset = self.where[name]
         each = self.each[name]
         for key, (t, what, g) in f.fills.items():
-            if g == group and what in arrays:
+            if g == group and what == kind:
                 piece = np.zeros(each, np.float32)
-                part = arrays[what][rank * each:(rank + 1) * each]
+                part = array[f.rank * each:(f.rank + 1) * each]
                 piece[:part.size] = part
                 _pwrite(fd, f.offsets[key] + offset * 4, piece)
 

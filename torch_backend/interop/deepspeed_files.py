@@ -27,13 +27,14 @@ import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from ms_llm.checkpoint.storage.untrusted import confined, open_regular
 from ms_llm.errors import CheckpointError
+from torch_backend.checkpoint import to_numpy
 
 LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"
 MODEL_STATES = "mp_rank_00_model_states.pt"                      # ZeRO-0/1/2
@@ -41,6 +42,7 @@ RANK_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3, one 
 OPTIM_STATES = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"      # prefix "bf16_" under bf16
 MOMENTS = ("exp_avg", "exp_avg_sq")
 HF_CONFIG = "config.json"
+CHUNK = 1 << 22                      # elements copied under one mapping of a file (16 MB of fp32)
 
 
 # ---- DeepSpeed's pickled objects ----------------------------------------------------------------
@@ -250,15 +252,29 @@ class Ranks:
 
     def read(self, kind: str, pieces: list[Piece], total: int) -> np.ndarray:
         """One parameter's `kind` as an fp32 array of `total` elements from its pieces: elements
-        [start, start + count) of rank `rank`'s flat `group`, laid at `at`. Each rank's file is
-        mapped while its pieces are copied, then let go."""
+        [start, start + count) of rank `rank`'s flat `group`, laid at `at`."""
         out = np.empty(total, np.float32)
-        for rank in sorted({p[0] for p in pieces}):
-            flats = self.flats(load(self.path(rank), f"dp rank {rank}"), rank, kind)
-            for _, group, start, count, at in (p for p in pieces if p[0] == rank):
-                out[at:at + count] = flats[group][start:start + count].detach().float().numpy()
-            del flats
+        for rank, group, start, count, at in pieces:
+            copy_out(self.path(rank), f"the optimizer states of dp rank {rank}",
+                     lambda data, rank=rank, group=group: self.flats(data, rank, kind)[group], start,
+                     out[at:at + count])
         return out
+
+
+def copy_out(path: Path, what: str, pick: Callable[[Any], torch.Tensor], start: int, out: np.ndarray) -> None:
+    """Elements [start, start + out.size) of the flat tensor `pick` takes from file `path`, into
+    `out` (fp32, float16, or bfloat16 bits as uint16), CHUNK elements at a time, each under a mapping
+    of its own: a mapped page stays resident until its mapping goes, so copying a whole tensor
+    through one mapping would hold it twice."""
+    dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+             np.dtype(np.uint16): torch.bfloat16}[out.dtype]
+    for lo in range(0, out.size, CHUNK):
+        hi = min(out.size, lo + CHUNK)
+        flat = pick(load(path, what, (dict, torch.Tensor))).detach().reshape(-1)
+        if flat.numel() < start + hi:
+            raise CheckpointError(f"{path}: a tensor of {flat.numel()} elements where {start + hi} are needed")
+        out[lo:hi] = to_numpy(flat[start + lo:start + hi].to(dtype))
+        del flat
 
 
 def hyper(base: Any) -> dict:
