@@ -7,6 +7,13 @@
    head, as a crafted checkpoint would be) and safetensors headers through the reader: a
    CheckpointError or a load that returns the saved values; never another exception, never a
    file opened outside the checkpoint folder (audited by ckpt_guard).
+3. YAML built to hurt the loader through `ms-llm plan`: alias chains (expanding to up to 9**14
+   values), nesting thousands deep, job names of any text: one error line of bounded length,
+   at once; an accepted name is a safe path component.
+4. Crafted trainer checkpoints through `ms-llm checkpoint verify`: the training state's fields
+   and each rank's generator state mutated, JSON nested up to 100,000 deep in the head or a
+   part, a FIFO, a folder or a link to a FIFO in place of any file it reads: exit 0 with OK, or
+   exit 2 with one line per problem; never a traceback, a hang or a file opened outside.
 
 Each test is derandomized (the same examples on every run) with a fixed example count; the
 counts are printed and recorded as test properties for the closing note.
@@ -17,7 +24,10 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
+import re
 import shutil
+import signal
 import struct
 import tempfile
 import time
@@ -37,7 +47,7 @@ from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Region, SaveItem, ru
 from ms_llm.checkpoint.storage.format import ShardEntry
 from ms_llm.cli import main
 from ms_llm.errors import CheckpointError
-from ms_llm.job import SECTIONS, job_to_dict, load_job
+from ms_llm.job import JOB_NAME, SECTIONS, job_to_dict, load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 BASES = {p.stem: job_to_dict(load_job(p)) for p in sorted((ROOT / "configs" / "train").glob("*.yaml"))}
@@ -278,6 +288,212 @@ def test_fuzz_the_one_pass_shard_parse_agrees_with_from_json(record_property):
     run()
     assert counts["one pass"] and counts["refused"]
     _report(record_property, "shard_entry", counts, start)
+
+
+# ---- YAML structure and names --------------------------------------------------------------------
+YAML_EXAMPLES = 150
+NAMES = st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs",)), max_size=140),
+    st.from_regex(r"[A-Za-z0-9._-]{1,130}", fullmatch=True),
+    st.sampled_from(["../../x", ".", "..", ".hidden", "a" * 128, "a" * 129, "x" * 100_000, "a/b", "a\\b", "job\n",
+                     " job", "job ", "jöb", "123", "null", "~", "-"]),
+)
+
+
+@st.composite
+def hostile_yaml(draw, bases: list[str]) -> tuple[str, str]:
+    """(kind, YAML text): one of the shipped `bases` with an alias chain or a deep nest as one
+    field's value (the chain's anchors defined first, under a key of their own), or another name."""
+    job = json.loads(json.dumps(BASES[draw(st.sampled_from(bases))]))
+    kind = draw(st.sampled_from(["aliases", "nesting", "name"]))
+    if kind == "name":
+        job["name"] = draw(NAMES)
+        return kind, yaml.safe_dump(job, allow_unicode=True, width=1 << 30)
+    path = draw(st.sampled_from(FIELDS))
+    node = job
+    for key in path[:-1]:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[path[-1]] = "__HOSTILE__"
+    text, head = yaml.safe_dump(job), ""
+    if kind == "aliases":
+        levels, fan = draw(st.integers(1, 14)), draw(st.integers(1, 9))
+        chain = [f"&l0 [{', '.join(['x'] * fan)}]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * fan)}]"
+                                                        for i in range(1, levels)]
+        head, value = f"anchors: [{', '.join(chain)}]\n", f"*l{levels - 1}"
+    else:
+        depth = draw(st.sampled_from([2, 63, 64, 65, 1000, 100_000]))
+        value = "[" * depth + "]" * depth
+    return kind, head + text.replace("__HOSTILE__", value)
+
+
+def test_fuzz_yaml_aliases_nesting_and_names_through_plan(tmp_path, record_property):
+    path = tmp_path / "job.yaml"
+    bases = []                                      # the shipped jobs `plan` accepts as they are
+    for name in sorted(BASES):
+        path.write_text(yaml.safe_dump(BASES[name]))
+        if _cli(["plan", str(path)])[0] == 0:
+            bases.append(name)
+    assert bases
+    counts = {"examples": 0, "exit0": 0, "exit2": 0, "slowest_s": 0.0}
+
+    @settings(FUZZ, max_examples=YAML_EXAMPLES)
+    @given(hostile_yaml(bases))
+    def run(case):
+        kind, text = case
+        path.write_text(text, encoding="utf-8")
+        start = time.perf_counter()
+        rc, err = _cli(["plan", str(path)])
+        seconds = time.perf_counter() - start
+        _one_error("plan", rc, err)
+        assert seconds < 10, (kind, seconds)                # refused at once, not after expanding
+        assert len(err) < 2_000, (kind, len(err))          # a value quoted in an error is cut short
+        if kind == "name":
+            name = yaml.safe_load(text)["name"]
+            safe = isinstance(name, str) and JOB_NAME.fullmatch(name) is not None and not name.startswith(".")
+            assert (rc == 0) == safe, (name, err)          # accepted exactly when it is a safe path component
+            assert safe or "name: got " in err, err
+        elif kind == "aliases" or text.count("[") > 64:
+            assert rc == 2, (kind, err)
+        counts["examples"] += 1
+        counts[f"exit{rc}"] += 1
+        counts["slowest_s"] = round(max(counts["slowest_s"], seconds), 2)
+
+    start = time.perf_counter()
+    run()
+    _report(record_property, "yaml", counts, start)
+
+
+# ---- trainer checkpoints through `ms-llm checkpoint verify` ---------------------------------------
+VERIFY_EXAMPLES = 150
+STEP = 6
+
+
+def _torch_rng() -> bytes:
+    """A valid torch CPU generator state (5056 bytes: seed, left, seeded, next, then the words)."""
+    state = bytearray(5056)
+    struct.pack_into("<QiiQ", state, 0, 3, 620, 1, 5)
+    return bytes(state)
+
+
+@pytest.fixture(scope="module")
+def trainer_ckpt(tmp_path_factory) -> Path:
+    """A 2-rank checkpoint root of step 6 with the training state a trainer saves and a torch
+    generator state per rank, and `latest` naming it."""
+    root = tmp_path_factory.mktemp("fuzz_verify") / "checkpoints"
+    ref = reference()
+    state = {"step": STEP, "optimizer_step": STEP - 1, "lr": 3e-4,
+             "sampler": {"seed": 7, "epoch": 0, "position": 8 * STEP, "index": ""},
+             "loss_scale": {"mode": "dynamic", "scale": 32768.0, "good_steps": 3, "skipped": 1}}
+    for rank in reversed(range(PLAN.world_size)):
+        w = CheckpointWriter(root, rank, PLAN.world_size, session="fuzz-verify")
+        w.save(STEP, [SaveItem(p, cut(ref[n], p.region)) for n, p in rank_pieces(PLAN, rank).items()],
+               state=state, rank_state={"torch_rng": _torch_rng()}, config=run_config(PLAN, "test"))
+        w.close()
+    rc, err = _cli(["checkpoint", "verify", str(root)])
+    assert rc == 0, err
+    return root
+
+
+class _Hung(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hung("ms-llm checkpoint verify blocked for 30 s")
+
+
+def _replace_with(path: Path, kind: str) -> None:
+    """`path` (a file the reader opens) as something no reader should block on or read."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:                                               # a link to a FIFO beside it
+        os.mkfifo(path.with_name(path.name + ".fifo"))
+        path.symlink_to(path.name + ".fifo")
+
+
+def test_fuzz_trainer_checkpoints_through_checkpoint_verify(trainer_ckpt, record_property):
+    folder = trainer_ckpt / f"step_{STEP:08d}"
+    head = json.loads((folder / "index.json").read_text())
+    parts = sorted(f.name for f in folder.glob("index_*.json"))
+    files = ["index.json", "latest", *parts, *sorted(f.name for f in folder.glob("rank_*.safetensors"))]
+    state_paths = [("state",) + p for p in _json_paths(head["state"])] + \
+                  [("rank_states",) + p for p in _json_paths(head["rank_states"])]
+    counts = {"examples": 0, "exit0": 0, "exit2": 0}
+
+    @settings(FUZZ, max_examples=VERIFY_EXAMPLES)
+    @given(st.data())
+    def run(data):
+        kind = data.draw(st.sampled_from(["state", "nesting", "file"]))
+        deep = 0
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp) / "checkpoints"
+            shutil.copytree(trainer_ckpt, root, symlinks=True)
+            step = root / folder.name
+            if kind == "state":
+                tree = json.loads(json.dumps(head))
+                for _ in range(data.draw(st.integers(1, 2))):
+                    path = data.draw(st.sampled_from(state_paths))
+                    if all(_has(tree, path[:i]) for i in range(1, len(path) + 1)):
+                        _apply(tree, path, data.draw(st.one_of(NASTY, st.just(...))))
+                (step / "index.json").write_text(json.dumps(tree))
+            elif kind == "nesting":
+                target = data.draw(st.sampled_from(["index.json", *parts]))
+                tree = json.loads((step / target).read_text())
+                _apply(tree, data.draw(st.sampled_from(_json_paths(tree))), "__DEEP__")
+                deep = data.draw(st.sampled_from([1, 60, 65, 1000, 100_000]))
+                text = json.dumps(tree).replace('"__DEEP__"', "[" * deep + "]" * deep).encode()
+                (step / target).write_bytes(text)
+                if target != "index.json":               # re-recorded in the head, as a crafted part would be
+                    tree = json.loads((step / "index.json").read_text())
+                    tree["parts"][int(target[6:11])].update(bytes=len(text), crc32c=crc32c.crc32c(text))
+                    (step / "index.json").write_text(json.dumps(tree))
+            else:
+                name = data.draw(st.sampled_from(files))
+                _replace_with(root / name if name == "latest" else step / name,
+                              data.draw(st.sampled_from(["fifo", "folder", "link to a fifo"])))
+            previous = signal.signal(signal.SIGALRM, _alarm)
+            signal.alarm(30)
+            try:
+                with confine_opens(root) as escapes:
+                    out, err = io.StringIO(), io.StringIO()
+                    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                        rc = main(["checkpoint", "verify", str(root)])
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
+            assert escapes == []
+        err = err.getvalue()
+        assert rc in (0, 2) and "Traceback" not in err, (kind, rc, err)
+        assert all(line.startswith("ms-llm checkpoint") for line in err.splitlines() if line), err
+        assert rc == 2 or out.getvalue().startswith("OK: "), (kind, out.getvalue())
+        if kind == "file" or deep > 64:
+            assert rc == 2, (kind, deep, out.getvalue())
+        counts["examples"] += 1
+        counts[f"exit{rc}"] += 1
+
+    start = time.perf_counter()
+    run()
+    assert counts["exit0"] and counts["exit2"]
+    _report(record_property, "verify", counts, start)
+
+
+def _has(tree, path: tuple) -> bool:
+    """Whether `path` still leads somewhere in `tree` (an earlier mutation may have replaced a parent)."""
+    node = tree
+    for key in path:
+        in_list = isinstance(node, list) and isinstance(key, int) and key < len(node)
+        if not (in_list or isinstance(node, dict) and key in node):
+            return False
+        node = node[key]
+    return True
 
 
 def _load(folder: Path, pieces: dict, ref: dict) -> str:
