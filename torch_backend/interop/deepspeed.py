@@ -8,9 +8,9 @@ bf16 / fp16 run: the module's weights, the masters as optim.master.<name>); the 
 global_steps, Adam's step count, the next step's lr and (fp16) the loss scale.
 
 The save holds no head count: the model comes from config.json, the model's Hugging Face config that
-transformers' Trainer saves beside it (the save's folder, its parent, or beside --config, or --config
-itself). --config ds_config.json (else the ds_config DeepSpeed recorded in the save) becomes the job.
-write_run is deepspeed_export.py.
+transformers' Trainer saves beside `latest` (in the folder named, --config itself, or beside
+--config; nothing above the folder named is read). --config ds_config.json (else the ds_config
+DeepSpeed recorded in the save) becomes the job. write_run is deepspeed_export.py.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from torch_backend.interop.deepspeed_files import (HF_CONFIG, MODEL_STATES, MOME
 
 
 def detect(folder: Path) -> bool:
+    """A DeepSpeed save, by its file names."""
     try:
         return locate(folder) is not None
     except CheckpointError:             # a 'latest' naming something outside: not a save this reads
@@ -49,6 +50,8 @@ def detect(folder: Path) -> bool:
 # ---- import ---------------------------------------------------------------------------------------
 
 def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
+    """The save in `folder` (a save folder, or the folder whose `latest` names one) as a ForeignRun
+    whose tensors are read when written; `config`: ds_config.json or the model's config.json."""
     found = locate(folder)
     if found is None:
         raise CheckpointError(f"{folder}: no DeepSpeed checkpoint here (a 'latest' file naming a folder with "
@@ -100,14 +103,14 @@ def _lp_dtype(ds_config: dict) -> str:
 def _model(found: Found, config: Optional[Path], lp: str) -> ModelConfig:
     """The ModelConfig of the Hugging Face config.json beside the checkpoint (or --config itself
     when it is one)."""
-    candidates = [found.tag / HF_CONFIG, found.root / HF_CONFIG]
+    candidates = [found.root / HF_CONFIG, found.tag / HF_CONFIG]        # nothing above the folder named
     if config is not None:
         candidates = ([config] if _is_hf_config(config) else [Path(config).parent / HF_CONFIG]) + candidates
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise CheckpointError(f"{found.tag}: no {HF_CONFIG} (the model's Hugging Face config) in {found.root} or "
-                              "beside --config; DeepSpeed checkpoints hold no head count: save it with "
-                              f"model.config.save_pretrained('{found.root}')")
+        raise CheckpointError(f"{found.root}: no {HF_CONFIG} (the model's Hugging Face config) here or beside "
+                              "--config; a DeepSpeed save holds no head count: pass --config path/to/config.json, "
+                              f"or save it with model.config.save_pretrained('{found.root}')")
     try:
         cfg = json.loads(read_regular(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

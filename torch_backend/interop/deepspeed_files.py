@@ -120,7 +120,8 @@ def count(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Found:
-    """The folder of one save: `tag` holding the rank files, or a ds_to_universal folder."""
+    """The folder of one save, `tag`, holding the rank files (or a ds_to_universal folder), in the
+    folder the user named, `root` (the tag itself, or the folder whose `latest` names it)."""
     root: Path
     tag: Path
     universal: bool
@@ -143,12 +144,11 @@ def locate(folder: Path) -> Optional[Found]:
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    for tag, root in ((folder, folder.parent), (tag_file(folder, LATEST), folder),
-                      (tag_file(folder, LATEST_UNIVERSAL), folder)):
+    for tag in (folder, tag_file(folder, LATEST), tag_file(folder, LATEST_UNIVERSAL)):
         if tag is None or not tag.is_dir():
             continue
         if (tag / MODEL_STATES).is_file() or (tag / RANK_MODEL_STATES.format(0)).is_file():
-            return Found(root, tag, (tag / "zero").is_dir())
+            return Found(folder, tag, (tag / "zero").is_dir())
     return None
 
 
