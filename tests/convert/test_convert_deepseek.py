@@ -293,6 +293,27 @@ def test_torchtitan_deepseek_v3_671b_reads_as_deepseek_v3():
     assert (m.mtp_layers, m.mtp_loss_factor, m.mla.q_lora_rank, m.moe.normalize_top_k) == (1, 0.3, None, False)
 
 
+@pytest.mark.parametrize("etp,want", [(None, 1), (1, 1), (8, 8)])
+def test_torchtitan_expert_parallel_keeps_experts_whole(etp, want):
+    """torchtitan 0.3 keeps experts whole under ep, borrowing dp_shard x cp x tp ranks (its sparse mesh
+    efsdp x ep): ms_llm's etp 1. v0.2.x's expert_tensor_parallel_degree (default 1) may be tp, which
+    splits them like the dense MLP: etp = tp. 0.3 has no such field, so an etp = tp job is written
+    with whole experts and a warning that says so."""
+    toml = '[model]\nname = "deepseek_v3"\nflavor = "671B"\n[parallelism]\ndata_parallel_shard_degree = 8\n' \
+           'tensor_parallel_degree = 8\nexpert_parallel_degree = 8\n' \
+           + (f'expert_tensor_parallel_degree = {etp}\n' if etp else '') \
+           + '[training]\nlocal_batch_size = 1\nseq_len = 4096\n'
+    conv = read(toml, "dsv3.toml", "torchtitan")
+    s = conv.job.strategy
+    assert (s.ep, s.expert_tp, s.edp) == (8, want, 64 // 8 // want)
+    written = dump(conv, "torchtitan")                  # torchtitan 0.3's job script for its registered config
+    assert "expert_tensor_parallel" not in written.text
+    assert read(written.text, "job.sh", "torchtitan").job.strategy.expert_tp == 1
+    lost = [w for w in written.warnings if w.startswith("strategy.etp")]
+    assert lost == ([] if want == 1 else ["strategy.etp = -1: torchtitan keeps experts whole under expert parallel "
+                                          "(ep borrows the tp ranks, ms_llm's etp 1); written so"])
+
+
 # ---- Megatron-LM arguments as DeepSeek-V3's recipes write them ------------------------------------------
 
 DEEPSEEK_V3_ARGS = (

@@ -67,7 +67,7 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     pp = f.get(f"{par}.pipeline_parallel_degree", int, 1, ir="strategy.pp")
     cp = f.get(f"{par}.context_parallel_degree", int, 1, ir="strategy.cp")
     ep = f.get(f"{par}.expert_parallel_degree", int, 1, ir="strategy.ep")
-    etp = f.get(f"{par}.expert_tensor_parallel_degree", int, 1)
+    etp = f.get(f"{par}.expert_tensor_parallel_degree", int, 1, ir="strategy.etp")
     if ep > 1 and etp not in (1, tp):
         raise f.error(f"{par}.expert_tensor_parallel_degree", f"{etp} must be 1 or tensor_parallel_degree = {tp}")
     world = _world(f, options.world_size, rep, shard, cp, tp, pp)
@@ -76,7 +76,11 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     fsdp = shard * cp > 1
     rotate = f.get(f"{par}.context_parallel_rotate_method", tuple(ROTATE_METHODS), "allgather",
                    ir="strategy.context_parallel.algorithm")
-    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": tp > 1,
+    # Under expert parallel torchtitan 0.3 keeps experts whole, ep borrowing dp_shard x cp x tp ranks
+    # (ms_llm's etp 1); v0.2.x's expert_tensor_parallel_degree (default 1) could also be tp, which
+    # splits them like the dense MLP (ms_llm's etp -1, = tp). Without ep the experts follow tp.
+    strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": 1 if ep > 1 and etp == 1 and tp > 1 else -1,
+                "sequence_parallel": tp > 1,
                 "context_parallel": {"algorithm": ROTATE_METHODS[rotate] if cp > 1 else "auto"},
                 "zero": {"stage": 3, "shard_size": shard} if fsdp else {},
                 "precision": _precision(f, fsdp, tp, pp, warnings)}

@@ -78,7 +78,7 @@ def job_sections(job: JobConfig) -> tuple[dict, set[str], list[str]]:
     and what they cannot say."""
     m, s, t = job.model, job.strategy, job.train
     warnings: list[str] = []
-    expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep",
+    expressed = {"model", "strategy.dp", "strategy.tp", "strategy.pp", "strategy.cp", "strategy.ep", "strategy.etp",
                  "strategy.zero.stage", "strategy.zero.shard_size", "strategy.pipeline", "strategy.recompute",
                  "strategy.precision", "strategy.offload", "strategy.sequence_parallel", "train",
                  "strategy.context_parallel"}
@@ -155,6 +155,9 @@ def _parallelism(s, warnings: list[str]) -> dict:
                  "data_parallel_shard_degree": -1 if rep == 1 and shard > 1 else shard,
                  "tensor_parallel_degree": s.tp, "pipeline_parallel_degree": s.pp,
                  "context_parallel_degree": s.cp, "expert_parallel_degree": s.ep}
+    if s.ep > 1 and s.expert_tp != 1:
+        warnings.append(f"strategy.etp = {s.etp}: torchtitan keeps experts whole under expert parallel (ep borrows "
+                        "the tp ranks, ms_llm's etp 1); written so")
     if s.tp > 1 and not s.sequence_parallel:
         warnings.append("strategy.sequence_parallel = false: torchtitan's tensor parallel plan always shards the "
                         "norms over the sequence")
