@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ms_llm import convert
+import ms_llm.convert as convert
 from ms_llm.checkpoint import Checkpoint, optim_name
 from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor
 from ms_llm.checkpoint.storage.safetensors_io import storage_dtype

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ms_llm import convert
+import ms_llm.convert as convert
 from ms_llm.checkpoint import Checkpoint, optim_name
 from ms_llm.checkpoint.reshard import layout_plan
 from ms_llm.checkpoint.storage.safetensors_io import bf16_to_f32
