@@ -21,10 +21,11 @@ from ms_llm.run import RunFolder
 
 def with_restarts(start: Callable[[], int], max_restarts: int, run: RunFolder) -> int:
     """Run `start` (one launch of every worker, returning its exit status), and again after
-    each failure, at most `max_restarts` more times."""
+    each failure, at most `max_restarts` more times; not after a failure a restart would repeat
+    (a full or read-only run folder), which the launcher's last line then names."""
     rc = start()
     for attempt in range(1, max_restarts + 1):
-        if rc == 0:
+        if rc == 0 or run.disk_problem() is not None:
             break
         print(f"ms-llm train: workers failed (exit {rc}); restart {attempt} of {max_restarts}, resuming from "
               f"the newest checkpoint in {run.checkpoints}", file=sys.stderr, flush=True)
