@@ -29,13 +29,23 @@ from torch_backend.parallelize.cp import cp_positions
 from torch_backend.weights import canonical_name
 
 
-def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list[nn.Parameter], dict]:
-    """(class, params, kwargs). Weight decay applies to every parameter, as in the shared ZeRO
-    engine and the MindSpore optimizer, so all engines follow one update rule."""
+def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list, dict]:
+    """(class, params or param groups, kwargs). Weight decay applies to the parameters
+    OptimizerConfig.decays names (all, or with weight_decay_1d false those of 2+ dims: a second
+    group without decay), as in the shared ZeRO engine and the MindSpore optimizer, so all engines
+    follow one update rule. kwargs keep the decay: the experts' optimizer (parallelize.ep) takes
+    them alone, and expert weights are 3-D."""
     if opt.name == "sgd":
-        return torch.optim.SGD, params, {"lr": opt.lr, "weight_decay": opt.weight_decay}
-    return torch.optim.AdamW, params, {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps,
-                                       "weight_decay": opt.weight_decay}
+        cls, kwargs = torch.optim.SGD, {"lr": opt.lr, "weight_decay": opt.weight_decay}
+    else:
+        cls, kwargs = torch.optim.AdamW, {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps,
+                                          "weight_decay": opt.weight_decay}
+    exempt = [p for p in params if not opt.decays(tuple(p.shape))]
+    if not exempt:
+        return cls, params, kwargs
+    decayed = [p for p in params if opt.decays(tuple(p.shape))]
+    groups = ([{"params": decayed}] if decayed else []) + [{"params": exempt, "weight_decay": 0.0}]
+    return cls, groups, kwargs
 
 
 def biased_routers(model: ModelConfig) -> list[str]:

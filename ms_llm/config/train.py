@@ -13,15 +13,28 @@ MAX_STEPS = 10 ** 9
 MAX_BATCH = 1 << 24
 
 
+def decays(shape: tuple[int, ...], weight_decay_1d: bool) -> bool:
+    """Every parameter decays, or with weight_decay_1d false only those of 2+ dimensions (a norm
+    weight or a bias stays 1-D under any tensor-parallel or ZeRO split)."""
+    return weight_decay_1d or len(shape) > 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     name: Literal["adamw", "sgd"] = spec("adamw", "AdamW for training; SGD exists for bit-exact parity tests.")
     lr: float = spec(3e-4, "Peak learning rate.", ge=0.0, le=10.0)
     weight_decay: float = spec(0.1, "Decoupled weight decay (AdamW).", ge=0.0, le=10.0)
+    weight_decay_1d: bool = spec(True, "Decay 1-D parameters (norm weights, biases) too; Megatron-LM, MindFormers "
+                                       "and Hugging Face's Trainer exempt them: false.")
     beta1: float = spec(0.9, "Adam beta1.", ge=0.0, le=1.0)
     beta2: float = spec(0.95, "Adam beta2.", ge=0.0, le=1.0)
     eps: float = spec(1e-8, "Adam epsilon.", ge=0.0, le=1.0)
     grad_clip: float = spec(1.0, "Global gradient-norm clip; 0 means off.", ge=0.0, le=1e9)
+
+    def decays(self, shape: tuple[int, ...]) -> bool:
+        """Whether weight decay applies to a parameter of this (global or local) shape: the one
+        rule every optimizer path follows (torch's param groups, the ZeRO engine, MindSpore's AdamW)."""
+        return decays(shape, self.weight_decay_1d)
 
 
 @dataclass(frozen=True, kw_only=True)

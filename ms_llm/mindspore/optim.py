@@ -1,8 +1,9 @@
 """AdamW with torch.optim.AdamW's exact arithmetic, and global-norm clipping, for one graph.
 
 MindSpore's nn.AdamWeightDecay has no bias correction, so its updates differ from torch's;
-both backends must follow one loss curve, so the update is written out here (weight decay
-on every parameter, the rule of the torch backend and the shared ZeRO engine):
+both backends must follow one loss curve, so the update is written out here (weight decay on
+the parameters OptimizerConfig.decays names, wd = 0 on the others: the rule of the torch backend
+and the shared ZeRO engine):
 
     p <- p * (1 - lr * wd)
     m <- m + (g - m) * (1 - beta1);  v <- beta2 * v + (1 - beta2) * g^2
@@ -25,9 +26,9 @@ from ms_llm.config.train import OptimizerConfig
 _adamw = ops.MultitypeFuncGraph("adamw")
 
 
-@_adamw.register("Number", "Number", "Number", "Number", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
-                 "Tensor", "Tensor")
-def _adamw_update(beta1, beta2, eps, wd, lr, step_size, bias2_sqrt, param, m, v, grad):
+@_adamw.register("Number", "Number", "Number", "Tensor", "Tensor", "Tensor", "Number", "Tensor", "Tensor", "Tensor",
+                 "Tensor")
+def _adamw_update(beta1, beta2, eps, lr, step_size, bias2_sqrt, wd, param, m, v, grad):
     """One parameter's update, in place; returns the new parameter value. The depend chain keeps
     every assignment in the graph (an assignment nothing depends on can be dropped)."""
     grad = ops.cast(grad, ms.float32)
@@ -43,7 +44,10 @@ def _adamw_update(beta1, beta2, eps, wd, lr, step_size, bias2_sqrt, param, m, v,
 class AdamW(nn.Optimizer):
     def __init__(self, params: list[Parameter], cfg: OptimizerConfig):
         super().__init__(float(cfg.lr), params)
-        self.beta1, self.beta2, self.eps, self.wd = cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay
+        self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
+        # One constant per parameter, in the parameters' order (group params would reorder them):
+        # wd, or 0.0 where the rule exempts it (1 - lr * 0.0 is exactly 1).
+        self.decays = tuple(cfg.weight_decay if cfg.decays(tuple(p.shape)) else 0.0 for p in self.parameters)
         self.exp_avg = self.parameters.clone(prefix="exp_avg", init="zeros")
         self.exp_avg_sq = self.parameters.clone(prefix="exp_avg_sq", init="zeros")
         self.step = Parameter(Tensor(0.0, ms.float32), name="optimizer.step", requires_grad=False)
@@ -58,9 +62,8 @@ class AdamW(nn.Optimizer):
         ops.assign(self.step, step)
         bias1 = 1.0 - ops.pow(Tensor(self.beta1, ms.float32), step)
         bias2_sqrt = ops.sqrt(1.0 - ops.pow(Tensor(self.beta2, ms.float32), step))
-        return self.hyper_map(ops.partial(_adamw, self.beta1, self.beta2, self.eps, self.wd, lr, lr / bias1,
-                                          bias2_sqrt),
-                              self.parameters, self.exp_avg, self.exp_avg_sq, gradients)
+        return self.hyper_map(ops.partial(_adamw, self.beta1, self.beta2, self.eps, lr, lr / bias1, bias2_sqrt),
+                              self.decays, self.parameters, self.exp_avg, self.exp_avg_sq, gradients)
 
 
 # The grad_scale attribute makes MindSpore's auto-parallel pass count each shard of a sharded

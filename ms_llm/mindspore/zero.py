@@ -24,7 +24,7 @@ from mindspore.communication import GlobalComm, create_group, get_group_size, ge
 from ms_llm.zero.engine import EngineConfig, ZeroEngine
 from ms_llm.zero.partition import Slot
 from ms_llm.zero.plan import OwnedPiece, ZeroPlan
-from ms_llm.zero.protocol import SGD, AdamW
+from ms_llm.zero.protocol import SGD, AdamW, Ranges
 
 DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
 
@@ -175,20 +175,34 @@ class MsOps:
             shape, dtype = self._shapes[param.name]
             param.set_data(ops.zeros(shape, dtype))
 
-    def adamw(self, p, g, m, v, step, lr, hp: AdamW):
+    def adamw(self, p, g, m, v, step, lr, hp: AdamW, decay: Ranges = None):
         """torch.optim.AdamW's update (see TorchOps.adamw), written functionally."""
-        decay, step_size, bias_correction2_sqrt = hp.scalars(step, lr)
+        factor, step_size, bias_correction2_sqrt = hp.scalars(step, lr)
         if hp.weight_decay != 0:
-            p = p * decay
+            p = _on_ranges(p, decay, lambda a, b: p[a:b] * factor)
         m = m + (g - m) * (1 - hp.beta1)
         v = v * hp.beta2 + g * g * (1 - hp.beta2)
         denom = ops.sqrt(v) / bias_correction2_sqrt + hp.eps
         return p - m / denom * step_size, m, v
 
-    def sgd(self, p, g, lr, hp: SGD):
+    def sgd(self, p, g, lr, hp: SGD, decay: Ranges = None):
         if hp.weight_decay != 0:
-            g = g + p * hp.weight_decay
+            g = _on_ranges(g, decay, lambda a, b: g[a:b] + p[a:b] * hp.weight_decay)
         return p - g * lr
+
+
+def _on_ranges(t: Tensor, ranges: Ranges, inside) -> Tensor:
+    """t with its `ranges` replaced by inside(a, b) (None: all of t), the rest as it is: no
+    writable views here, so the pieces are concatenated."""
+    n = t.shape[0]
+    if ranges is None or tuple(ranges) == ((0, n),):
+        return inside(0, n)
+    pieces, at = [], 0
+    for a, b in ranges:
+        pieces += [t[at:a], inside(a, b)]
+        at = b
+    pieces.append(t[at:])
+    return ops.cat([piece for piece in pieces if piece.shape[0]])
 
 
 class _Scaled(nn.Cell):

@@ -12,12 +12,15 @@ write sub-ranges with explicit stores. Buffers are flat (1-D) tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 from ms_llm.zero.partition import Slot
 
 Tensor = Any
 Group = Any
+# Element ranges [a, b) of a flat tensor that weight decay applies to (the engine's per-parameter
+# decay: OptimizerConfig.weight_decay_1d false exempts the 1-D parameters' pieces); None: all of it.
+Ranges = Optional[tuple[tuple[int, int], ...]]
 
 
 class Handle(Protocol):
@@ -124,8 +127,10 @@ class TensorOps(Protocol):
     def materialize(self, param: Tensor) -> None:
         """Give a released parameter storage again (values are written by unpack)."""
 
-    def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, hp: AdamW
-              ) -> tuple[Tensor, Tensor, Tensor]:
-        """One AdamW update of flat p with gradient g; returns (p, m, v)."""
+    def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, hp: AdamW,
+              decay: Ranges = None) -> tuple[Tensor, Tensor, Tensor]:
+        """One AdamW update of flat p with gradient g, weight decay on the `decay` ranges of p;
+        returns (p, m, v)."""
 
-    def sgd(self, p: Tensor, g: Tensor, lr: float, hp: SGD) -> Tensor: ...
+    def sgd(self, p: Tensor, g: Tensor, lr: float, hp: SGD, decay: Ranges = None) -> Tensor:
+        """One SGD update of flat p, weight decay on the `decay` ranges of p."""

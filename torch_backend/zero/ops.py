@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ms_llm.zero.partition import Slot
-from ms_llm.zero.protocol import SGD, AdamW
+from ms_llm.zero.protocol import SGD, AdamW, Ranges
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -141,11 +141,12 @@ class TorchOps:
             self._restoring.add(id(param))
 
     @torch.no_grad()
-    def adamw(self, p, g, m, v, step, lr, hp: AdamW):
-        """torch.optim.AdamW's single-tensor update, operation for operation."""
-        decay, step_size, bias_correction2_sqrt = hp.scalars(step, lr)
+    def adamw(self, p, g, m, v, step, lr, hp: AdamW, decay: Ranges = None):
+        """torch.optim.AdamW's single-tensor update, operation for operation (decay on views of p)."""
+        factor, step_size, bias_correction2_sqrt = hp.scalars(step, lr)
         if hp.weight_decay != 0:
-            p.mul_(decay)
+            for a, b in _whole(decay, p):
+                p[a:b].mul_(factor)
         m.lerp_(g, 1 - hp.beta1)
         v.mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(hp.eps)
@@ -153,8 +154,14 @@ class TorchOps:
         return p, m, v
 
     @torch.no_grad()
-    def sgd(self, p, g, lr, hp: SGD):
-        """torch.optim.SGD without momentum: p -= lr * (g + wd * p)."""
+    def sgd(self, p, g, lr, hp: SGD, decay: Ranges = None):
+        """torch.optim.SGD without momentum: p -= lr * (g + wd * p), wd on the decay ranges."""
         if hp.weight_decay != 0:
-            g = g.add(p, alpha=hp.weight_decay)
+            g = g.clone()
+            for a, b in _whole(decay, p):
+                g[a:b].add_(p[a:b], alpha=hp.weight_decay)
         return p.add_(g, alpha=-lr)
+
+
+def _whole(decay: Ranges, t: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    return ((0, t.numel()),) if decay is None else decay
