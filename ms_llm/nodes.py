@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Optional
 
 from ms_llm.errors import ConfigError
+from ms_llm.processes import SUPERVISOR_ENV
 from ms_llm.run.folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]       # the checkout holding ms_llm and the backends
 COLLECTIVE_TIMEOUT_ENV = "MS_LLM_COLLECTIVE_TIMEOUT_S"    # set by the elastic supervisor for its workers
 COLLECTIVE_TIMEOUT_S = 600.0                              # otherwise: a dead peer blocks a collective this long
 GATE_ENV = "MS_LLM_GATE"         # a standby worker's gate file: it waits, imports done, until the file exists
-SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # the launcher or elastic supervisor: its workers exit when it is gone
 
 
 @dataclass(frozen=True)

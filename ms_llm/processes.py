@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 PR_SET_PDEATHSIG = 1
+SUPERVISOR_ENV = "MS_LLM_SUPERVISOR_PID"   # the launcher or elastic supervisor: its workers exit when it is gone
 REPORT_LINES = 1000       # of a launcher's failure report kept in memory: torchrun's is ~40 per failed rank
 
 

@@ -42,8 +42,8 @@ from ms_llm.elastic.members import Membership
 from ms_llm.elastic.watch import LaunchWatch, Timeouts
 from ms_llm.elastic.world import BackendCheck, changes, choose_world
 from ms_llm.job import JobConfig
-from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, SUPERVISOR_ENV, Nodes
-from ms_llm.processes import descendants, kill_all
+from ms_llm.nodes import COLLECTIVE_TIMEOUT_ENV, GATE_ENV, Nodes
+from ms_llm.processes import SUPERVISOR_ENV, descendants, kill_all
 from ms_llm.run import RunFolder
 from ms_llm.run.metrics import append_record
 from ms_llm.strategy.ir import ParallelStrategy

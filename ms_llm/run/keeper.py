@@ -25,7 +25,7 @@ from ms_llm.checkpoint.reader import Checkpoint
 from ms_llm.checkpoint.storage import commit as commit_mod
 from ms_llm.checkpoint.storage.seal import SEAL, fingerprint, write_seal
 from ms_llm.errors import CheckpointError
-from ms_llm.nodes import SUPERVISOR_ENV
+from ms_llm.processes import SUPERVISOR_ENV
 from ms_llm.run.memory_tier import DONE, HEARTBEAT, LOCK, PIDFILE
 
 
