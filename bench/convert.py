@@ -191,11 +191,11 @@ def run_child(role: str, fmt: str, work: Path) -> dict | str:
     drop_cache(work)
     proc = subprocess.run([sys.executable, __file__, "--child", role, "--format", fmt, "--work", str(work)],
                           capture_output=True, text=True, timeout=3600)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
     if proc.returncode != 0:
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
         last = lines[-1] if lines else f"exit status {proc.returncode}"
         return last if last.startswith("not available") else f"not available: {last}"
-    return json.loads(lines[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])     # the result; a peer's warnings go to stderr
 
 
 def main() -> None:
