@@ -22,7 +22,7 @@ from mindspore import Tensor, nn, ops
 
 from ms_llm.checkpoint import layout_piece, optim_name, optim_pieces, param_pieces
 from ms_llm.checkpoint.shards import Piece
-from ms_llm.checkpoint.storage.safetensors_io import dtype_name
+from ms_llm.checkpoint.storage.safetensors_io import DTYPES
 from ms_llm.checkpoint.writer import SaveItem, held_items
 from ms_llm.checkpoint.zero_state import EngineSlice, engine_slices
 from ms_llm.errors import CheckpointError
@@ -32,6 +32,8 @@ from ms_llm.strategy.plan import ModelPlan
 
 STATES = ("exp_avg", "exp_avg_sq")
 AGREE_WIDTH = 4             # values per agreement row: the most any caller compares at once
+# MindSpore dtype -> our checkpoint dtype name (bfloat16 apart: it is widened by a cast).
+DTYPE_NAMES = {getattr(ms, "bool_" if name == "bool" else name): name for name in DTYPES if name != "bfloat16"}
 
 
 class _Gather(nn.Cell):
@@ -102,7 +104,9 @@ def _graph_item(piece: Piece, param) -> SaveItem:
     if tuple(param.shape) != piece.local_shape:
         raise CheckpointError(f"{piece.name}: Parameter {tuple(param.shape)} does not match its planned piece "
                               f"{piece.local_shape}; the model was not laid out by this plan")
-    return SaveItem(piece, _copier(param), dtype_name(np.empty(0, ms.dtype_to_nptype(param.dtype))))
+    if param.dtype not in DTYPE_NAMES:
+        raise CheckpointError(f"{piece.name}: dtype {param.dtype} cannot be checkpointed")
+    return SaveItem(piece, _copier(param), DTYPE_NAMES[param.dtype])
 
 
 class MsTrainerState:
