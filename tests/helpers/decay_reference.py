@@ -24,15 +24,15 @@ MOE = dict(MODEL, name="decay_moe", moe=dict(num_experts=4, top_k=2, expert_ffn_
 # eps 1e-5: Adam's m / (sqrt(v) + eps) turns the float noise of near-zero gradients (another reduction
 # order, another framework's kernels) into 1e-5-sized parameter differences at eps 1e-8 / 1e-6.
 OPT = dict(name="adamw", lr=1e-2, weight_decay=0.1, eps=1e-5, grad_clip=1.0, weight_decay_1d=False)
-STEPS, GLOBAL, MICRO, SEQ = 3, 8, 4, 16
+STEPS, GLOBAL, MICRO, SEQ = 3, 8, 4, 16       # MICRO micro-batches of the global batch in one process
 
 
-def job(strategy: dict, model: dict = MODEL, world: int = 1) -> JobConfig:
-    """`strategy` on `world` ranks: micro-batches of MICRO rows, constant learning rate."""
+def job(strategy: dict, model: dict = MODEL) -> JobConfig:
+    """`strategy` with micro-batches of GLOBAL / MICRO rows and a constant learning rate."""
     return job_from_dict({
         "name": model["name"], "device": "cpu", "model": model,
         "strategy": {**strategy, "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
-        "train": {"global_batch_size": GLOBAL, "micro_batch_size": MICRO // world if world > 1 else MICRO,
+        "train": {"global_batch_size": GLOBAL, "micro_batch_size": GLOBAL // MICRO,
                   "seq_len": SEQ, "steps": STEPS, "seed": 7, "optimizer": OPT,
                   "schedule": {"warmup_steps": 0, "decay": "constant"}},
     })
