@@ -1,10 +1,7 @@
 """The reference for train.optimizer.weight_decay_1d false: torch.optim.AdamW with Megatron-LM's
 default param groups (no weight decay on biases and 1-D parameters), the whole global batch in
 one process. Every optimizer path of both backends must equal it; the same loop with one group
-(decay on everything) is the control that shows a test can tell the two apart.
-
-Shared by tests/torch/test_torch_weight_decay.py (and its torchrun worker) and
-tests/mindspore/test_ms_weight_decay.py."""
+(decay on everything) is the control that shows a test can tell the two apart."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,35 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ms_llm.config.train import OptimizerConfig
-from ms_llm.job import JobConfig, job_from_dict
+from torch_backend.model import Transformer
 
-# Qwen's extra parameters give the model biases (q/k/v) and per-head norms beside the RMSNorm weights.
-MODEL = dict(name="decay", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-             ffn_hidden_size=64, max_seq_len=16, qkv_bias=True, qk_norm=True, dtype="float32")
-# Routed experts (3-D, decayed) beside dense 1-D parameters; router losses and the expert bias off,
-# so the plain model's cross entropy is the loss the trainer optimizes.
-MOE = dict(MODEL, name="decay_moe", moe=dict(num_experts=4, top_k=2, expert_ffn_hidden_size=16, aux_loss_coeff=0.0,
-                                             z_loss_coeff=0.0, expert_bias=False))
-# eps 1e-5: Adam's m / (sqrt(v) + eps) turns the float noise of near-zero gradients (another reduction
-# order, another framework's kernels) into 1e-5-sized parameter differences at eps 1e-8 / 1e-6.
-OPT = dict(name="adamw", lr=1e-2, weight_decay=0.1, eps=1e-5, grad_clip=1.0, weight_decay_1d=False)
-STEPS, GLOBAL, MICRO, SEQ = 3, 8, 4, 16       # MICRO micro-batches of the global batch in one process
-
-
-def job(strategy: dict, model: dict = MODEL) -> JobConfig:
-    """`strategy` with micro-batches of GLOBAL / MICRO rows and a constant learning rate."""
-    return job_from_dict({
-        "name": model["name"], "device": "cpu", "model": model,
-        "strategy": {**strategy, "precision": {"param_dtype": "float32", "compute_dtype": "float32"}},
-        "train": {"global_batch_size": GLOBAL, "micro_batch_size": GLOBAL // MICRO,
-                  "seq_len": SEQ, "steps": STEPS, "seed": 7, "optimizer": OPT,
-                  "schedule": {"warmup_steps": 0, "decay": "constant"}},
-    })
-
-
-def batches(vocab: int = 64) -> np.ndarray:
-    """(steps, global batch, seq + 1) token ids."""
-    return np.random.default_rng(3).integers(0, vocab, (STEPS, GLOBAL, SEQ + 1))
+from decay_cases import MICRO, MODEL, OPT, batches, job
 
 
 def param_groups(model: torch.nn.Module, exempt: bool) -> list[dict]:
@@ -75,6 +46,16 @@ def train(model: torch.nn.Module, steps: np.ndarray, micro_batches: int, opt: Op
     return losses
 
 
-def worst(got: dict[str, np.ndarray], want: torch.nn.Module) -> float:
-    """Largest absolute difference over every parameter of `want`."""
-    return max(float(np.abs(got[n] - p.detach().numpy()).max()) for n, p in want.named_parameters())
+def reference(model: dict = MODEL, exempt: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
+    """decay_cases' job trained by `train` from the trainer's initial weights: (parameters, losses)."""
+    j = job({}, model)
+    ref = Transformer(j.model)
+    ref.init_weights(j.train.seed)
+    losses = train(ref, batches(j.model.vocab_size), MICRO, OptimizerConfig(**OPT), exempt)
+    return {n: p.detach().numpy().copy() for n, p in ref.named_parameters()}, losses
+
+
+def worst(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
+    """Largest absolute difference over every parameter, both holding the same names."""
+    assert set(got) == set(want), set(got) ^ set(want)
+    return max(float(np.abs(np.asarray(got[n]) - w).max()) for n, w in want.items())

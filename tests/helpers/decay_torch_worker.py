@@ -3,8 +3,8 @@ tests/torch/test_torch_weight_decay.py: in that process at world 1, and under to
 
     torchrun --nproc-per-node 2 tests/helpers/decay_torch_worker.py OUT case [case ...]
 
-where each case trains decay_reference's model and batches and rank 0 writes the full parameters
-to OUT/<case>.safetensors."""
+where each case trains the model on the batches and rank 0 writes the full parameters
+to OUT/<case>.safetensors (decay_cases: model, batches, settings)."""
 from __future__ import annotations
 
 import sys
@@ -23,7 +23,7 @@ from torch_backend.mesh import build_meshes
 from torch_backend.step import TrainStep
 from torch_backend.weights import canonical_name
 
-from decay_reference import MODEL, batches, job
+from decay_cases import MODEL, batches, job
 
 SHARED, NATIVE = {"engine": "shared"}, {"engine": "native"}
 # world-2 cases: the shared engine's sharded buckets (a segment holds pieces of 1-D and 2-D parameters),
@@ -38,7 +38,7 @@ CASES = {
 
 
 def trained(strategy: dict, model: dict = MODEL) -> dict[str, torch.Tensor]:
-    """Train decay_reference's steps under `strategy` on this process group; full parameters by name."""
+    """Train decay_cases' steps under `strategy` on this process group; full parameters by name."""
     world, rank = dist.get_world_size(), dist.get_rank()
     j = job(strategy, model)
     plan = make_plan(j.model, j.strategy, j.train, world)
