@@ -8,7 +8,10 @@ is the rest of the world. The batch triple is resolved as DeepSpeed's
 config.py does: train_batch_size = micro_batch * gradient_accumulation * dp, any two give the
 third, one alone means gradient_accumulation_steps = 1; with all three given and no --world-size,
 dp (hence the world size) follows from them. Absent keys take DeepSpeed's defaults: no gradient
-clipping, no lr schedule, gradients reduced in the training dtype.
+clipping, no lr schedule, gradients reduced in the training dtype. Which parameters decay is not the
+config's to say: DeepSpeed decays whatever param groups the training script hands it, so a config
+reads as decay on every parameter (train.optimizer.weight_decay_1d true, the plain
+model.parameters() case), and false is written as a warning for the script's author.
 """
 from __future__ import annotations
 
@@ -264,6 +267,9 @@ def write(job: JobConfig, world_size: int) -> Written:
                         "AdamW written")
     out["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
                                                     "weight_decay": o.weight_decay}}
+    if not o.weight_decay_1d:
+        warnings.append("train.optimizer.weight_decay_1d = false: a DeepSpeed config cannot say it; the training "
+                        "script's param groups must give biases and 1-D parameters (norm weights) weight_decay 0")
     out["scheduler"] = _write_schedule(t, warnings)
     if s.tp > 1:
         out["tensor_parallel"] = {"autotp_size": s.tp}

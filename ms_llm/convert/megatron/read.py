@@ -104,11 +104,23 @@ def read(text: str, source: str, options: ReadOptions) -> Converted:
     strategy["offload"] = {"optimizer": f.get("--optimizer-cpu-offload", bool, False, ir="strategy.offload")}
     model["dtype"] = strategy["precision"]["param_dtype"]
     train = _train(f, dp, warnings)
+    _qk_layernorm_decay(f, model, warnings)
     if tie_note:
         warnings.append(tie_note)
     job = make_job(f, name=Path(source).stem, model=model, strategy=strategy, train=train,
                    device=options.device or "h100")
     return Converted(job, world, warnings + f.unused(), f.sources)
+
+
+def _qk_layernorm_decay(f: Fields, model: dict, warnings: list[str]) -> None:
+    """--apply-wd-to-qk-layernorm (Qwen3-Next): Megatron then decays the q/k layernorm weights, the one
+    1-D exception to its no-decay rule (names with q_layernorm. / k_layernorm.: --qk-layernorm's, and
+    MLA's q latent norm; not MLA's kv_layernorm); ms_llm exempts every 1-D parameter or none."""
+    if not f.get("--apply-wd-to-qk-layernorm", bool, False, ir="train.optimizer.weight_decay_1d"):
+        return
+    if model.get("qk_norm") or (model.get("mla") or {}).get("q_lora_rank"):
+        warnings.append("--apply-wd-to-qk-layernorm: Megatron decays the q/k layernorm weights, ms_llm exempts them "
+                        "like every 1-D parameter (train.optimizer.weight_decay_1d: false)")
 
 
 def _cp_algorithm(f: Fields, cp: int, warnings: list[str]) -> str:
@@ -285,8 +297,11 @@ def _train(f: Fields, dp: int | None, warnings: list[str]) -> dict:
         warnings.append(f"--train-samples read as {steps} steps of {gbs} sequences")
     lr = f.get("--lr", float, 3e-4, ir="train.optimizer.lr")
     optimizer = f.get("--optimizer", ("adam", "sgd"), "adam", ir="train.optimizer.name")
+    # weight_decay_1d: Megatron's default no_weight_decay_cond exempts biases and 1-D parameters (norm
+    # weights), with no flag to decay them (--apply-wd-to-qk-layernorm aside: _qk_layernorm_decay).
     opt: dict = {"name": "adamw" if optimizer == "adam" else "sgd", "lr": lr,
                  "weight_decay": f.get("--weight-decay", float, 0.01, ir="train.optimizer.weight_decay"),
+                 "weight_decay_1d": False,
                  "beta1": f.get("--adam-beta1", float, 0.9, ir="train.optimizer.beta1"),
                  "beta2": f.get("--adam-beta2", float, 0.999, ir="train.optimizer.beta2"),
                  "eps": f.get("--adam-eps", float, 1e-8, ir="train.optimizer.eps"),

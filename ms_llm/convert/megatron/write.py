@@ -45,6 +45,9 @@ def write(job: JobConfig, world_size: int) -> Written:
                 f"--train-iters {t.steps}", f"--lr {num(o.lr)}", f"--min-lr {num(o.lr * sch.min_lr_ratio)}",
                 f"--lr-decay-style {sch.decay}", f"--lr-decay-iters {t.steps}", f"--lr-warmup-iters {sch.warmup_steps}",
                 f"--weight-decay {num(o.weight_decay)}", f"--clip-grad {num(o.grad_clip)}", f"--seed {t.seed}"]
+    if o.weight_decay_1d:
+        warnings.append("train.optimizer.weight_decay_1d = true: Megatron never decays biases and 1-D parameters "
+                        "(norm weights), and has no flag to; they will not decay")
     if o.name == "adamw":
         training += [f"--adam-beta1 {num(o.beta1)}", f"--adam-beta2 {num(o.beta2)}", f"--adam-eps {num(o.eps)}"]
     else:

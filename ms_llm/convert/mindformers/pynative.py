@@ -83,6 +83,21 @@ def _recompute(f: Fields, layers: int, warnings: list[str]) -> dict:
     return {}
 
 
+def _decays_1d(f: Fields, warnings: list[str]) -> bool:
+    """get_param_groups exempts 1-D parameters and biases, unless optimizer.weight_decay_include names
+    them (exact names, substrings or wildcards; it wins over weight_decay_exclude): a rule '*' decays
+    every parameter. Other rules pick parameters by name, which ms_llm does not."""
+    include = f.get("optimizer.weight_decay_include", list, [], ir="train.optimizer.weight_decay_1d")
+    exclude = f.get("optimizer.weight_decay_exclude", list, [], ir="train.optimizer.weight_decay_1d")
+    every = "*" in include
+    named = [f"weight_decay_{kind} {rules}" for kind, rules in (("include", [r for r in include if r != "*"]),
+                                                                ("exclude", [] if every else exclude)) if rules]
+    if named:
+        warnings.append(f"optimizer.{' and '.join(named)}: per-name decay rules are not modelled; ms_llm "
+                        f"{'decays every parameter' if every else 'exempts exactly the 1-D parameters and biases'}")
+    return every
+
+
 def _train(f: Fields, dp: int, model: dict, warnings: list[str]) -> dict:
     t = "training"
     local = f.get(f"{t}.local_batch_size", int, 1, ir="train.micro_batch_size")
@@ -102,6 +117,7 @@ def _train(f: Fields, dp: int, model: dict, warnings: list[str]) -> dict:
     opt = {"name": "adamw", "beta1": float(betas[0]), "beta2": float(betas[1]),
            "eps": f.get("optimizer.eps", float, 1e-8, ir="train.optimizer.eps"),
            "weight_decay": f.get("optimizer.weight_decay", float, 0.0, ir="train.optimizer.weight_decay"),
+           "weight_decay_1d": _decays_1d(f, warnings),
            "grad_clip": f.get(f"{t}.max_norm", float, 1.0, ir="train.optimizer.grad_clip")}
     train["schedule"], _, opt["lr"] = read_schedule(f, "lr_scheduler", None, train["steps"], warnings)
     train["optimizer"] = opt

@@ -332,8 +332,10 @@ def _train(f: Fields, dp: int, pp: int, warnings: list[str]) -> dict:
 
 def _optimizer(f: Fields, warnings: list[str]) -> tuple[dict, float]:
     clip = f.get("runner_wrapper.use_clip_grad", bool, False, ir="train.optimizer.grad_clip")
+    # weight_decay_1d: MindFormers' parameter groups (get_optimizer_grouped_parameters) exempt 1-D
+    # parameters (norm weights) and biases whatever the optimizer section says.
     opt: dict = {"grad_clip": f.get("runner_wrapper.max_grad_norm", float, 1.0, ir="train.optimizer.grad_clip")
-                 if clip else 0.0}
+                 if clip else 0.0, "weight_decay_1d": False}
     if not f.has("optimizer"):
         return opt, None
     kind = f.get("optimizer.type", str, "AdamW", ir="train.optimizer.name")

@@ -93,6 +93,9 @@ def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
         expressed |= {"train.data.paths", "train.data.weights", "train.data.split"}
     if t.optimizer.name != "adamw":
         warnings.append(f"train.optimizer.name = {t.optimizer.name}: MindFormers pretraining uses AdamW; AdamW written")
+    if t.optimizer.weight_decay_1d:
+        warnings.append("train.optimizer.weight_decay_1d = true: MindFormers' parameter groups never decay biases "
+                        "and 1-D parameters (norm weights); they will not decay")
     if s.offload.optimizer or s.offload.params:
         warnings.append("strategy.offload: MindFormers' swap_config moves activations, not optimizer states or "
                         "parameters; not written")

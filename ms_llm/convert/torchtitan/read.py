@@ -278,8 +278,11 @@ def _optimizer(f: Fields, warnings: list[str]) -> dict:
     if name not in ("AdamW", "Adam"):
         warnings.append(f"optimizer.name = {name}: read as AdamW")
     lr = f.get("optimizer.lr", float, 8e-4, ir="train.optimizer.lr")
+    # weight_decay_1d: one AdamW group over model.parameters(), every parameter decays (a 0.3 registered
+    # config may set param_groups by name pattern; the command line reaches the first only).
     opt = {"name": "adamw", "lr": lr, "eps": f.get("optimizer.eps", float, 1e-8, ir="train.optimizer.eps"),
            "weight_decay": f.get("optimizer.weight_decay", float, 0.1, ir="train.optimizer.weight_decay"),
+           "weight_decay_1d": True,
            "beta1": f.get("optimizer.beta1", float, 0.9, ir="train.optimizer.beta1"),
            "beta2": f.get("optimizer.beta2", float, 0.95, ir="train.optimizer.beta2"),
            "grad_clip": f.get("training.max_norm", float, 1.0, ir="train.optimizer.grad_clip")}

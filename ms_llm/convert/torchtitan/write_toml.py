@@ -121,6 +121,10 @@ def job_sections(job: JobConfig) -> tuple[dict, set[str], list[str]]:
         sections["lr_scheduler"].update(decay_type="linear", min_lr_factor=1.0)
     if t.data != DataConfig():
         warnings.append("train.data: torchtitan names datasets in [training] dataset; not written")
+    if not o.weight_decay_1d:
+        warnings.append("train.optimizer.weight_decay_1d = false: torchtitan's AdamW decays every parameter (0.3's "
+                        "param_groups can exempt some by name pattern, in a registered config only); biases and "
+                        "norm weights will decay")
     return sections, expressed, warnings
 
 
