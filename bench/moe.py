@@ -21,7 +21,7 @@ the experts' matmuls (forward and backward). At ep1 every rank holds all 8 exper
 ep4 each holds 2 and exchanges 3/4 of its routed token copies; ep2 x etp2 (etp carved out of dp: Megatron's
 MoE parallel folding) holds half the width of 4 experts. Beside the times, the memory per rank of the
 routed experts' weights, gradients and AdamW states: the cost model's (ms_llm.strategy.cost, MemoryBreakdown
-.experts) and the tensors rank 0 holds (gradients as the expert path reduces them).
+.experts) and the experts' buckets of rank 0's shared ZeRO engine (weights, gradients, states).
 
     python bench/moe.py [--tokens 4096] [--repeats 5] [--threads 1] [--steps 8] [--seq 64]
     python bench/moe.py --quick      # tiny shapes, one round: checks the bench runs, in seconds
@@ -63,14 +63,12 @@ from torch_backend.launch import torchrun  # noqa: E402
 from torch_backend.layers import MLP  # noqa: E402
 from torch_backend.lower import lower  # noqa: E402
 from torch_backend.mesh import build_meshes  # noqa: E402
-from torch_backend.parallelize.ep import ExpertGrads  # noqa: E402
 from torch_backend.step import TrainStep  # noqa: E402
 
 WORLD, GLOBAL_BATCH = 4, 16
 # setting -> the expert degrees over dp 4 (etp carved out of dp: the experts fold as edp x ep x etp)
 SETTINGS = {"ep1": {"ep": 1}, "ep2": {"ep": 2}, "ep4": {"ep": 4}, "ep2_etp2": {"ep": 2, "etp": 2}}
 TIMES = {"all_to_all": 0.0, "etp": 0.0, "experts": 0.0}
-GRAD_BYTES = {"experts": 0}
 SEED = 7
 
 
@@ -200,10 +198,9 @@ class _Mark(torch.autograd.Function):
 
 def instrument() -> None:
     """Time every all_to_all_single of the MoE layer, its gathers and reduce-scatters over etp, and the
-    experts' forward and backward; record the bytes of the expert gradients the expert path reduces."""
+    experts' forward and backward."""
     raw_all_to_all, raw_experts = dist.all_to_all_single, moe.Experts.forward
-    raw_gather, raw_scatter, raw_reduce = moe_dispatch._all_gather_rows, moe_dispatch._reduce_scatter_rows, \
-        ExpertGrads.reduce
+    raw_gather, raw_scatter = moe_dispatch._all_gather_rows, moe_dispatch._reduce_scatter_rows
 
     def timed(fn):
         def call(*args, **kwargs):
@@ -212,10 +209,6 @@ def instrument() -> None:
             TIMES["etp"] += time.perf_counter() - t
             return out
         return call
-
-    def reduce(self):
-        GRAD_BYTES["experts"] = sum(p.grad.numel() * p.grad.element_size() for p in self.params.values())
-        return raw_reduce(self)
 
     def all_to_all_single(*args, **kwargs):
         t = time.perf_counter()
@@ -234,16 +227,12 @@ def instrument() -> None:
     moe.dist.all_to_all_single = all_to_all_single
     moe.Experts.forward = experts
     moe_dispatch._all_gather_rows, moe_dispatch._reduce_scatter_rows = timed(raw_gather), timed(raw_scatter)
-    ExpertGrads.reduce = reduce
 
 
 def expert_bytes(lowered) -> int:
-    """The routed experts' weights, gradients and optimizer states this rank holds."""
-    experts = lowered.dp.experts
-    weights = sum(p.numel() * p.element_size() for p in experts.params.values())
-    states = sum(t.numel() * t.element_size() for st in experts.optimizer.state.values() for t in st.values()
-                 if torch.is_tensor(t) and t.dim() > 0)
-    return weights + GRAD_BYTES["experts"] + states
+    """The routed experts' weights, gradients and optimizer states this rank holds: the buckets of the
+    shared engine's partition that hold them (stage 0 here, so the gradients stay allocated)."""
+    return sum(lowered.dp.engine.engine.model_state_bytes(experts=True).values())
 
 
 def measure(setting: str, steps: int, seq: int, tokens_path: str) -> dict:

@@ -66,29 +66,15 @@ def _shared_engine_state(engine, plan: ModelPlan, rank: int) -> Held:
 
 
 def _torch_optimizer(step_fn: TrainStep):
-    """The torch optimizer whose per-parameter states this rank holds: the step's own, or under
-    the shared engine the routed experts' one beside it (parallelize.ep.ExpertGrads; None
-    without experts)."""
-    if _zero_engine(step_fn) is None:
-        return step_fn.optimizer
-    experts = step_fn.m.dp.experts
-    return experts.optimizer if experts is not None else None
-
-
-def _expert_slices(step_fn: TrainStep) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> the slice of a routed expert weight whose optimizer states this rank holds
-    under the shared engine's ZeRO-1 over edp (parallelize.ep.ExpertGrads); {} when whole."""
-    experts = step_fn.m.dp.experts if _zero_engine(step_fn) is not None else None
-    if experts is None:
-        return {}
-    return {canonical_name(n): p for n, p in experts.state_params().items() if n in experts.shards}
+    """The torch optimizer whose per-parameter states this rank holds: the step's own (None under
+    the shared engine, which holds every state, the routed experts' included)."""
+    return step_fn.optimizer if _zero_engine(step_fn) is None else None
 
 
 def _optimizer_state(optimizer, weights: dict[str, torch.Tensor], plan: ModelPlan, rank: int,
-                     create: bool, sliced: frozenset[str] = frozenset()) -> Held:
+                     create: bool) -> Held:
     """Per-parameter states of a torch optimizer; `create` makes Adam's before its first step.
-    Expert states take their weight's layout (split over ep), so they reshard like it; those of
-    `sliced` weights (ZeRO-1 over edp) the weight's optimizer_layout."""
+    Expert states take their weight's layout (split over ep), so they reshard like it."""
     held = {}
     owner = is_loaded_instance(optimizer, "torch.distributed.optim", "ZeroRedundancyOptimizer")
     local = optimizer.optim if owner else optimizer
@@ -105,10 +91,7 @@ def _optimizer_state(optimizer, weights: dict[str, torch.Tensor], plan: ModelPla
             if not torch.is_tensor(value) or value.dim() == 0:
                 continue
             name = optim_name(key, weight)
-            if weight in sliced:
-                piece = layout_piece(name, plan.params[weight].optimizer_layout, plan.stage_rank(rank))
-            else:
-                piece = _piece(name, value, plan, rank, weight)
+            piece = _piece(name, value, plan, rank, weight)
             if owner:                       # only the owning rank has it, whole
                 piece = Piece(name, piece.shape, Region((0,) * len(piece.shape), piece.shape), True)
             held[name] = (piece, value)
@@ -124,8 +107,7 @@ def training_state(step_fn: TrainStep, plan: ModelPlan, rank: int, create: bool 
         held.update(_shared_engine_state(engine, plan, rank))
     optimizer = _torch_optimizer(step_fn)
     if optimizer is not None:
-        sliced = _expert_slices(step_fn)
-        held.update(_optimizer_state(optimizer, {**weights, **sliced}, plan, rank, create, frozenset(sliced)))
+        held.update(_optimizer_state(optimizer, weights, plan, rank, create))
     for name, p in weights.items():
         if name not in held:                # ZeRO-3 shards of the shared engine are already in
             held[name] = (_piece(name, p, plan, rank, name), p)

@@ -30,10 +30,9 @@ class EngineSlice:
 def engine_slices(engine, plan, rank: int) -> dict[str, EngineSlice]:
     """Checkpoint name -> where the engine on `rank` keeps it."""
     zplan, out = engine.zplan, {}
-    index = zplan.shard_index(rank)
     for b in engine.buckets:
         st = engine.state[b.index]
-        base = b.start + (index * b.segment if b.sharded else 0)
+        base = b.start + zplan.segment_index(rank, b) * b.segment
         for owned in zplan.pieces(rank, b):
             shape = plan.params[owned.name].shape
             region = Region(*owned.global_box)

@@ -213,22 +213,23 @@ def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]
     nd = plan.zero.group_size
     params, grads, optim = zero_model_state_bytes(psi, s.zero.stage, nd, _optimizer_bytes_per_param(plan),
                                                   pbytes, pbytes)
-    # Routed experts: split over ep and etp already, replicated over edp; ZeRO shards only their
-    # optimizer states, over edp (ms_llm.strategy.plan._expert_zero).
-    edp = s.edp if s.zero.stage >= 1 else 1
-    experts = st.expert_params * (2 * pbytes + _optimizer_bytes_per_param(plan) / edp)
-    params += st.expert_params * pbytes
-    grads += st.expert_params * pbytes
-    optim += st.expert_params * _optimizer_bytes_per_param(plan) / edp
+    # Routed experts: split over ep and etp already, replicated over edp; ZeRO shards them over edp at
+    # the job's stage, optimizer states, then gradients, then weights (ms_llm.strategy.plan._expert_zero).
+    routed = zero_model_state_bytes(st.expert_params, s.zero.stage, s.edp, _optimizer_bytes_per_param(plan),
+                                    pbytes, pbytes)
+    experts = sum(routed)
+    params, grads, optim = params + routed[0], grads + routed[1], optim + routed[2]
     host = 0.0
     if s.offload.optimizer:
         host += optim
         optim = 0.0
     gather = 0.0
     if s.zero.stage == 3:
-        # One layer's dense parameters unsharded for compute plus the next one's prefetched (experts stay put).
-        experts = 3 * m.moe.num_experts * m.hidden_size * m.expert_ffn_size if plan.moe_layers_of(st) else 0
-        gather = 2 * (m.layer_param_count() - experts) / s.tp * pbytes
+        # One layer's parameters unsharded for compute plus the next one's prefetched: its dense ones
+        # over tp, its routed experts over ep x etp (gathered over edp; whole already when edp is 1).
+        every = 3 * m.moe.num_experts * m.hidden_size * m.expert_ffn_size if plan.moe_layers_of(st) else 0
+        local = every / (s.ep * s.etp) if s.edp > 1 else 0
+        gather = 2 * ((m.layer_param_count() - every) / s.tp + local) * pbytes
         if s.offload.params:
             host += params
             params = 0.0

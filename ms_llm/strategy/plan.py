@@ -39,6 +39,7 @@ ParamKind = Literal["embedding", "column", "bias", "row", "norm", "head_norm", "
 # Buffers the plan lays out beside the parameters: the router's aux-loss-free expert bias, fp32,
 # replicated on every rank of its stage and updated identically there.
 BufferKind = Literal["expert_bias"]
+EXPERT_KINDS = ("expert_column", "expert_row")   # the routed experts: on the expert mesh, ZeRO over edp
 RecomputeMode = Literal["none", "selective", "full"]
 
 
@@ -131,6 +132,7 @@ class ModelPlan:
     micro_batches: int
     notes: tuple[str, ...] = field(default=())
     buffers: dict[str, BufferPlan] = field(default_factory=dict)
+    expert_zero: Optional[ZeroPartition] = None   # the routed experts' ZeRO, over edp (MoE only)
 
     @property
     def stage_mesh(self) -> MeshSpec:
@@ -219,14 +221,14 @@ def zero_partition(s: ParallelStrategy, mesh: MeshSpec) -> ZeroPartition:
 
 
 def _expert_zero(s: ParallelStrategy, zero: ZeroPartition) -> ZeroPartition:
-    """The routed experts' ZeRO: with zero.stage >= 1 their optimizer states are sharded over edp
-    (the ranks holding the same expert shard), ZeRO-1 style whatever the stage: their weights and
-    gradients stay whole on each edp rank (the backend's expert path updates them beside the
-    shared partition). `s` must be resolved."""
-    edp = s.edp
-    stage = 1 if zero.stage >= 1 and edp > 1 else 0
-    return ZeroPartition(stage=stage, axes=("edp",) if stage else (), group_size=edp if stage else 1,
-                         replicate_size=1, shard_optimizer=bool(stage), shard_grads=False, shard_params=False)
+    """The routed experts' ZeRO: the job's stage over edp, the ranks holding the same expert shard
+    (Megatron-core's expert data parallel group): optimizer states from stage 1, gradients from 2,
+    weights from 3, each split over all of edp (hybrid sharding's dp_replicate stays the dense
+    parameters'). With edp 1 nothing is left to shard. `s` must be resolved."""
+    stage = zero.stage if s.edp > 1 else 0
+    return ZeroPartition(stage=stage, axes=("edp",) if stage else (), group_size=s.edp if stage else 1,
+                         replicate_size=1, shard_optimizer=stage >= 1, shard_grads=stage >= 2,
+                         shard_params=stage >= 3)
 
 
 def zero_layout(layout: TensorLayout, zero: ZeroPartition) -> TensorLayout:
@@ -312,7 +314,7 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
     expert_mesh = fold_experts(s.pp, s.dp * s.cp * s.tp, s.ep, s.etp) if model.moe is not None else None
 
     zero = zero_partition(s, mesh)
-    expert_zero = _expert_zero(s, zero)
+    expert_zero = _expert_zero(s, zero) if model.moe is not None else None
 
     chunks = pipeline_chunks(model, s)
     layer_chunk = tuple(c.index for c in chunks for _ in c.layers)
@@ -355,11 +357,13 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
         add(p + "norm.weight", (h,), "norm", None, last)
 
     notes = []
-    unsharded = [p.name for p in params.values() if zero.group_size > 1 and p.zero_layout == p.layout
-                 and p.kind not in ("expert_column", "expert_row")]
-    if unsharded:
-        notes.append(f"{len(unsharded)} parameter(s) have no dimension divisible by the ZeRO group "
-                     f"({zero.group_size}); their optimizer states stay replicated, e.g. {unsharded[0]}")
+    for group, experts, what in ((zero, False, "ZeRO group"), (expert_zero, True, "experts' ZeRO group (edp)")):
+        if group is None or group.group_size == 1:
+            continue
+        unsharded = [p.name for p in params.values() if (p.kind in EXPERT_KINDS) == experts and p.zero_layout == p.layout]
+        if unsharded:
+            notes.append(f"{len(unsharded)} parameter(s) have no dimension divisible by the {what} "
+                         f"({group.group_size}); their optimizer states stay replicated, e.g. {unsharded[0]}")
     if model.mtp_layers and chunks[0].stage != chunks[last].stage:
         notes.append(f"the MTP modules on stage {chunks[last].stage} read model.embed_tokens of stage "
                      f"{chunks[0].stage}: stage {chunks[last].stage} keeps a copy whose gradient is summed with "
@@ -369,7 +373,8 @@ def plan(model: ModelConfig, strategy: ParallelStrategy, train: TrainConfig | No
         model=model, strategy=s, train=train, world_size=world, mesh=mesh, expert_mesh=expert_mesh,
         params=params, activations=_activation_layouts(model, s, train, stage_mesh),
         chunks=tuple(chunks), layer_chunk=layer_chunk, recompute=recompute_modes(model, s, chunks),
-        zero=zero, micro_batches=s.pipeline.micro_batches, notes=tuple(notes), buffers=buffers)
+        zero=zero, micro_batches=s.pipeline.micro_batches, notes=tuple(notes), buffers=buffers,
+        expert_zero=expert_zero)
 
 
 def _attention(model: ModelConfig, add, p: str, layer: Optional[int], c: int) -> None:

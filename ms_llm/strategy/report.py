@@ -112,8 +112,11 @@ def plan_report(plan: ModelPlan, est: StepEstimate, device: DeviceSpec) -> str:
     if groups:
         L.append("groups     " + "; ".join(groups))
     if plan.expert_mesh is not None:
-        em = plan.expert_mesh
-        L.append(f"experts    {em.describe()}  (the same ranks folded, etp fastest)")
+        em, ez = plan.expert_mesh, plan.expert_zero
+        sharded = [w for w, on in (("optimizer states", ez.shard_optimizer), ("gradients", ez.shard_grads),
+                                   ("weights", ez.shard_params)) if on]
+        zero = f"; zero-{ez.stage} over edp {ez.group_size}: {', '.join(sharded)}" if ez.stage else ""
+        L.append(f"experts    {em.describe()}  (the same ranks folded, etp fastest{zero})")
         groups = []
         for axis in ("etp", "ep", "edp"):        # the expert process groups, by name
             if em.axis_size(axis) > 1:

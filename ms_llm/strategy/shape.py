@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.ir import ParallelStrategy
-from ms_llm.strategy.plan import ModelPlan, pipeline_chunks, recompute_modes
-
-EXPERT_KINDS = ("expert_column", "expert_row")
+from ms_llm.strategy.plan import EXPERT_KINDS, ModelPlan, pipeline_chunks, recompute_modes
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class ZeroEngine:
                  config: EngineConfig, world_size: int):
         self.zplan, self.rank, self.params, self.comm, self.ops, self.config = zplan, rank, params, comm, ops, config
         self.buckets = zplan.buckets_of(rank)
-        self.index = zplan.shard_index(rank)
+        self._index = {b.index: zplan.segment_index(rank, b) for b in self.buckets}
         self.groups = self._make_groups(world_size)
         self.sync = True
         self.step_count = 0
@@ -97,7 +97,7 @@ class ZeroEngine:
     def _make_groups(self, world_size: int) -> dict[str, Any]:
         """Every rank creates every group in the same order (torch.distributed requires it)."""
         mine = {}
-        for kind in ("shard", "replicate", "dp", "embedding"):
+        for kind in ("shard", "replicate", "dp", "embedding", "expert_shard", "expert_dp"):
             for ranks in self.zplan.groups.get(kind, ()):
                 handle = self.comm.new_group(ranks) if len(ranks) > 1 else None
                 if self.rank in ranks:
@@ -106,20 +106,30 @@ class ZeroEngine:
         return mine
 
     def _broadcast_params(self) -> None:
-        """Replicas start equal (as DDP guarantees), whatever each process initialised."""
-        group = self.groups["dp"]
-        if group is None:
-            return
-        src = self.zplan.group_of("dp", self.rank)[0]
+        """Replicas start equal (as DDP guarantees), whatever each process initialised: over dp,
+        the routed experts over edp."""
         for b in self.buckets:
+            kind = self.zplan.group_kind(b, "dp")
+            if self.groups[kind] is None:
+                continue
+            src = self.zplan.group_of(kind, self.rank)[0]
             for s in b.slots:
-                self.comm.broadcast(self.params[s.name], src, group)
+                self.comm.broadcast(self.params[s.name], src, self.groups[kind])
+
+    def _group(self, b: Bucket, kind: str) -> Any:
+        """The communication group of `kind` (shard, replicate, dp) for bucket `b`: the dense one, or
+        the experts' (over edp)."""
+        return self.groups[self.zplan.group_kind(b, kind)]
+
+    def own_index(self, b: Bucket) -> int:
+        """The segment of `b` this rank owns: its place in the bucket's shard group (0 if replicated)."""
+        return self._index[b.index]
 
     def _dtype(self, b: Bucket) -> str:
         return self.zplan.buffers[b.buffer].dtype
 
     def _own_start(self, b: Bucket) -> int:
-        return self.index * b.segment if b.sharded else 0
+        return self.own_index(b) * b.segment
 
     def _own_params(self, b: Bucket) -> Tensor:
         """A bucket whose owned segment holds the current parameter values, packed from the
@@ -129,7 +139,7 @@ class ZeroEngine:
         buf = self.ops.zeros(b.numel, self._dtype(b)) if b.padding else self.ops.empty(b.numel, self._dtype(b))
         for s in b.slots:
             if b.sharded:
-                buf = self.ops.pack_own(buf, 0, b.segment, s, self.index, self.params[s.name])
+                buf = self.ops.pack_own(buf, 0, b.segment, s, self.own_index(b), self.params[s.name])
             else:
                 buf = self.ops.pack(buf, 0, b.segment, s, self.params[s.name], accumulate=False)
         return buf
@@ -224,7 +234,7 @@ class ZeroEngine:
         if self.config.reduce_dtype != self._dtype(b):
             buf = self.ops.cast(buf, self.config.reduce_dtype)
         first = self.zplan.grad_collectives(b)[0]
-        group = self.groups[first.group]
+        group = self._group(b, first.group)
         if group is None:
             handle = _Done()
         elif first.op == "reduce_scatter":
@@ -242,8 +252,8 @@ class ZeroEngine:
             own = self.ops.read(buf, self._own_start(b), b.segment)
             follow = self.zplan.grad_collectives(b)[1:]
             second = None
-            if follow and self.groups[follow[0].group] is not None:
-                second = self.comm.all_reduce(own, self.groups[follow[0].group], async_op=True)
+            if follow and self._group(b, follow[0].group) is not None:
+                second = self.comm.all_reduce(own, self._group(b, follow[0].group), async_op=True)
             reduced.append((b, own, second))
         for (b, own, second), (_, buf, _) in zip(reduced, self._inflight):
             if second is not None:
@@ -286,10 +296,9 @@ class ZeroEngine:
             self.comm.all_reduce(total, self.groups["world"])
         return math.sqrt(self.ops.item(total))
 
-    def step(self, lr: float, loss_scale: Optional[float] = None, extra_sq_norm: float = 0.0) -> Optional[float]:
+    def step(self, lr: float, loss_scale: Optional[float] = None) -> Optional[float]:
         """Clip, update the owned segments, bring parameters up to date. Returns the gradient
-        norm before clipping when clipping or loss scaling is on. `extra_sq_norm`: the squared
-        global norm of gradients kept outside the partition (MoE experts), counted in it.
+        norm before clipping when clipping or loss scaling is on.
 
         `loss_scale`: the gradients are that multiple of the true ones (fp16 loss scaling,
         ms_llm.run.loss_scale). They are divided back (after the cast to the master dtype, where
@@ -300,7 +309,7 @@ class ZeroEngine:
         self._sum_tied(grads)
         norm = None
         if cfg.grad_clip > 0 or loss_scale is not None:
-            norm = math.sqrt(self.grad_norm(grads) ** 2 + extra_sq_norm) / (loss_scale or 1.0)
+            norm = self.grad_norm(grads) / (loss_scale or 1.0)
         if loss_scale is not None and not math.isfinite(norm):
             for b in self.buckets:
                 self._drop_grads(b)
@@ -378,16 +387,19 @@ class ZeroEngine:
             st.grad_shard = None
 
     def gather_bucket(self, b: Bucket, pbuf: Tensor) -> Handle:
-        if not b.sharded or self.groups["shard"] is None:
+        if not b.sharded or self._group(b, "shard") is None:
             return _Done()
-        return self.comm.all_gather_into(pbuf, self.groups["shard"], async_op=True)
+        return self.comm.all_gather_into(pbuf, self._group(b, "shard"), async_op=True)
 
     # ---- accounting --------------------------------------------------------------------
-    def model_state_bytes(self) -> dict[str, int]:
+    def model_state_bytes(self, experts: Optional[bool] = None) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank holds right now
-        (device), and optimizer states in host memory."""
+        (device), and optimizer states in host memory; `experts` True / False: of the routed
+        experts' buckets / of the others only."""
         ops, out = self.ops, {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
         for b in self.buckets:
+            if experts is not None and b.expert != experts:
+                continue
             st = self.state[b.index]
             if st.param_shard is not None:
                 out["params"] += ops.nbytes(st.param_shard)

@@ -20,13 +20,15 @@ class GatherHost(Protocol):
     """What UnitGather uses of its engine (ms_llm.zero.engine.ZeroEngine, which owns it)."""
     zplan: ZeroPlan
     rank: int
-    index: int                      # this rank's shard in its buckets
     ops: TensorOps
     state: dict[int, Any]           # per bucket: its param_shard
     params: dict[str, Tensor]
     in_backward: bool
 
     def gather_bucket(self, b: Bucket, pbuf: Tensor) -> Handle: ...
+
+    def own_index(self, b: Bucket) -> int:
+        """This rank's segment of `b`."""
 
 
 class UnitGather:
@@ -54,7 +56,7 @@ class UnitGather:
             if not b.sharded:
                 continue
             pbuf = ops.empty(b.numel, e.zplan.buffers[b.buffer].dtype)     # filled whole: shard + gather
-            pbuf = ops.write(pbuf, e.index * b.segment, e.state[index].param_shard)
+            pbuf = ops.write(pbuf, e.own_index(b) * b.segment, e.state[index].param_shard)
             issued.append((index, pbuf, e.gather_bucket(b, pbuf)))
         self.inflight[u.name] = issued
         self.status[u.name] = "gathering"

@@ -12,6 +12,10 @@ each rank its own segment; an all-gather rebuilds the whole bucket. A parameter 
 dimensions the shard group does not divide (the plan leaves its zero_layout unsplit) goes
 to a replicated bucket (parts = 1): all-reduced and updated whole on every rank.
 
+The routed experts (MoE) live on the expert mesh (edp, ep, etp) and are partitioned over edp, the
+ranks holding the same expert shard (the plan's expert_zero): their buckets are apart from the dense
+ones and reduce, gather and broadcast over the expert groups (expert_shard, expert_dp).
+
 Worked example, group of 2, bucket [a (4x2, dim 0), b (2,)]:
     segment 0 = a[0:2].flat (4) + b[0:1] (1) + padding,  segment 1 = a[2:4].flat + b[1:2] + padding.
 """
@@ -24,11 +28,10 @@ from typing import Optional
 from ms_llm.config.model import DTYPE_BYTES
 from ms_llm.strategy.layout import Shard, TensorLayout
 from ms_llm.strategy.mesh import MeshSpec, rank_groups
-from ms_llm.strategy.plan import ModelPlan, ZeroPartition, zero_layout
+from ms_llm.strategy.plan import EXPERT_KINDS, ModelPlan, ZeroPartition, zero_layout
 
 ALIGN_BYTES = 64            # each rank segment starts on a 64-byte boundary of its bucket
 DP_AXES = ("dp_replicate", "dp_shard", "cp")   # ranks holding the same parameters
-EXPERT_KINDS = ("expert_column", "expert_row")  # MoE routed experts: outside the partition
 EMBEDDING = "model.embed_tokens.weight"          # copied to the MTP modules' pipeline stage
 
 
@@ -47,6 +50,8 @@ class ParamEntry:
     # their stage, Megatron-core's embedding group): the engine sums its gradient with the
     # original's over groups["embedding"]; it counts in no norm and no checkpoint (not primary).
     tied: bool = False
+    # A routed expert: its layout is over the expert mesh, its zero_dim splits it over edp.
+    expert: bool = False
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -93,6 +98,7 @@ class Bucket:
     segment: int                   # elements per segment, padding included
     slots: tuple[Slot, ...]
     units: tuple[str, ...]         # gather units it serves (exactly one under ZeRO-3)
+    expert: bool = False           # routed experts: its collectives run over the expert groups
 
     @property
     def numel(self) -> int:
@@ -143,22 +149,22 @@ def zero_dim(entry_layout: TensorLayout, zero_layout: TensorLayout, axes: tuple[
 
 
 def entries_from_plan(plan: ModelPlan) -> list[ParamEntry]:
-    """Parameters in model order (embedding, layers, final norm, head, MTP modules) with their
-    units, then the embedding's copy on the MTP modules' stage (ModelPlan.embedding_stages), in
-    its final unit, whose modules read it."""
+    """Parameters in model order (embedding, layers with their experts, final norm, head, MTP
+    modules) with their units, then the embedding's copy on the MTP modules' stage
+    (ModelPlan.embedding_stages), in its final unit, whose modules read it."""
     dtype = plan.strategy.precision.param_dtype
     out = []
     for p in plan.params.values():
-        if p.kind in EXPERT_KINDS:
-            continue        # split over ep, replicated over edp: reduced by the backend's expert path
         if p.layer is not None:
             unit, module = f"layer.{p.layer}", f"model.layers.{p.layer}"
         elif p.kind == "embedding":
             unit, module = "embed", p.name.rsplit(".", 1)[0]
         else:
             unit, module = "final", p.name.rsplit(".", 1)[0]
-        out.append(ParamEntry(p.name, p.layout, zero_dim(p.layout, p.zero_layout, plan.zero.axes),
-                              p.stage, p.chunk, unit, module, dtype))
+        expert = p.kind in EXPERT_KINDS
+        axes = plan.expert_zero.axes if expert else plan.zero.axes
+        out.append(ParamEntry(p.name, p.layout, zero_dim(p.layout, p.zero_layout, axes),
+                              p.stage, p.chunk, unit, module, dtype, expert=expert))
     embed = plan.params.get(EMBEDDING)
     for chunk in plan.chunks:
         if embed is not None and chunk.has_mtp and chunk.stage != embed.stage:
@@ -184,14 +190,15 @@ def _bucket_capacity(bucket_mb: float, dtype: str) -> int:
     return int(bucket_mb * 2 ** 20) // DTYPE_BYTES[dtype]
 
 
-def build_buckets(entries: list[ParamEntry], group_size: int, bucket_mb: float, stage: int
-                  ) -> tuple[tuple[FlatBuffer, ...], tuple[Bucket, ...], tuple[Unit, ...]]:
-    """Group `entries` (in their given order) into buffers and buckets.
+def build_buckets(entries: list[ParamEntry], group_size: int, bucket_mb: float, stage: int,
+                  expert_group_size: int = 1) -> tuple[tuple[FlatBuffer, ...], tuple[Bucket, ...], tuple[Unit, ...]]:
+    """Group `entries` (in their given order) into buffers and buckets; sharded buckets split
+    over `group_size` ranks, the routed experts' over `expert_group_size` (edp).
 
     A new bucket starts when the next parameter would push the bucket past bucket_mb (a
     parameter larger than that gets a bucket of its own; 0 = one parameter per bucket),
-    when it changes between sharded and replicated, and under ZeRO-3 at every unit edge,
-    so one unit's gather never waits on another's parameters.
+    when it changes between sharded and replicated or between dense and expert, and under
+    ZeRO-3 at every unit edge, so one unit's gather never waits on another's parameters.
     """
     keys: list[tuple[int, int, str]] = []
     for e in entries:
@@ -207,7 +214,7 @@ def build_buckets(entries: list[ParamEntry], group_size: int, bucket_mb: float, 
         for e in members:
             if runs:
                 last = runs[-1]
-                same_kind = (last[-1].zero_dim is None) == (e.zero_dim is None)
+                same_kind = (last[-1].zero_dim is None) == (e.zero_dim is None) and last[-1].expert == e.expert
                 same_unit = stage < 3 or last[-1].unit == e.unit
                 fits = sum(x.local_numel for x in last) + e.local_numel <= capacity
                 if same_kind and same_unit and fits:
@@ -217,7 +224,7 @@ def build_buckets(entries: list[ParamEntry], group_size: int, bucket_mb: float, 
         start, ids = 0, []
         align = align_elements(key[2])
         for run in runs:
-            parts = group_size if run[0].zero_dim is not None else 1
+            parts = (expert_group_size if run[0].expert else group_size) if run[0].zero_dim is not None else 1
             slots, offset = [], 0
             for e in run:
                 n = e.local_numel // parts
@@ -225,7 +232,7 @@ def build_buckets(entries: list[ParamEntry], group_size: int, bucket_mb: float, 
                 offset += n
             segment = -(-offset // align) * align
             units = tuple(dict.fromkeys(e.unit for e in run))
-            bucket = Bucket(len(buckets), b_index, start, parts, segment, tuple(slots), units)
+            bucket = Bucket(len(buckets), b_index, start, parts, segment, tuple(slots), units, run[0].expert)
             buckets.append(bucket)
             ids.append(bucket.index)
             start += bucket.numel
@@ -241,18 +248,23 @@ def build_buckets(entries: list[ParamEntry], group_size: int, bucket_mb: float, 
     return tuple(buffers), tuple(buckets), tuple(units)
 
 
-def zero_groups(mesh: MeshSpec, zero: ZeroPartition) -> dict[str, list[list[int]]]:
+def zero_groups(mesh: MeshSpec, zero: ZeroPartition, expert_mesh: Optional[MeshSpec] = None,
+                expert_zero: Optional[ZeroPartition] = None) -> dict[str, list[list[int]]]:
     """Rank groups (global ranks) the engine's collectives run over.
 
     shard: ranks splitting one bucket (reduce-scatter / all-gather);
     replicate: ranks holding the same segment (all-reduce after the reduce-scatter, HSDP);
-    dp: every rank holding the same parameters (all-reduce of replicated buckets).
+    dp: every rank holding the same parameters (all-reduce of replicated buckets);
+    expert_shard, expert_dp (MoE): the same for the routed experts' buckets, over edp.
     """
-    def groups(axes: tuple[str, ...]) -> list[list[int]]:
-        return rank_groups(mesh.shape, tuple(mesh.names.index(a) for a in axes))
+    def groups(m: MeshSpec, axes: tuple[str, ...]) -> list[list[int]]:
+        return rank_groups(m.shape, tuple(m.names.index(a) for a in axes))
 
     replicate = tuple(a for a in DP_AXES if a not in zero.axes)
-    return {"shard": groups(zero.axes), "replicate": groups(replicate), "dp": groups(DP_AXES)}
+    out = {"shard": groups(mesh, zero.axes), "replicate": groups(mesh, replicate), "dp": groups(mesh, DP_AXES)}
+    if expert_mesh is not None:
+        out.update(expert_shard=groups(expert_mesh, expert_zero.axes), expert_dp=groups(expert_mesh, ("edp",)))
+    return out
 
 
 def embedding_groups(mesh: MeshSpec, stages: tuple[int, ...]) -> list[list[int]]:

@@ -55,8 +55,11 @@ class ZeroPlan:
     buffers: tuple[FlatBuffer, ...]
     buckets: tuple[Bucket, ...]
     units: tuple[Unit, ...]
-    groups: dict[str, list[list[int]]]   # shard, replicate, dp, embedding (ranks of the tied entries)
-    dp_cp_size: int                # ranks whose gradients are averaged
+    groups: dict[str, list[list[int]]]   # shard, replicate, dp, embedding (ranks of the tied entries);
+                                         # expert_shard, expert_dp with routed experts (over edp)
+    dp_cp_size: int                # ranks whose gradients are averaged (the experts' too: their mean is
+                                   # over the same tokens, though edp ranks alone hold the same expert)
+    expert_zero: Optional[ZeroPartition] = None    # the routed experts' partition (over edp)
 
     # ---- ranks and groups ------------------------------------------------------------
     def pipeline_stage(self, rank: int) -> int:
@@ -66,8 +69,18 @@ class ZeroPlan:
         return next(g for g in self.groups[kind] if rank in g)
 
     def shard_index(self, rank: int) -> int:
-        """Which segment of every sharded bucket `rank` owns."""
+        """Which segment of every sharded dense bucket `rank` owns."""
         return self.group_of("shard", rank).index(rank)
+
+    def group_kind(self, bucket: Bucket, kind: str) -> str:
+        """The groups entry a collective of `kind` (shard, replicate, dp) over `bucket` runs on."""
+        return f"expert_{kind}" if bucket.expert else kind
+
+    def segment_index(self, rank: int, bucket: Bucket) -> int:
+        """The segment of `bucket` that `rank` owns (0 in a replicated bucket)."""
+        if not bucket.sharded:
+            return 0
+        return self.group_of(self.group_kind(bucket, "shard"), rank).index(rank)
 
     # ---- what lives on a rank ----------------------------------------------------------
     def buckets_of(self, rank: int) -> tuple[Bucket, ...]:
@@ -107,24 +120,29 @@ class ZeroPlan:
                         f"holds it in {got}; cast the model to {want} or set precision.param_dtype: {got}")
 
     def grad_collectives(self, bucket: Bucket) -> tuple[Collective, ...]:
-        return grad_collectives(self.stage, bucket.sharded, len(self.groups["replicate"][0]))
+        """Group names are the dense kinds; group_kind maps them to the bucket's own."""
+        replicas = 1 if bucket.expert else len(self.groups["replicate"][0])
+        return grad_collectives(self.stage, bucket.sharded, replicas)
 
     def param_collectives(self, bucket: Bucket) -> tuple[Collective, ...]:
         return param_collectives(self.stage, bucket.sharded)
 
     # ---- ownership ---------------------------------------------------------------------
     def _is_primary(self, entry: ParamEntry, sharded: bool, rank: int) -> bool:
+        """At coordinate 0 of every axis of the entry's stage mesh (the dense one, or the experts'
+        (edp, ep, etp)) that neither its layout nor, in a sharded bucket, its ZeRO axes split."""
         if entry.tied:
             return False
-        coords = self.mesh.coords(rank)
-        copies = ["dp_replicate"] + [a for a in ("dp_shard", "cp") if not (sharded and a in self.zero.axes)]
-        if not _splits(entry, "tp"):
-            copies.append("tp")
-        return all(coords[a] == 0 for a in copies)
+        zero = self.expert_zero if entry.expert else self.zero
+        split = {a for d in range(len(entry.layout.shape)) for a in entry.layout.axes_of(d)}
+        if sharded:
+            split |= set(zero.axes)
+        coords = entry.layout.mesh.coords(self._stage_rank(rank))
+        return all(c == 0 for a, c in coords.items() if a not in split)
 
     def pieces(self, rank: int, bucket: Bucket) -> tuple[OwnedPiece, ...]:
         """The pieces of `bucket` that `rank` holds after a reduce-scatter / before an all-gather."""
-        index = self.shard_index(rank) if bucket.sharded else 0
+        index = self.segment_index(rank, bucket)
         stage_rank = self._stage_rank(rank)
         buf_start = bucket.start + index * bucket.segment
         out = []
@@ -159,25 +177,24 @@ class ZeroPlan:
         return stage_mesh.rank(**{n: coords[n] for n in stage_mesh.names})
 
     # ---- memory ------------------------------------------------------------------------
-    def model_state_bytes(self, rank: int, optimizer: str, master_dtype: Optional[str] = None
-                          ) -> dict[str, int]:
+    def model_state_bytes(self, rank: int, optimizer: str, master_dtype: Optional[str] = None,
+                          experts: Optional[bool] = None) -> dict[str, int]:
         """Bytes of params, grads and optimizer states the engine keeps on `rank` at the end
-        of backward (padding included): the exact counterpart of cost.zero_model_state_bytes."""
+        of backward (padding included): the exact counterpart of cost.zero_model_state_bytes.
+        `experts` True / False: of the routed experts' buckets / of the others only."""
         params = grads = optim = 0
         per_elem = ADAM_STATE_BYTES if optimizer == "adamw" else 0
         if master_dtype is not None:
             per_elem += DTYPE_BYTES[master_dtype]
         for b in self.buckets_of(rank):
+            if experts is not None and b.expert != experts:
+                continue
             item = DTYPE_BYTES[self.buffers[b.buffer].dtype]
             unpadded = sum(s.numel * s.parts for s in b.slots)
             params += item * (b.segment if self.stage >= 3 and b.sharded else unpadded)
             grads += item * (b.segment if self.stage >= 2 else b.numel)
             optim += per_elem * b.segment
         return {"params": params, "grads": grads, "optimizer": optim}
-
-
-def _splits(entry: ParamEntry, axis: str) -> bool:
-    return any(axis in entry.layout.axes_of(d) for d in range(len(entry.layout.shape)))
 
 
 def _flat_offset(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
@@ -188,20 +205,24 @@ def _flat_offset(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
 
 
 def zero_plan(plan: ModelPlan) -> ZeroPlan:
-    """The partition both backends execute for `plan` (its strategy.zero stage, bucket_mb)."""
+    """The partition both backends execute for `plan` (its strategy.zero stage, bucket_mb), the
+    routed experts' over edp (plan.expert_zero) beside the dense parameters'."""
     entries = entries_from_plan(plan)
-    return build_zero_plan(entries, plan.mesh, plan.zero, plan.strategy.zero.bucket_mb)
+    return build_zero_plan(entries, plan.mesh, plan.zero, plan.strategy.zero.bucket_mb, plan.expert_mesh,
+                           plan.expert_zero)
 
 
-def build_zero_plan(entries: list[ParamEntry], mesh: MeshSpec, zero: ZeroPartition, bucket_mb: float) -> ZeroPlan:
-    buffers, buckets, units = build_buckets(entries, zero.group_size, bucket_mb, zero.stage)
+def build_zero_plan(entries: list[ParamEntry], mesh: MeshSpec, zero: ZeroPartition, bucket_mb: float,
+                    expert_mesh: Optional[MeshSpec] = None, expert_zero: Optional[ZeroPartition] = None) -> ZeroPlan:
+    experts = expert_zero.group_size if expert_zero is not None else 1
+    buffers, buckets, units = build_buckets(entries, zero.group_size, bucket_mb, zero.stage, experts)
     dp_cp = 1
     for a in ("dp_replicate", "dp_shard", "cp"):
         dp_cp *= mesh.axis_size(a)
     tied = {e.name for e in entries if e.tied}
-    groups = zero_groups(mesh, zero)
+    groups = zero_groups(mesh, zero, expert_mesh, expert_zero)
     groups["embedding"] = embedding_groups(mesh, tuple(sorted({e.stage for e in entries if e.name in tied})))
-    return ZeroPlan(zero.stage, mesh, zero, tuple(entries), buffers, buckets, units, groups, dp_cp)
+    return ZeroPlan(zero.stage, mesh, zero, tuple(entries), buffers, buckets, units, groups, dp_cp, expert_zero)
 
 
 def zero_plan_for_params(params: list[tuple[str, tuple[int, ...], str, str]], strategy: ParallelStrategy,

@@ -1,11 +1,14 @@
 """MoE checkpoints reshard like any other tensor: experts saved split over ep (and tp) load under
-another ep, under data parallel only, or on one rank, bit for bit, with their Adam moments."""
+another ep, under data parallel only, or on one rank, bit for bit, with their Adam moments. Under ZeRO
+the experts are sharded over edp, and the pieces a checkpoint writes are the shared engine's."""
 import numpy as np
 import pytest
 
-from ckpt_helpers import cut, plan_for, rank_pieces, reference
-from ms_llm.checkpoint import Checkpoint, CheckpointWriter, SaveItem, run_config
+from ckpt_helpers import STATES, cut, plan_for, rank_pieces, reference
+from ms_llm.checkpoint import Checkpoint, CheckpointWriter, Region, SaveItem, optim_name, optim_pieces, run_config
 from ms_llm.config.model import ModelConfig, MoEConfig
+from ms_llm.mindspore.lower import stage_param_entries
+from ms_llm.zero import zero_plan
 
 # Layer 0 dense (first_dense_layers), layer 1 MoE with 4 routed experts and a shared expert.
 MOE = ModelConfig(name="ckpt_moe", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -46,13 +49,43 @@ def test_expert_weights_are_named_split_over_ep():
     assert w.optimizer_layout == w.layout                                # zero.stage 0: moments whole
 
 
-def test_expert_moments_are_sharded_over_edp_under_zero():
-    """ZeRO-1 over edp whatever the stage: moments split over the edp ranks, weights and
-    gradients whole on each (the backend's expert path updates them beside the shared partition)."""
-    plan = plan_for({"dp": 4, "ep": 2, "tp": 2, "zero": {"stage": 3}}, 8, MOE)
-    w = plan.params["model.layers.1.mlp.experts.down_proj.weight"]
-    assert w.optimizer_layout.axes_of(0) == ("ep", "edp") and w.optimizer_layout.local_shape() == (1, 32, 8)
-    assert w.stored_layout == w.grad_layout == w.layout
+def test_experts_are_sharded_over_edp_at_the_jobs_zero_stage():
+    """ZeRO over edp (the ranks holding the same expert shard: dp4 x tp2 with ep2 leaves 2): moments
+    from stage 1, gradients from stage 2, weights at stage 3, on the expert dim after ep."""
+    for stage in (1, 2, 3):
+        plan = plan_for({"dp": 4, "ep": 2, "tp": 2, "zero": {"stage": stage}}, 8, MOE)
+        w = plan.params["model.layers.1.mlp.experts.down_proj.weight"]
+        assert w.optimizer_layout.axes_of(0) == ("ep", "edp") and w.optimizer_layout.local_shape() == (1, 32, 8)
+        assert w.grad_layout == (w.optimizer_layout if stage >= 2 else w.layout)
+        assert w.stored_layout == (w.optimizer_layout if stage == 3 else w.layout)
+
+
+@pytest.mark.parametrize("strategy, world", [({"dp": 4, "ep": 2, "zero": {"stage": 1}}, 4),
+                                             ({"dp": 2, "tp": 2, "ep": 2, "etp": 1, "zero": {"stage": 3}}, 4)])
+def test_every_expert_moment_is_tiled_once_by_the_ranks_pieces(strategy, world):
+    """The plan's optimizer-state pieces (what a checkpoint writes, optim_pieces) and the shared engine's
+    (ZeroPlan.owned: the segments each rank updates) of every expert moment: the primary ones of all
+    ranks cover each element exactly once, each a 1/edp slice of the rank's expert shard, and the two
+    agree rank for rank; MindSpore's strategy-file entry names the same split (opt_shard_size edp)."""
+    plan = plan_for(strategy, world, MOE)
+    edp = plan.strategy.edp
+    zplan = zero_plan(plan)
+    experts = [n for n, q in plan.params.items() if q.kind.startswith("expert")]
+    entries = stage_param_entries(plan, 0)
+    for name in experts:
+        q = plan.params[name]
+        count = np.zeros(q.shape, dtype=int)
+        for rank in range(world):
+            piece = optim_pieces(plan, rank, STATES)[optim_name("exp_avg", name)]
+            owned = [o for o in zplan.owned(rank) if o.name == name]
+            assert [Region(*o.global_box) for o in owned] == [piece.region]
+            assert [o.primary for o in owned] == [piece.primary]
+            assert np.prod(piece.region.sizes) * edp == np.prod(q.layout.local_shape())
+            if piece.primary:
+                count[tuple(slice(o, o + s) for o, s in zip(piece.region.offsets, piece.region.sizes))] += 1
+        assert (count == 1).all(), name
+        entry, held = entries[name]
+        assert (entry.opt_shard_size, held) == (edp, q.optimizer_layout)
 
 
 @pytest.mark.parametrize("name", list(PAIRS))

@@ -5,11 +5,14 @@
 Like tests/helpers/torch_matrix_worker.py, on tiny_moe (dropless router, so the result does not depend
 on how tokens are split; z-loss on, the load-balancing loss off, since it is not additive over
 ranks): each case writes its losses and its parameters after the last step, experts gathered
-from their ep and etp slices to full tensors.
+from their ep and etp slices to full tensors, and the bytes of the routed experts' weights, gradients
+and optimizer states rank 0's shared engine holds at the end of the last backward, beside the ZeRO
+plan's and the cost model's figures for them.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -21,7 +24,9 @@ from safetensors.torch import save_file
 from ms_llm.data import GlobalBatchSampler
 from ms_llm.job import job_from_dict
 from ms_llm.machine import Machine
+from ms_llm.strategy.cost import memory
 from ms_llm.strategy.plan import plan as make_plan
+from ms_llm.strategy.shape import cost_shape
 from torch_backend.apply import apply
 from torch_backend.lower import lower
 from torch_backend.mesh import build_meshes
@@ -48,7 +53,9 @@ CASES: dict[str, tuple[int, dict]] = {
     "ep2_etp2_zero3": (4, {"dp": 4, "ep": 2, "etp": 2, "zero": {"stage": 3}}),
     "ep4_dp2_tp2_zero1": (4, {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "zero": {"stage": 1}}),
     "ep4_dp2_tp2_zero3": (4, {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "zero": {"stage": 3}}),
-    "ep2_dp2_tp2_etp1_zero1": (4, {"dp": 2, "tp": 2, "ep": 2, "etp": 1, "zero": {"stage": 1}}),   # edp 2: over dp
+    # edp 2 over dp: ZeRO-2 shards the experts' gradients over it, ZeRO-3 their weights too
+    "ep2_dp2_tp2_etp1_zero2": (4, {"dp": 2, "tp": 2, "ep": 2, "etp": 1, "zero": {"stage": 2}}),
+    "ep2_dp2_tp2_etp1_zero3": (4, {"dp": 2, "tp": 2, "ep": 2, "etp": 1, "zero": {"stage": 3}}),
 }
 
 
@@ -80,14 +87,20 @@ def full_params(parts, plan, meshes) -> dict[str, torch.Tensor]:
     return out
 
 
-def expert_state(dp) -> float:
-    """Elements the experts' optimizer keeps states for, over the local expert elements (1 =
-    whole on every edp rank; 1/edp under ZeRO-1 over edp)."""
-    experts = getattr(dp, "experts", None)
-    if experts is None:
-        return 1.0
-    held = sum(p.numel() for g in experts.optimizer.param_groups for p in g["params"])
-    return held / sum(p.numel() for p in experts.params.values())
+class MeasuredSteps(FencedSteps):
+    """FencedSteps that also records, at the fence (the end of backward, gradients reduced), the bytes
+    the shared engine holds in the routed experts' buckets."""
+
+    def __init__(self, step_fn: TrainStep, plan, rank: int):
+        super().__init__(step_fn, plan, rank)
+        dp = step_fn.m.dp
+        self.engine = dp.engine.engine if dp.name == "shared" else None
+        self.expert_bytes: dict | None = None
+
+    def before_update(self) -> None:
+        super().before_update()
+        if self.engine is not None:
+            self.expert_bytes = self.engine.model_state_bytes(experts=True)
 
 
 def run_case(case: str, tokens, out: Path) -> None:
@@ -101,15 +114,20 @@ def run_case(case: str, tokens, out: Path) -> None:
     step_fn = TrainStep(lowered)
     sampler = GlobalBatchSampler(tokens, tc.seq_len, tc.global_batch_size, tc.seed)
     dp_rank, dp_size = meshes.coord("dp"), meshes.size("dp")
-    steps = FencedSteps(step_fn, plan, rank)
+    steps = MeasuredSteps(step_fn, plan, rank)
     losses = [steps(k, torch.from_numpy(sampler.local_batch(k, dp_rank, dp_size))) for k in range(tc.steps)]
     lowered.dp.gather_params()
     tensors = full_params(lowered.parts, plan, meshes)
     if dp_rank == 0 and meshes.coord("tp") == 0:
         save_file(tensors, out / f"{case}-rank{rank}.safetensors")
     if rank == 0:
-        (out / f"{case}.json").write_text(json.dumps({"losses": losses, "expert_state": expert_state(lowered.dp),
-                                                      "edp": plan.strategy.edp}))
+        record = {"losses": losses, "edp": plan.strategy.edp, "expert_bytes": steps.expert_bytes,
+                  "local_expert_bytes": 4 * sum(math.prod(q.layout.local_shape()) for q in plan.params_of_stage(0)
+                                                if q.kind.startswith("expert")),
+                  "cost_expert_bytes": memory(cost_shape(plan)).experts}
+        if steps.engine is not None:
+            record["planned_expert_bytes"] = steps.engine.zplan.model_state_bytes(rank, "sgd", experts=True)
+        (out / f"{case}.json").write_text(json.dumps(record))
     dist.barrier()
 
 

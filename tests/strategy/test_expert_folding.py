@@ -113,6 +113,9 @@ def test_report_names_the_expert_mesh_and_groups():
     text = plan_report(p, estimate(cost_shape(p), DEVICES["h100"]), DEVICES["h100"])
     assert "experts    pp1 x edp1 x ep4 x etp1" in text and "ep: 1 group of 4, rank 0 in [0, 1, 2, 3]" in text
     assert "(of which experts)" in text
+    z3 = make({"dp": 4, "ep": 2, "zero": {"stage": 3}}, 4)
+    text = plan_report(z3, estimate(cost_shape(z3), DEVICES["h100"]), DEVICES["h100"])
+    assert "etp fastest; zero-3 over edp 2: optimizer states, gradients, weights)" in text
 
 
 MEGATRON_GROUPS = """

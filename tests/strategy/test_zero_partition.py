@@ -173,11 +173,18 @@ def test_planned_bytes_match_the_cost_formula(stage, dtype, optimizer):
         assert got[key] == pytest.approx(want, rel=0.02, abs=0), key
 
 
-def test_moe_partitions_the_dense_parameters_and_leaves_the_experts_to_their_group():
+def test_moe_partitions_the_experts_over_their_expert_data_parallel_group():
+    """The routed experts join the partition in buckets of their own, split over edp, the ranks holding
+    the same expert shard (dp4 x ep2: [0, 2] and [1, 3]), the dense parameters over all of dp."""
     moe = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden_size=64,
                       moe=MoEConfig(num_experts=4), dtype="float32")
-    p = make({"dp": 2, "ep": 2, "zero": {"stage": 3}}, 2, model=moe)
-    names = {s.name for b in zero_plan(p).buckets for s in b.slots}
+    p = make({"dp": 4, "ep": 2, "zero": {"stage": 3}}, 4, model=moe)
+    z = zero_plan(p)
     experts = {n for n, q in p.params.items() if q.kind.startswith("expert")}
-    assert len(experts) == 3 and not names & experts
-    assert names == set(p.params) - experts
+    assert len(experts) == 3 and {s.name for b in z.buckets for s in b.slots} == set(p.params)
+    for b in z.buckets:
+        assert {s.name in experts for s in b.slots} == {b.expert}
+        assert b.parts == (2 if b.expert else 4)
+    assert z.groups["expert_shard"] == z.groups["expert_dp"] == [[0, 2], [1, 3]]
+    bucket = next(b for b in z.buckets if b.expert)
+    assert [z.segment_index(r, bucket) for r in range(4)] == [0, 0, 1, 1]

@@ -2,9 +2,11 @@
 ep2, ep2 x cp2 (the experts split over the cp ranks), ep2 x dp2 with shared ZeRO-1 and ZeRO-3,
 ep2 x tp2, ep2 x pp2, and expert parallel folding: ep2 x etp2 carved out of dp4 and ep4 over
 dp2 x tp2 with whole experts, each with ZeRO-1 and ZeRO-3, and ep2 x etp1 over dp2 x tp2 (edp 2)
-with ZeRO-1. Losses of 3 steps and the parameters after them (experts gathered to full tensors)
-equal the world-1 run within 1e-5; under ZeRO the experts' optimizer states are sharded over
-their expert-data-parallel ranks. The 4-rank cases run in one launch."""
+with ZeRO-2 and ZeRO-3. Losses of 3 steps and the parameters after them (experts gathered to full
+tensors) equal the world-1 run within 1e-5. The shared engine partitions the experts over their
+expert-data-parallel ranks (edp) at the job's stage: what rank 0 holds of them at the end of
+backward is the ZeRO plan's figure, within padding the cost model's, and 1/edp of the whole experts
+for what the stage shards (SGD: no optimizer states). The 4-rank cases run in one launch."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +15,7 @@ from test_torch_matrix import TOL, launcher, load, max_diff
 from torch_moe_worker import CASES
 
 pytestmark = pytest.mark.slow
+EDP2 = ("ep2_dp2_zero1", "ep2_dp2_zero3", "ep2_dp2_tp2_etp1_zero2", "ep2_dp2_tp2_etp1_zero3")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,16 @@ def test_expert_parallel_equals_single_process(matrix, case):
     assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"])) <= TOL
     assert max_diff(ref_t, got_t, "param/") <= TOL
     assert ref["losses"][-1] < ref["losses"][0]
-    # under ZeRO each rank's expert optimizer holds 1/edp of its experts' states (ep2 x dp2: edp 2)
-    zero = CASES[case][1].get("zero", {}).get("stage", 0)
-    assert got["expert_state"] == (1 / got["edp"] if zero else 1)
-    assert got["edp"] == (2 if case in ("ep2_dp2_zero1", "ep2_dp2_zero3", "ep2_dp2_tp2_etp1_zero1") else 1)
+    assert got["edp"] == (2 if case in EDP2 else 1)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][1].get("zero")])
+def test_the_experts_memory_per_rank_is_what_zero_over_edp_plans(matrix, case):
+    got, _ = load(matrix(CASES[case][0]), case)
+    held, planned = got["expert_bytes"], got["planned_expert_bytes"]
+    assert {k: held[k] for k in planned} == planned
+    assert sum(planned.values()) == pytest.approx(got["cost_expert_bytes"], rel=0.02)
+    whole, stage, edp = got["local_expert_bytes"], CASES[case][1]["zero"]["stage"], got["edp"]
+    assert held["params"] == pytest.approx(whole / (edp if stage == 3 else 1), rel=0.02)
+    assert held["grads"] == pytest.approx(whole / (edp if stage >= 2 else 1), rel=0.02)
+    assert held["optimizer"] == 0

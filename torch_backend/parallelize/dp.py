@@ -39,7 +39,6 @@ from torch_backend import support
 from torch_backend.clip import clip_grad_norm
 from torch_backend.lower import DataParallelPlan
 from torch_backend.mesh import Meshes
-from torch_backend.parallelize.ep import ExpertGrads, expert_params
 from torch_backend.parallelize.precision import DTYPES
 from torch_backend.parallelize.tied import EmbeddingGroup, embedding_group
 
@@ -178,10 +177,11 @@ class FSDP(DataParallel):
 
 class SharedZero(DataParallel):
     """ms_llm's ZeRO engine: gradients leave autograd into its buckets, it reduces, clips and
-    runs the optimizer on the owned shards itself (torch_backend.zero.ZeroDataParallel)."""
+    runs the optimizer on the owned shards itself (torch_backend.zero.ZeroDataParallel). MoE's
+    routed experts are in its partition, over their expert-data-parallel groups."""
     name = support.SHARED
 
-    def __init__(self, plan: ModelPlan, device: torch.device, meshes: Meshes):
+    def __init__(self, plan: ModelPlan, device: torch.device):
         from ms_llm.zero import zero_plan
         from ms_llm.zero.engine import EngineConfig
 
@@ -192,16 +192,12 @@ class SharedZero(DataParallel):
         plan = dataclasses.replace(plan, strategy=held)
         self.plan, self.device = plan, device
         self.zplan, self.config = zero_plan(plan), EngineConfig.from_job(plan.strategy, plan.train)
-        self.meshes, self.engine, self.experts = meshes, None, None
+        self.engine = None
 
     def wrap(self, parts):
         from torch_backend.zero import ZeroDataParallel
 
         self.engine = ZeroDataParallel(parts, self.zplan, dist.get_rank(), self.config, self.device)
-        # Experts are outside the partition: reduced over their own group. Every rank of a model with
-        # experts joins their norm, a stage without MoE layers (DeepSeek's dense first layers) with none.
-        if self.plan.model.moe is not None:
-            self.experts = ExpertGrads(expert_params(parts, self.plan), self.plan, self.meshes)
         return parts
 
     def tie_embedding(self, plan, parts):
@@ -217,8 +213,6 @@ class SharedZero(DataParallel):
             self.engine.engine.finish_backward()
 
     def make_optimizer(self, params, cls, kwargs):
-        if self.experts is not None:
-            self.experts.make_optimizer(cls, kwargs)
         return None              # the engine owns the optimizer states of its shards
 
     def gather_params(self):
@@ -227,10 +221,7 @@ class SharedZero(DataParallel):
             self.engine.engine.gather.gather_all()
 
     def step(self, optimizer, params, lr, grad_clip, pp_group, loss_scale=None):
-        extra = self.experts.reduce() if self.experts is not None else 0.0
-        norm = self.engine.step(lr, loss_scale, extra)
-        if self.experts is not None:
-            self.experts.step(lr, norm, self.config.grad_clip, loss_scale)
+        norm = self.engine.step(lr, loss_scale)
         return torch.tensor(float("nan") if norm is None else norm)
 
 
@@ -247,7 +238,7 @@ def _mesh(meshes: Meshes, axes: tuple[str, ...]) -> DeviceMesh:
 def build_data_parallel(dp: DataParallelPlan, plan: ModelPlan, meshes: Meshes, device: torch.device) -> DataParallel:
     """The engine the lowering names, over the mesh axes it names."""
     if dp.engine == SharedZero.name:
-        return SharedZero(plan, device, meshes)
+        return SharedZero(plan, device)
     if dp.engine == DDP.name:
         return DDP(_mesh(meshes, dp.mesh_axes).get_group(), dp.bucket_mb, dp.reduce_dtype)
     if dp.engine == ZeroOptimizer.name:

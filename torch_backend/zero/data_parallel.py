@@ -120,12 +120,11 @@ class ZeroDataParallel:
         with self.engine.no_sync():
             yield
 
-    def step(self, lr: float, loss_scale: Optional[float] = None, extra_sq_norm: float = 0.0) -> Optional[float]:
+    def step(self, lr: float, loss_scale: Optional[float] = None) -> Optional[float]:
         """Optimizer step on the owned shards (after clipping); returns the pre-clip gradient
         norm when clipping or loss scaling is on. With `loss_scale` (fp16) a non-finite norm
-        skips the step on every rank (ZeroEngine.step). `extra_sq_norm`: the squared norm of
-        gradients held outside the engine (MoE experts), counted in the clip norm."""
-        return self.engine.step(lr, loss_scale, extra_sq_norm)
+        skips the step on every rank (ZeroEngine.step)."""
+        return self.engine.step(lr, loss_scale)
 
     def model_state_bytes(self) -> dict[str, int]:
         return self.engine.model_state_bytes()
