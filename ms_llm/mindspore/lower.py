@@ -77,7 +77,7 @@ def context_args(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = 
         ctx["enable_alltoall"] = True
     if plan.zero.stage >= 1:
         ctx["parallel_optimizer_config"] = {"optimizer_level": f"level{plan.zero.stage}",
-                                            "optimizer_weight_shard_size": plan.zero.group_size,
+                                            "optimizer_weight_shard_size": optimizer_shard_size(plan),
                                             "parallel_optimizer_threshold": 0}
     if s.pp > 1:
         if s.pipeline.schedule not in SCHEDULES:
@@ -89,6 +89,18 @@ def context_args(plan: ModelPlan, mode: str = "semi_auto", strategy_file: str = 
     if mode == "auto":
         ctx["search_mode"] = "sharding_propagation"
     return ctx
+
+
+def optimizer_shard_size(plan: ModelPlan) -> int:
+    """MindSpore's optimizer_weight_shard_size. It is one number for every parameter: each is split
+    over that many of the ranks holding the same slice of it (consecutive ones, in rank order), or
+    over all of them at -1, and left whole where the number does not divide them. The dense
+    parameters' ZeRO group (dp_shard x cp), unless the routed experts, held alike by their edp ranks,
+    need another: then -1, as MindFormers' MoE configs leave it, which splits each expert weight over
+    its edp and, with ZeRO over all of dp x cp (support.py refuses hybrid sharding here), each dense
+    tensor-parallel weight over the same ranks as the dense group would."""
+    experts = plan.expert_zero.group_size if plan.expert_zero is not None else 1
+    return plan.zero.group_size if experts in (1, plan.zero.group_size) else -1
 
 
 # Context-parallel algorithms this lowering emits, as MindFormers 2.1's LLaMA does for

@@ -79,26 +79,35 @@ def _model(plan: ModelPlan) -> list[str]:
 
 
 def _moe(plan: ModelPlan, ascend: bool) -> list[str]:
-    """MoE trains through the compiled step: data parallel on CPU (every expert on every rank), under
-    semi_auto_parallel on Ascend (lower_moe.py: experts over ep, tokens over edp). The shared engine
-    leaves the experts outside its partition (torch updates them beside it; MindSpore has no such
-    path), and MindSpore's parallel optimizer would shard the experts' states, which the plan keeps
-    whole."""
+    """MoE trains through the compiled step (data parallel on CPU, every expert on every rank; under
+    semi_auto_parallel on Ascend, lower_moe.py: experts over ep, tokens over edp) or, with ZeRO on CPU,
+    through the shared engine, whose partition holds the experts over edp (= dp there). ZeRO on Ascend
+    is the parallel optimizer, which splits each expert weight over the ranks holding its slice (edp)
+    on its first dimension (lower.optimizer_shard_size)."""
     if plan.model.moe is None:
         return []
+    moe, s, zero = plan.model.moe, plan.strategy, plan.zero
     engine, problems = _engine(plan, ascend)[0], []
-    if ascend and plan.model.moe.capacity_factor < 0:
+    if ascend and moe.capacity_factor < 0:
         problems.append("model.moe.capacity_factor: -1 (dropless) gives every expert a slot for every token on "
                         "Ascend (E / top_k times the expert work: moe.py's worst-case capacity; GroupedMatmul's "
                         "dropless path is not lowered yet); set a capacity factor, e.g. 1.25")
-    if engine == SHARED:
-        problems.append("strategy.zero: MindSpore trains MoE through its compiled step only (the shared ZeRO "
-                        "engine leaves the experts outside its partition); use zero.stage 0 without engine "
-                        "'shared' (or --backend torch for ZeRO with experts)")
-    if engine == PARALLEL_OPTIMIZER:
-        problems.append("strategy.zero.stage: MindSpore's parallel optimizer would shard the experts' optimizer "
-                        "states over their data-parallel ranks, which the plan and its checkpoints keep whole; "
-                        "use zero.stage 0 for MoE on MindSpore, or --backend torch for ZeRO with experts")
+    if engine == SHARED and moe.expert_bias:
+        problems.append("model.moe.expert_bias: MindSpore's shared ZeRO engine (PyNative) does not move the "
+                        "expert biases (the compiled step does); use zero.stage 0 without engine 'shared', or "
+                        "--backend torch")
+    if engine == PARALLEL_OPTIMIZER and plan.expert_zero.group_size > 1:
+        edp = plan.expert_zero.group_size
+        if zero.replicate_size > 1 and zero.group_size != edp:
+            problems.append(f"strategy.zero.shard_size: MindSpore's parallel optimizer takes one shard size for "
+                            f"every parameter (optimizer_weight_shard_size): {zero.group_size} for the dense ones "
+                            f"(hybrid sharding) cannot split the routed experts over their edp = {edp}; use "
+                            f"shard_size -1, or {edp}")
+        if moe.num_experts % (s.ep * edp):
+            problems.append(f"model.moe.num_experts: MindSpore's parallel optimizer splits an expert weight on its "
+                            f"first dimension, the experts, over ep x edp = {s.ep} x {edp} (MindFormers asks the "
+                            f"same), which {moe.num_experts} experts do not divide; change ep or the data-parallel "
+                            "degrees, or use zero.stage 0")
     return problems
 
 

@@ -140,10 +140,14 @@ MS_REFUSALS = [
      r"^strategy\.precision\.grad_reduce_dtype: .*set float32"),
     ("offload", {"dp": 2, "zero": {"stage": 1}, "offload": {"optimizer": True}, "precision": FP32}, 2, {},
      [CPU, ASCEND], r"^strategy\.offload: the MindSpore backend does not offload"),
-    ("moe-parallel-optimizer", {"dp": 2, "ep": 2, "zero": {"stage": 1}}, 2, MOE4, [ASCEND],
-     r"^strategy\.zero\.stage: MindSpore's parallel optimizer would shard the experts' optimizer states"),
-    ("moe-shared", {"dp": 2, "zero": {"stage": 1}, "precision": FP32}, 2, MOE4, [CPU],
-     r"^strategy\.zero: MindSpore trains MoE through its compiled step only"),
+    ("moe-hybrid-parallel-optimizer", {"dp": 8, "ep": 4, "zero": {"stage": 1, "shard_size": 4}}, 8,
+     {"moe": {"num_experts": 8, "capacity_factor": 1.25}}, [ASCEND],
+     r"^strategy\.zero\.shard_size: MindSpore's parallel optimizer takes one shard size .*edp = 2; use shard_size -1"),
+    ("moe-parallel-optimizer-experts", {"dp": 8, "ep": 2, "zero": {"stage": 1}}, 8, MOE4, [ASCEND],
+     r"^model\.moe\.num_experts: MindSpore's parallel optimizer splits an expert weight .* ep x edp = 2 x 4"),
+    ("moe-shared-expert-bias", {"dp": 2, "zero": {"stage": 1}, "precision": FP32}, 2,
+     {"moe": {**MOE4["moe"], "score_function": "sigmoid", "expert_bias": True}}, [CPU],
+     r"^model\.moe\.expert_bias: MindSpore's shared ZeRO engine \(PyNative\) does not move the expert biases"),
     ("moe-ep", {"dp": 2, "ep": 2, "precision": FP32}, 2, MOE4, [CPU], r"^strategy: ep=2 needs"),
     ("moe-etp", {"dp": 2, "etp": 2, "precision": FP32}, 2, MOE4, [CPU], r"^strategy: etp=2 needs"),
     ("moe-dropless", {"dp": 2, "ep": 2}, 2, {"moe": {"num_experts": 4}}, [ASCEND],
@@ -187,6 +191,10 @@ def test_mindspore_moe_expert_parallel_runs_on_ascend():
     assert ms_support.refusals(p, ASCEND) == []
     # float16 with loss scaling: the router losses' gradient is scaled with the loss (test_ms_moe.py)
     assert ms_support.refusals(plan_for({"dp": 2, "precision": FP16}, 2, MOE_MODEL), CPU) == []
+    # ZeRO with experts: the shared engine's partition on CPU, the parallel optimizer over edp on Ascend
+    assert ms_support.zero_engine(plan_for({"dp": 2, "zero": {"stage": 1}, "precision": FP32}, 2, MOE_MODEL),
+                                  CPU) == "shared"
+    assert ms_support.refusals(plan_for({"dp": 4, "ep": 2, "zero": {"stage": 3}}, 4, MOE_MODEL), ASCEND) == []
 
 
 @pytest.mark.parametrize("strategy,world,machine,engine", [

@@ -41,6 +41,7 @@ Where the layers differ (NOT_OURS names each MindFormers primitive this leaves w
 from __future__ import annotations
 
 import fnmatch
+import math
 
 # MindFormers r1.x MoEConfig kwargs (MoEV2 accepts only TopkRouterV2); ms_llm's converter reads them.
 MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "TopkRouterV2", "capacity_factor": 1.5,
@@ -193,3 +194,63 @@ def pairs(pair, same, o: str, m: str) -> list:
 def explained(short: str) -> str | None:
     """The NOT_OURS entry that explains MindFormers primitive `short`, None if none does."""
     return next((g for g in NOT_OURS if fnmatch.fnmatchcase(short, g)), None)
+
+
+# ---- ZeRO: MindSpore's parallel optimizer over the experts ----------------------------------------------
+# MindFormers' MoE configs (configs/general/llm_pretrain_moe_template.yaml, the Qwen3-MoE and DeepSeek ones)
+# turn the parallel optimizer on and leave optimizer_weight_shard_size at -1 and the threshold at 64 KB.
+MF_SHARD_SIZE, MF_THRESHOLD_KB = -1, 64
+# Our parameter name -> MindFormers' (LLaMA with moe_config), part by part.
+_NAMES = (("model.embed_tokens.weight", "model.tok_embeddings.embedding_weight"),
+          ("self_attn.q_proj.", "attention.wq."), ("self_attn.k_proj.", "attention.wk."),
+          ("self_attn.v_proj.", "attention.wv."), ("self_attn.o_proj.", "attention.wo."),
+          ("input_layernorm.", "attention_norm."), ("post_attention_layernorm.", "ffn_norm."),
+          ("mlp.gate.", "feed_forward.router.dense."), ("mlp.experts.gate_proj.", "feed_forward.ffn.w1."),
+          ("mlp.experts.up_proj.", "feed_forward.ffn.w3."), ("mlp.experts.down_proj.", "feed_forward.ffn.w2."),
+          ("model.norm.", "model.norm_out."))
+# MindFormers parameters its parallel optimizer leaves whole, and why ours are not compared with them.
+_KEPT_WHOLE = "MindFormers builds its LLaMA {} with parallel_optimizer=False, whole on every rank; ms_llm's " \
+              "plan hands every weight to ZeRO"
+OPTIMIZER_NOT_COMPARED = {
+    "model.tok_embeddings.embedding_weight": _KEPT_WHOLE.format("embedding") + " (vocabulary over tp, then dp)",
+    "*norm*.weight": _KEPT_WHOLE.format("RMSNorm weights") + "; a weight every tp rank holds whole is split by "
+                     "MindSpore over ranks in rank order (tp among them), which the dense lowering's strategy "
+                     "files do not list as optimizer-sharded",
+    "*.feed_forward.router.dense.weight": "the router (E x hidden, 4 KB here) is under MindFormers' 64 KB "
+                                          "threshold; ms_llm's threshold is 0, its plan shards the router as a "
+                                          "dense weight every tp rank holds (see the norms)",
+}
+
+
+def mf_param(ours: str) -> str:
+    """MindFormers' name of our parameter `ours`."""
+    for a, b in _NAMES:
+        ours = ours.replace(a, b)
+    return ours
+
+
+def not_compared(mf: str) -> str | None:
+    return next((why for g, why in OPTIMIZER_NOT_COMPARED.items() if fnmatch.fnmatchcase(mf, g)), None)
+
+
+def mf_weight(records: dict, mf: str):
+    """The strategy MindFormers shards weight `mf` with: its Linear's MatMul / BatchMatMul input 1, the
+    embedding's Gather input 0."""
+    if mf.endswith("embedding_weight"):
+        return records[mf.rsplit(".", 1)[0] + ".gather"]["in"][0]
+    return records[mf.rsplit(".", 1)[0] + ".matmul"]["in"][1]
+
+
+def optimizer_group(slices: int, devices: int, shape: tuple[int, ...], dim0_split: int, shard_size: int,
+                    on: bool = True, threshold_kb: float = 0, itemsize: int = 4) -> int:
+    """Ranks MindSpore's parallel optimizer splits a weight over (1: left whole), as its
+    OptParamMgr.SplitParam, OperatorInfo.CreateGroupForOptShard and TensorLayout.GenerateOptShardSliceShape
+    decide: a weight kept out (parallel_optimizer False) or under the threshold stays whole; the ranks
+    holding the same slice (devices / slices) are all taken at shard_size -1, `shard_size` of them where it
+    divides their count, none where it does not; the split is on dimension 0, which must divide by its
+    tensor-parallel split times that."""
+    repeated = devices // slices
+    if not on or repeated == 1 or math.prod(shape) * itemsize < threshold_kb * 1024:
+        return 1
+    n = repeated if shard_size == -1 else (shard_size if repeated % shard_size == 0 else 1)
+    return n if shape[0] % (dim0_split * n) == 0 else 1

@@ -8,8 +8,10 @@ records each strategy on its primitive at construction, which is all that is rea
 
 Input (argv[1]): a JSON list of {"name", "devices", "parallel": TransformerOpParallelConfig
 kwargs, "model": LlamaConfig kwargs}. Output (stdout, last line): {"mindformers": version,
-"cases": {name: {cell path + "." + attribute: {"prim", "in", "out"[, "attrs"]}}}}, where a strategy is a
-list of per-input split lists, or, for a Layout, {"device_matrix", "tensor_map"} per input.
+"cases": {name: {cell path + "." + attribute: {"prim", "in", "out"[, "attrs"]}}}, "params": {name:
+{parameter name: {"shape", "parallel_optimizer"}}}}, where a strategy is a list of per-input split lists,
+or, for a Layout, {"device_matrix", "tensor_map"} per input; "params" are the trainable parameters, with
+the flag that keeps one out of MindSpore's parallel optimizer.
 """
 from __future__ import annotations
 
@@ -51,8 +53,8 @@ def _record(prim: ms.ops.Primitive) -> dict | None:
     return record
 
 
-def build(case: dict) -> dict:
-    """One config: set the context, build the model, read every sharded primitive."""
+def build(case: dict) -> tuple[dict, dict]:
+    """One config: set the context, build the model, read every sharded primitive and parameter."""
     from mindformers import LlamaConfig, LlamaForCausalLM
     from mindformers.modules.transformer.transformer import TransformerOpParallelConfig
 
@@ -69,7 +71,9 @@ def build(case: dict) -> dict:
                 rec = _record(prim)
                 if rec is not None:
                     found[f"{name}.{attr}" if name else attr] = rec
-    return found
+    params = {p.name: {"shape": list(p.shape), "parallel_optimizer": bool(p.parallel_optimizer)}
+              for p in net.trainable_params()}
+    return found, params
 
 
 def main(cases: list[dict]) -> dict:
@@ -80,11 +84,11 @@ def main(cases: list[dict]) -> dict:
     devices = {"n": 1}
     # MindFormers checks the degrees against get_group_size(), which is 1 without a cluster.
     opc.D.get_group_size = lambda *a, **k: devices["n"]
-    out = {}
+    out, params = {}, {}
     for case in cases:
         devices["n"] = case["devices"]
-        out[case["name"]] = build(case)
-    return {"mindformers": mindformers.__version__, "cases": out}
+        out[case["name"]], params[case["name"]] = build(case)
+    return {"mindformers": mindformers.__version__, "cases": out, "params": params}
 
 
 if __name__ == "__main__":

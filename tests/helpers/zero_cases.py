@@ -2,14 +2,19 @@
 (numpy only, so both torch and MindSpore workers import it)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.model import ModelConfig, MoEConfig
 from ms_llm.config.train import OptimizerConfig, TrainConfig
 from ms_llm.strategy.ir import OffloadSpec, ParallelStrategy, PrecisionSpec, ZeroSpec
 
 MODEL = ModelConfig(name="zero-test", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     ffn_hidden_size=128, max_seq_len=32, dtype="float32")
+# The same with 4 routed experts per layer (a case ending in ':moe'): dropless, no load-balancing loss,
+# so nothing depends on how the tokens split over ranks; ZeRO over edp = dp shards the experts.
+MOE_MODEL = dataclasses.replace(MODEL, name="zero-test-moe", moe=MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=0.0))
 GLOBAL_BATCH, SEQ, STEPS, MICRO = 8, 16, 2, 2
 LR = {"sgd": 0.5, "adamw": 1e-2}
 
@@ -41,7 +46,11 @@ def strategy_for(dp: int, stage: int, shard: int = -1, dtype: str = "float32", o
                             offload=OffloadSpec(optimizer=offload))
 
 
+def model_for(case: str) -> ModelConfig:
+    return MOE_MODEL if case.endswith(":moe") else MODEL
+
+
 def case_name(case: str) -> str:
-    """'stage:optimizer:shard_size:param_dtype:offload' -> a file stem."""
-    stage, opt, shard, dtype, offload = case.split(":")
-    return f"s{stage}_{opt}_sh{shard}_{dtype}{'_off' if offload == '1' else ''}"
+    """'stage:optimizer:shard_size:param_dtype:offload[:moe]' -> a file stem."""
+    stage, opt, shard, dtype, offload = case.split(":")[:5]
+    return f"s{stage}_{opt}_sh{shard}_{dtype}{'_off' if offload == '1' else ''}{'_moe' if case.endswith(':moe') else ''}"

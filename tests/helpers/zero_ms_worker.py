@@ -24,15 +24,16 @@ from ms_llm.strategy.plan import plan
 from ms_llm.zero import zero_plan
 from ms_llm.zero.engine import EngineConfig
 
-from zero_cases import MICRO, MODEL, GLOBAL_BATCH, batches, case_name, strategy_for, train_config
+from zero_cases import MICRO, GLOBAL_BATCH, batches, case_name, model_for, strategy_for, train_config
 
 
 def run_case(rank: int, world: int, case: str, out: Path) -> None:
-    stage, opt_name, shard, dtype, offload = case.split(":")
+    stage, opt_name, shard, dtype, offload = case.split(":")[:5]
     strategy = strategy_for(world, int(stage), int(shard), dtype, offload == "1")
     train = train_config(world, opt_name)
-    mplan = plan(MODEL, strategy, train, world)
-    net = Transformer(MODEL)
+    model = model_for(case)
+    mplan = plan(model, strategy, train, world)
+    net = Transformer(model)
     net.init_weights(1 + rank)                 # replicas start different: the engine broadcasts rank 0's
     runner = MsZeroDataParallel(LossCell(net), zero_plan(mplan), rank, EngineConfig.from_job(mplan.strategy, train),
                                 net=net)
@@ -78,7 +79,7 @@ def run_case(rank: int, world: int, case: str, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", required=True, help="stage:optimizer:shard:dtype:offload,...")
+    ap.add_argument("--cases", required=True, help="stage:optimizer:shard:dtype:offload[:moe],...")
     args = ap.parse_args()
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     init()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ms_llm.checkpoint.zero_state import engine_slices
+from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import OptimizerConfig
 from ms_llm.strategy.plan import plan
 from ms_llm.zero import zero_plan
@@ -33,9 +34,9 @@ def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def reference(opt: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(opt: OptimizerConfig, config: ModelConfig = MODEL) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the whole global batch, torch.optim: what data parallel must equal."""
-    model = Transformer(MODEL)
+    model = Transformer(config)
     model.init_weights(1)
     params = list(model.parameters())
     if opt.name == "sgd":

@@ -417,8 +417,8 @@ def compare(pair: Pair, ours: dict[str, OpShard], theirs: dict, devices: int) ->
 # ---- the oracle run and our side --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def oracle(tmp_path_factory) -> dict:
-    """MindFormers' strategies for every case, from one subprocess (in a folder of its own:
+def oracle_run(tmp_path_factory) -> dict:
+    """MindFormers' strategies and parameters for every case, from one subprocess (in a folder of its own:
     MindFormers' logger writes output/log/ into the working directory)."""
     if not (ORACLES / "mindformers").is_dir():
         pytest.fail(".oracles/ is missing: run `make oracles` (installs MindFormers beside .venv)")
@@ -430,7 +430,13 @@ def oracle(tmp_path_factory) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mindformers"].startswith("2.1."), f"the oracle is MindFormers 2.1, .oracles has {result['mindformers']}"
-    return result["cases"]
+    return result
+
+
+@pytest.fixture(scope="module")
+def oracle(oracle_run) -> dict:
+    """Per case, MindFormers' sharded primitives by path."""
+    return oracle_run["cases"]
 
 
 def ours_for(parallel: dict, model: dict) -> dict[str, OpShard]:
@@ -592,6 +598,56 @@ def test_expert_tensor_parallel_carved_from_dp_by_hand():
     assert Blocks.of(ops["model.layers.0.mlp.gate.matmul"].inputs[0], 4).splits == (4, 1)    # routed per dp rank
 
 
+def _slices(layout) -> int:
+    """Distinct pieces of a tensor over its stage's ranks."""
+    return len({layout.shard_box(r) for r in range(layout.mesh.size)})
+
+
+@pytest.mark.parametrize("case", list(ms_oracle_moe.CASES))
+def test_parallel_optimizer_splits_the_experts_over_edp_as_mindformers(case, oracle_run):
+    """ZeRO with experts on MindSpore: the parallel optimizer (enable_parallel_optimizer, as MindFormers'
+    MoE configs turn it on) splits each weight over the ranks holding the same slice of it. For every weight
+    MindFormers hands it, the ranks it splits ours over (MindSpore's rule, ms_oracle_moe.optimizer_group, on
+    our lowering's shard size and layouts) are those it splits MindFormers' over, and the plan's ZeRO group:
+    the routed experts over edp, the tensor-parallel weights over dp. The rest MindFormers keeps whole
+    (OPTIMIZER_NOT_COMPARED says which and why). The dense group as the shard size, what the lowering passed
+    before, leaves dp4 x mp2 x ep2's experts (edp 2 under a dense group of 4) unsplit: the check fails on it."""
+    parallel, model = CASES[case]
+    source = {"parallel_config": parallel, "model": {"model_config": {**MODEL, **model}},
+              "runner_config": {"batch_size": 1}, "parallel": {"enable_parallel_optimizer": True}}
+    conv = read(yaml.safe_dump(source), "oracle.yaml", ReadOptions())
+    p = plan(conv.job.model, conv.job.strategy, conv.job.train, conv.world_size)
+    shard_size = lower(p).context["parallel_optimizer_config"]["optimizer_weight_shard_size"]
+    devices = _devices(parallel) // _degrees(parallel)[3]
+    records, theirs_params = oracle_run["cases"][case], oracle_run["params"][case]
+    compared, experts = set(), 0
+    for name, q in p.params.items():
+        mf = ms_oracle_moe.mf_param(name)
+        info = theirs_params[mf]
+        assert tuple(info["shape"]) == q.shape, (name, mf)
+        if ms_oracle_moe.not_compared(mf):
+            assert ms_oracle_moe.optimizer_group(1, devices, q.shape, 1, ms_oracle_moe.MF_SHARD_SIZE,
+                                                 info["parallel_optimizer"], ms_oracle_moe.MF_THRESHOLD_KB) == 1, mf
+            continue
+        blocks = Blocks.of(ms_oracle_moe.mf_weight(records, mf), devices)
+        theirs = ms_oracle_moe.optimizer_group(len(set(blocks.owners)), devices, q.shape, blocks.splits[0],
+                                               ms_oracle_moe.MF_SHARD_SIZE, info["parallel_optimizer"],
+                                               ms_oracle_moe.MF_THRESHOLD_KB)
+        ours = ms_oracle_moe.optimizer_group(_slices(q.layout), devices, q.shape, q.layout.split_count(0), shard_size)
+        planned = _slices(q.optimizer_layout) // _slices(q.layout)
+        assert ours == theirs == planned, (name, ours, theirs, planned)
+        if q.kind.startswith("expert"):
+            experts += 1
+            assert planned == p.expert_zero.group_size == p.strategy.edp
+            if p.strategy.edp not in (1, p.zero.group_size):
+                dense = ms_oracle_moe.optimizer_group(_slices(q.layout), devices, q.shape, q.layout.split_count(0),
+                                                      p.zero.group_size)
+                assert dense == 1 != ours, name
+        compared.add(mf)
+    assert experts == 3 * MODEL["num_layers"]
+    assert set(theirs_params) - compared == {n for n in theirs_params if ms_oracle_moe.not_compared(n)}
+
+
 # ---- DeepSeek-V3: MindFormers 2.1's own training graph (ms_oracle_deepseek.py) ----------------------
 
 DEEPSEEK_CHOICES = (
@@ -639,7 +695,13 @@ def deepseek_oracle(tmp_path_factory) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mindformers"].startswith("2.1."), f"the oracle is MindFormers 2.1, .oracles has {result['mindformers']}"
-    return result["cases"]
+    return result
+
+
+@pytest.fixture(scope="module")
+def oracle(oracle_run) -> dict:
+    """Per case, MindFormers' sharded primitives by path."""
+    return oracle_run["cases"]
 
 
 def deepseek_lowering(case: str):
