@@ -695,13 +695,7 @@ def deepseek_oracle(tmp_path_factory) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mindformers"].startswith("2.1."), f"the oracle is MindFormers 2.1, .oracles has {result['mindformers']}"
-    return result
-
-
-@pytest.fixture(scope="module")
-def oracle(oracle_run) -> dict:
-    """Per case, MindFormers' sharded primitives by path."""
-    return oracle_run["cases"]
+    return result["cases"]
 
 
 def deepseek_lowering(case: str):
