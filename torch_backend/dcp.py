@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pickle
 import warnings
 from pathlib import Path
@@ -20,7 +21,8 @@ from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemReader, FileSystemWriter, _write_item
+from torch.futures import Future
 
 from ms_llm.checkpoint.interop import names as name_tables
 from ms_llm.checkpoint.interop.run_state import LazyTensor
@@ -153,16 +155,41 @@ class _StreamedSavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
+class StreamingWriter(FileSystemWriter):
+    """FileSystemWriter that writes a rank's items into its one file one at a time and keeps none:
+    torch 2.13's serial writer keeps every tensor of a file until the file is closed (a dict it
+    fills for its safetensors format), so a conversion through it held the whole state. The
+    bytes and offsets are DCP's own (its _write_item), so any DCP reader loads the folder."""
+
+    def write_data(self, plan, planner) -> Future:
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if isinstance(data, torch.Tensor):
+                    data = data.detach().cpu()
+                    if data.untyped_storage().nbytes() != data.nbytes:    # a view: torch.save writes its storage
+                        data = data.clone()
+                results.append(_write_item(self.transforms, stream, data, item, name, self.serialization_format))
+                del data                                                  # before the next item is read
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        done: Future = Future()
+        done.set_result(results)
+        return done
+
+
 def save_streamed(entries: dict[str, LazyTensor | Any], out: str | Path) -> Path:
-    """A one-process DCP folder of whole tensors (LazyTensors, read one at a time as DCP's serial
-    writer reaches them) and plain values; DCP reshards it on load under any world size."""
+    """A one-process DCP folder of whole tensors (LazyTensors, each read when StreamingWriter
+    reaches it and dropped once written) and plain values; DCP reshards it on load under any
+    world size."""
     lazy = {k: v for k, v in entries.items() if isinstance(v, LazyTensor)}
     state = {k: torch.empty(v.shape, dtype=TORCH_DTYPES[v.dtype], device="meta") if k in lazy else v
              for k, v in entries.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), thread_count=1),
-                 planner=_StreamedSavePlanner(lazy), no_dist=True)
+        dcp.save(state, storage_writer=StreamingWriter(str(out)), planner=_StreamedSavePlanner(lazy), no_dist=True)
     return Path(out)
 
 

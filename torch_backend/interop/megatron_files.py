@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from ms_llm.checkpoint.storage.untrusted import confined
 from ms_llm.errors import CheckpointError
-from torch_backend.dcp import SafeDcpReader
+from torch_backend.dcp import SafeDcpReader, StreamingWriter
 
 
 class PeerValue:
@@ -156,8 +156,8 @@ class TensorChunk:
 
 
 class _ChunkPlanner(DefaultSavePlanner):
-    """Writes the chunks and objects it is given; each chunk is produced only when DCP's serial
-    writer reaches it, so one chunk is in memory at a time."""
+    """Writes the chunks and objects it is given; each chunk is produced only when StreamingWriter
+    reaches it, so one chunk is in memory at a time."""
 
     def __init__(self, chunks: list[TensorChunk], objects: dict[str, Any]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -200,5 +200,4 @@ def write_dist(folder: Path, chunks: list[TensorChunk], objects: dict[str, Any])
     """A one-process DCP folder of `chunks` and `objects` (each object stored as torch.save bytes)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1),
-                 planner=_ChunkPlanner(chunks, objects), no_dist=True)
+        dcp.save({}, storage_writer=StreamingWriter(str(folder)), planner=_ChunkPlanner(chunks, objects), no_dist=True)
