@@ -32,9 +32,8 @@ from torch_backend.weights import canonical_name
 def optimizer_args(opt: OptimizerConfig, params: list[nn.Parameter]) -> tuple[type, list, dict]:
     """(class, params or param groups, kwargs). Weight decay applies to the parameters
     OptimizerConfig.decays names (all, or with weight_decay_1d false those of 2+ dims: a second
-    group without decay), as in the shared ZeRO engine and the MindSpore optimizer, so all engines
-    follow one update rule. kwargs keep the decay: the experts' optimizer (parallelize.ep) takes
-    them alone, and expert weights are 3-D."""
+    group without decay, kwargs keeping the decay), as in the shared ZeRO engine and the MindSpore
+    optimizer, so all engines follow one update rule."""
     if opt.name == "sgd":
         cls, kwargs = torch.optim.SGD, {"lr": opt.lr, "weight_decay": opt.weight_decay}
     else:

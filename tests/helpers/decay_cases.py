@@ -9,7 +9,7 @@ from ms_llm.job import JobConfig, job_from_dict
 # Qwen's extra parameters give the model biases (q/k/v) and per-head norms beside the RMSNorm weights.
 MODEL = dict(name="decay", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=64, max_seq_len=16, qkv_bias=True, qk_norm=True, dtype="float32")
-# Routed experts (3-D, decayed) beside dense 1-D parameters; router losses and the expert bias off,
+# Routed experts (3-D: decayed) beside dense 1-D parameters; router losses and the expert bias off,
 # so the plain model's cross entropy is the loss the trainer optimizes.
 MOE = dict(MODEL, name="decay_moe", moe=dict(num_experts=4, top_k=2, expert_ffn_hidden_size=16, aux_loss_coeff=0.0,
                                              z_loss_coeff=0.0, expert_bias=False))

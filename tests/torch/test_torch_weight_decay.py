@@ -1,9 +1,9 @@
 """train.optimizer.weight_decay_1d false on torch: every optimizer path of the trainer equals
 torch.optim.AdamW with Megatron-LM's param groups (no decay on biases and 1-D parameters) within
 1e-6 over 3 steps (1e-5 under tensor parallel): torch's own optimizer and the shared ZeRO engine in
-this process (a gloo world of one), the routed experts' own optimizer beside the engine (MoE), and at
-world 2 the engine's sharded buckets (ZeRO-2 / 3), ZeroRedundancyOptimizer, FSDP2 and tensor-parallel
-DTensors."""
+this process (a gloo world of one), the engine with MoE (the routed experts, 3-D, in buckets of their
+own, decay), and at world 2 the engine's sharded buckets (ZeRO-2 / 3), ZeroRedundancyOptimizer, FSDP2
+and tensor-parallel DTensors."""
 from __future__ import annotations
 
 import os
