@@ -11,7 +11,7 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemReader, FileSystemWriter, _write_item
+from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from ms_llm.checkpoint.interop import names as name_tables
@@ -117,6 +118,9 @@ class DcpEntries:
             k: (tuple(m.size), m.properties.dtype) for k, m in self.metadata.state_dict_metadata.items()
             if isinstance(m, dcp_metadata.TensorStorageMetadata)}
 
+        self.storage = {(i.fqn, tuple(i.offset) if i.offset is not None else None): info
+                        for i, info in self.metadata.storage_data.items()}
+
     def has(self, key: str) -> bool:
         return key in self.metadata.state_dict_metadata
 
@@ -125,6 +129,9 @@ class DcpEntries:
         m = self.metadata.state_dict_metadata.get(key)
         if m is None:
             raise CheckpointError(f"{self.folder}/.metadata: has no entry {key!r}")
+        whole = self._whole(key, m)
+        if whole is not None:
+            return whole
         target = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
                   if isinstance(m, dcp_metadata.TensorStorageMetadata) else None}
         try:
@@ -139,6 +146,29 @@ class DcpEntries:
             raise CheckpointError(f"{self.folder}: entry {key!r} cannot be read ({type(inner).__name__}: {first})"
                                   ) from None
         return target[key]
+
+    def _whole(self, key: str, m) -> Optional[torch.Tensor]:
+        """A tensor stored whole in one plain item, loaded straight from its bytes (dcp.load loads it
+        and copies it into a target: the tensor twice); None for any other layout."""
+        if not isinstance(m, dcp_metadata.TensorStorageMetadata) or len(m.chunks) != 1:
+            return None
+        chunk = m.chunks[0]
+        info = self.storage.get((key, tuple(chunk.offsets)))
+        if any(chunk.offsets) or tuple(chunk.sizes) != tuple(m.size) or info is None or info.transform_descriptors:
+            return None
+        path = confined(self.folder, info.relative_path, f"the storage file of {key!r}")
+        try:
+            with open(path, "rb") as f:
+                t = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CheckpointError(f"{self.folder}: entry {key!r} cannot be read ({type(exc).__name__}: {first})"
+                                  ) from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(m.size) or t.dtype != m.properties.dtype:
+            raise CheckpointError(f"{path}: entry {key!r} holds {getattr(t, 'shape', type(t).__name__)} "
+                                  f"{getattr(t, 'dtype', '')}, not {list(m.size)} {m.properties.dtype} as .metadata "
+                                  "says")
+        return t
 
 
 class _StreamedSavePlanner(DefaultSavePlanner):
