@@ -14,7 +14,8 @@ reads from the disk, as the raw read does. MB/s counts the bytes a row reads.
   ms_llm import     write_foreign_run of a ForeignRun whose tensors read that file: the core of import-run
   hf export         export-run --to hf: the weights of the imported checkpoint as a Hugging Face folder
   <peer> export     the format's write_run from the imported checkpoint (export-run --to <peer>)
-  <peer> import     the format's read_run of that export, then write_foreign_run (import-run)
+  <peer> import     the format's read_run of that export, then write_foreign_run (import-run); Megatron-LM's
+                    with the run's train script as --config, as a user passes it
   <peer> tool       the peer's own conversion of that export: torch DCP's dcp_to_torch_save
                     (torchtitan), DeepSpeed's zero_to_fp32; Megatron-core and MindFormers ship none
 A peer row whose module does not import yet, or that fails, prints "not available: <reason>".
@@ -154,13 +155,29 @@ def child(role: str, fmt: str, work: Path) -> dict:
             seconds = time.perf_counter() - start
         return {"s": seconds, "rss0": before, "bytes": _size(out)}
     if role == "reimport":
+        config = peer_config(fmt, work)
         before, start = rss_kb(), time.perf_counter()
-        run = module.read_run(export, None)
+        run = module.read_run(export, config)
         write_foreign_run(run, work / f"reimport_{fmt}", overwrite=True)
         return {"s": time.perf_counter() - start, "rss0": before, "bytes": _size(export)}
     if role == "tool":
         return peer_tool(fmt, export, work / f"tool_{fmt}")
     raise SystemExit(f"unknown row {role!r}")
+
+
+def peer_config(fmt: str, work: Path) -> Path | None:
+    """What a user passes import-run as --config: for Megatron-LM the run's train script (the bench
+    model as ms_llm's converter writes it; the arguments an export saves lack the model's flags)."""
+    if fmt != "megatron":
+        return None
+    from ms_llm.convert import dump, from_job
+    from ms_llm.job import job_from_dict
+    meta = json.loads((work / "source.json").read_text())["model"]
+    fp32 = {"param_dtype": "float32", "compute_dtype": "float32"}
+    job = job_from_dict({"model": meta, "strategy": {"dp": 1, "precision": fp32}, "train": {}})
+    path = work / "megatron_train.sh"
+    path.write_text(dump(from_job(job, 1), "megatron").text)
+    return path
 
 
 def peer_tool(fmt: str, export: Path, out: Path) -> dict:
@@ -182,8 +199,10 @@ def peer_tool(fmt: str, export: Path, out: Path) -> dict:
     raise SystemExit(f"not available: {fmt} ships no conversion tool of its own to compare with")
 
 
-def _size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+def _size(path: Path) -> int:
+    """Bytes of a folder's files, or of one file (MindFormers' write_run returns the file it wrote)."""
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def run_child(role: str, fmt: str, work: Path) -> dict | str:
