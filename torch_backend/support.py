@@ -95,7 +95,7 @@ def _engine(plan: ModelPlan) -> tuple[str, list[str]]:
     that follows from it is reported at once."""
     s = plan.strategy
     # cp ranks see different tokens: their gradients are reduced too. Experts split over tp are
-    # plain tensors that the shared engine's expert path alone counts whole in the global norm.
+    # plain tensors that the shared engine alone (its experts' buckets) counts whole in the global norm.
     if s.dp * s.cp == 1 and not (plan.model.moe is not None and s.tp > 1):
         return NONE, []
     problem = _shared_problem(plan)
