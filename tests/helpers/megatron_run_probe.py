@@ -6,9 +6,9 @@ megatron-core's own parts: GPTModel (local layer spec) inside its DistributedDat
 get_megatron_optimizer builds (DistributedOptimizer over torch AdamW, which megatron-core picks when
 neither Transformer Engine nor Apex is installed: decoupled weight decay, bias correction, eps outside the
 square root, gradients clipped to --clip-grad by their global norm), OptimizerParamScheduler stepped by
-the global batch in samples, finalize_model_grads. Weight decay applies to every parameter
-(config_overrides={}, megatron-core's documented way; its default exempts 1-D parameters and biases,
-ms_llm's AdamW does not). Checkpoints are what Megatron-LM's save_checkpoint writes: torch_dist
+the global batch in samples, finalize_model_grads. Weight decay follows megatron-core's default param
+groups (1-D parameters and biases exempt), which the converted job reads as
+train.optimizer.weight_decay_1d: false. Checkpoints are what Megatron-LM's save_checkpoint writes: torch_dist
 (dist_checkpointing.save of generate_state_dict's keys: args, iteration, model, optimizer in the
 distributed optimizer's default dp_reshardable sharding, opt_param_scheduler, rng_state, with the
 content metadata) and the legacy per-rank mp_rank_XX/model_optim_rng.pt (torch.save), each beside
@@ -120,7 +120,7 @@ class Run:
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
             adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, use_distributed_optimizer=True),
-            [self.ddp], config_overrides={})
+            [self.ddp])
         gbs = a.global_batch_size
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_iters * gbs,

@@ -97,11 +97,11 @@ def training_state(source, args, model: ModelConfig, job: dict, step: int) -> tu
         state["optimizer_step"] = int(next(iter(steps)))
     elif not source.has_moment("exp_avg"):
         state["optimizer_step"] = 0
-    if any(g.get("wd_mult", 1.0) != 1.0 for g in source.groups):
-        notes.append("Megatron-LM exempted norms and biases from weight decay (wd_mult 0); ms_llm decays every "
-                     "parameter")
     scheduler = source.common.get("opt_param_scheduler")
     train = job_from_dict(job, None, "imported job: ").train
+    if any(g.get("wd_mult", 1.0) != 1.0 for g in source.groups) and train.optimizer.weight_decay_1d:
+        notes.append("Megatron-LM exempted norms and biases from weight decay (wd_mult 0); the job decays them "
+                     "(train.optimizer.weight_decay_1d: true): set it false to continue as Megatron-LM did")
     if isinstance(scheduler, dict):
         try:
             lr = megatron_lr(scheduler)
