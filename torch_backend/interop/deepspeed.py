@@ -35,7 +35,7 @@ from ms_llm.job import job_from_dict, job_to_dict
 from ms_llm.run.lr import lr_at
 from torch_backend.checkpoint import to_numpy
 from torch_backend.interop.deepspeed_files import (HF_CONFIG, MODEL_STATES, MOMENTS, RANK_MODEL_STATES, Found, Place,
-                                                   _Peer, copy_out, count, field, load, locate, open_ranks,
+                                                   Mapped, _Peer, count, field, load, locate, open_ranks,
                                                    param_shapes)
 
 
@@ -58,7 +58,8 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
                               f"{MODEL_STATES} or {RANK_MODEL_STATES.format(0)})")
     tag = found.tag
     states_path = tag / (MODEL_STATES if (tag / MODEL_STATES).is_file() else RANK_MODEL_STATES.format(0))
-    states = load(states_path, "the model states")
+    mapped = Mapped(states_path, "the model states")
+    states = mapped.data
     mp = states.get("mp_world_size", 1)
     dims = states.get("checkpoint_parallel_dimensions") or {}
     if mp != 1 or dims.get("tp_degree", 1) != 1 or dims.get("pp_degree", 1) != 1:
@@ -78,7 +79,7 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
     if found.universal:
         tensors, hyper, world = _universal(found, shapes, lp, states_path)
     else:
-        tensors, hyper, world = _zero(tag, shapes, lp, states_path, states)
+        tensors, hyper, world = _zero(tag, shapes, lp, mapped)
     state, state_notes = _state(step, skipped, hyper, lp, tag)
     job, job_notes = _job(config, ds_config, model, world, states_path)
     if job is not None and "lr" in state:
@@ -126,11 +127,11 @@ def _is_hf_config(path: Path) -> bool:
     return isinstance(data, dict) and "model_type" in data
 
 
-def _zero(tag: Path, shapes, lp: str, states_path: Path, states: dict):
+def _zero(tag: Path, shapes, lp: str, states: Mapped):
     """The tensors of a ZeRO-1/2/3 save: fp32 masters and moments out of the ranks' partitions."""
-    ranks = open_ranks(tag, states, states_path)
+    ranks = open_ranks(tag, states.data, states.path)
     tensors: dict[str, LazyTensor] = {}
-    for place, pieces in ranks.places(shapes, states_path):
+    for place, pieces in ranks.places(shapes, states.path):
         def reader(kind: str, place: Place = place, pieces=pieces) -> Callable[[], np.ndarray]:
             return lambda: ranks.read(kind, pieces, place.numel).reshape(place.shape)
         master = LazyTensor(place.shape, "float32", reader("fp32"))
@@ -138,26 +139,26 @@ def _zero(tag: Path, shapes, lp: str, states_path: Path, states: dict):
             tensors[place.name] = master
         else:
             tensors[optim_name("master", place.name)] = master
-            tensors[place.name] = _lp_weight(place, lp, master, states_path if ranks.stage != 3 else None)
+            tensors[place.name] = _lp_weight(place, lp, master, states if ranks.stage != 3 else None)
         for kind in MOMENTS:
             tensors[optim_name(kind, place.name)] = LazyTensor(place.shape, "float32", reader(kind))
     return tensors, ranks.meta[0], ranks.world
 
 
-def _lp_weight(place: Place, lp: str, master: LazyTensor, states_path: Optional[Path]) -> LazyTensor:
+def _lp_weight(place: Place, lp: str, master: LazyTensor, states: Optional[Mapped]) -> LazyTensor:
     """The module's 16-bit weight: ZeRO-1/2 save it whole in the model states; ZeRO-3 keeps it as
     the master weights' copy in the training dtype (what its partitions are refreshed to)."""
     def read() -> np.ndarray:
-        if states_path is None:
+        if states is None:
             return to_numpy(torch.from_numpy(master.read()).to(_TORCH[lp]))
         def weight(data: Any) -> torch.Tensor:
-            value = field(data, "module", states_path, dict).get(place.name)
+            value = field(data, "module", states.path, dict).get(place.name)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != place.shape:
-                raise CheckpointError(f"{states_path}: module weight {place.name!r} is missing or not of shape "
+                raise CheckpointError(f"{states.path}: module weight {place.name!r} is missing or not of shape "
                                       f"{list(place.shape)}")
             return value
         out = np.empty(place.numel, storage_dtype(lp))
-        copy_out(states_path, "the model states", weight, 0, out)
+        states.copy(weight, 0, out)
         return out.reshape(place.shape)
     return LazyTensor(place.shape, lp, read)
 
@@ -185,7 +186,8 @@ def _universal(found: Found, shapes, lp: str, states_path: Path):
                                                   f"{list(shape)}; merged from tensor-parallel slices?")
                         return data
                     out = np.empty(math.prod(shape), np.float32)
-                    copy_out(path, f"the universal checkpoint's {kind} of {folder.name}", param, 0, out)
+                    Mapped(path, f"the universal checkpoint's {kind} of {folder.name}", (dict, torch.Tensor)).copy(
+                        param, 0, out)
                     return out.reshape(shape)
                 return read
             master = LazyTensor(shape, "float32", reader("fp32"))

@@ -14,13 +14,15 @@ and cut it into dp consecutive partitions; ZeRO-3 cuts every parameter into dp p
 ceil(numel / dp) elements (the last zero-padded), each rank holding its pieces one after another.
 ds_to_universal's folder keeps zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt, each a whole tensor.
 
-Files are read with torch.load(weights_only=True, mmap=True): DeepSpeed's loss scaler and fragment
-records become inert stand-ins (_Peer) holding their attributes, never DeepSpeed's classes, and a
-parameter's pieces are copied out of the mapped ranks one parameter at a time.
+Files are read with torch.load(weights_only=True, mmap=True), each once (Mapped): DeepSpeed's loss
+scaler and fragment records become inert stand-ins (_Peer) holding their attributes, never DeepSpeed's
+classes, and a parameter's pieces are copied out of the mapped ranks one parameter at a time.
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import os
 import pickle
 import re
@@ -93,6 +95,63 @@ def load(path: Path, what: str, kind: type | tuple = dict) -> Any:
     if not isinstance(data, kind):
         raise CheckpointError(f"{path}: holds a {type(data).__name__}, not DeepSpeed's states ({what})")
     return data
+
+
+class Mapped:
+    """One DeepSpeed file loaded once (its pickle parsed once; its tensors stay in the mapped file).
+    A tensor is copied out CHUNK elements at a time and each chunk's pages are dropped from this
+    process as soon as it is copied (madvise DONTNEED: they stay in the page cache), since a mapped
+    page otherwise stays resident for as long as the mapping, and reading a whole file through
+    one mapping would hold it all."""
+
+    def __init__(self, path: Path, what: str, kind: type | tuple = dict):
+        self.path, self.what = path, what
+        self.data = load(path, what, kind)
+        self.span = _file_span(path)
+
+    def copy(self, pick: Callable[[Any], torch.Tensor], start: int, out: np.ndarray) -> None:
+        """Elements [start, start + out.size) of the flat tensor `pick` takes from the file's data,
+        into `out` (fp32, float16, or bfloat16 bits as uint16)."""
+        dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+                 np.dtype(np.uint16): torch.bfloat16}[out.dtype]
+        flat = pick(self.data).detach().reshape(-1)
+        if flat.numel() < start + out.size:
+            raise CheckpointError(f"{self.path}: a tensor of {flat.numel()} elements where {start + out.size} are "
+                                  "needed")
+        for lo in range(0, out.size, CHUNK):
+            hi = min(out.size, lo + CHUNK)
+            piece = flat[start + lo:start + hi]
+            out[lo:hi] = to_numpy(piece.to(dtype))
+            self._release(piece)
+
+    def _release(self, piece: torch.Tensor) -> None:
+        """Drop the pages under `piece` from this process; only pages of this file's own mapping
+        (clean, read-only use: a later touch reads them from the file again)."""
+        if self.span is None:
+            return
+        page = mmap.PAGESIZE
+        lo = max(self.span[0], piece.data_ptr() // page * page)
+        hi = min(self.span[1], -(-(piece.data_ptr() + piece.nbytes) // page) * page)
+        if lo < hi:
+            _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _file_span(path: Path) -> Optional[tuple[int, int]]:
+    """The addresses of `path`'s mapping in this process (/proc/self/maps), None if not found."""
+    real, spans = os.path.realpath(path), []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                    lo, hi = fields[0].split("-")
+                    spans.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        return None
+    return (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
 
 
 def field(data: Any, keys: str, path: Path, kind: type | tuple = object) -> Any:
@@ -196,6 +255,7 @@ class Ranks:
         self.tag, self.prefix, self.world, self.stage = tag, prefix, world, stage
         self.lengths: list[list[int]] = []          # [rank][group] elements of its fp32 partition
         self.meta: list[dict] = []                   # rank's optimizer_state_dict without tensors
+        self.files: list[Mapped] = []                # rank's file, loaded once
 
     def path(self, rank: int) -> Path:
         return self.tag / OPTIM_STATES.format(self.prefix, rank)
@@ -221,8 +281,9 @@ class Ranks:
     def open(self) -> None:
         """Check every rank's file and keep its partition sizes (its tensors are not read)."""
         for rank in range(self.world):
-            data = load(self.path(rank), f"the optimizer states of dp rank {rank}; the save was made by "
-                                         f"{self.world} dp ranks (partition_count) and each rank's file is needed")
+            self.files.append(Mapped(self.path(rank), f"the optimizer states of dp rank {rank}; the save was made "
+                                     f"by {self.world} dp ranks (partition_count) and each rank's file is needed"))
+            data = self.files[-1].data
             fp32 = self.flats(data, rank, "fp32")
             for kind in MOMENTS:
                 moments = self.flats(data, rank, kind)
@@ -255,26 +316,9 @@ class Ranks:
         [start, start + count) of rank `rank`'s flat `group`, laid at `at`."""
         out = np.empty(total, np.float32)
         for rank, group, start, count, at in pieces:
-            copy_out(self.path(rank), f"the optimizer states of dp rank {rank}",
-                     lambda data, rank=rank, group=group: self.flats(data, rank, kind)[group], start,
-                     out[at:at + count])
+            self.files[rank].copy(lambda data, rank=rank, group=group: self.flats(data, rank, kind)[group], start,
+                                  out[at:at + count])
         return out
-
-
-def copy_out(path: Path, what: str, pick: Callable[[Any], torch.Tensor], start: int, out: np.ndarray) -> None:
-    """Elements [start, start + out.size) of the flat tensor `pick` takes from file `path`, into
-    `out` (fp32, float16, or bfloat16 bits as uint16), CHUNK elements at a time, each under a mapping
-    of its own: a mapped page stays resident until its mapping goes, so copying a whole tensor
-    through one mapping would hold it twice."""
-    dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
-             np.dtype(np.uint16): torch.bfloat16}[out.dtype]
-    for lo in range(0, out.size, CHUNK):
-        hi = min(out.size, lo + CHUNK)
-        flat = pick(load(path, what, (dict, torch.Tensor))).detach().reshape(-1)
-        if flat.numel() < start + hi:
-            raise CheckpointError(f"{path}: a tensor of {flat.numel()} elements where {start + hi} are needed")
-        out[lo:hi] = to_numpy(flat[start + lo:start + hi].to(dtype))
-        del flat
 
 
 def hyper(base: Any) -> dict:
