@@ -42,6 +42,9 @@ class ScheduleConfig:
     warmup_steps: int = spec(0, "Linear warmup from 0 to lr.", ge=0, le=MAX_STEPS)
     decay: Literal["cosine", "linear", "constant"] = spec("cosine", "Shape after warmup.")
     min_lr_ratio: float = spec(0.1, "Final lr as a fraction of the peak.", ge=0.0, le=1.0)
+    warmup_from_zero: bool = spec(False, "The first update runs at rate 0 and update k at lr*(k-1)/warmup_steps "
+                                         "during warmup, as Megatron-LM and MindFormers schedule it; false: update "
+                                         "k at lr*k/warmup_steps (torchtitan's).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,9 +7,10 @@ from ms_llm.config.train import TrainConfig
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
+    """The rate of 0-based update `step` (update k = step k-1), the one schedule both backends use."""
     peak, sched = train.optimizer.lr, train.schedule
     if step < sched.warmup_steps:
-        return peak * (step + 1) / sched.warmup_steps
+        return peak * (step + (0 if sched.warmup_from_zero else 1)) / sched.warmup_steps
     floor = peak * sched.min_lr_ratio
     span = max(1, train.steps - sched.warmup_steps)
     progress = min(1.0, (step - sched.warmup_steps) / span)

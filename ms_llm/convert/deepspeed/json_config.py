@@ -352,6 +352,9 @@ def _write_zero(s, warnings: list[str]) -> dict:
 def _write_schedule(t, warnings: list[str]) -> dict:
     sch = t.schedule
     params: dict = {"warmup_num_steps": sch.warmup_steps}
+    if sch.warmup_steps and sch.warmup_from_zero:
+        warnings.append("train.schedule.warmup_from_zero = true: DeepSpeed's Warmup*LR schedules have no setting for "
+                        "where warmup starts; not written")
     if sch.decay == "constant":
         return {"type": "WarmupLR", "params": {**params, "warmup_min_lr": 0.0, "warmup_max_lr": t.optimizer.lr}}
     params["total_num_steps"] = t.steps

@@ -322,8 +322,12 @@ def _train(f: Fields, dp: int | None, warnings: list[str]) -> dict:
         warmup = round(f.get("--lr-warmup-fraction", float) * (decay_iters or 0))
     if f.has("--lr-warmup-samples"):
         warmup = f.get("--lr-warmup-samples", int) // gbs
+    # warmup_from_zero: OptimizerParamScheduler starts at step(0) and steps after each update, so update k runs
+    # at lr*(k-1)/warmup; its first update at rate 0. Without warmup the flag changes nothing: left false, so
+    # a job without warmup round-trips unchanged.
     schedule = {"warmup_steps": warmup, "decay": DECAY_STYLES.get(style, "cosine"),
-                "min_lr_ratio": f.get("--min-lr", float, 0.0, ir="train.schedule.min_lr_ratio") / lr if lr else 0.0}
+                "min_lr_ratio": f.get("--min-lr", float, 0.0, ir="train.schedule.min_lr_ratio") / lr if lr else 0.0,
+                "warmup_from_zero": warmup > 0}
     saving, load = f.has("--save"), f.data.get("--load")
     f.used.update(("--save", "--load"))
     interval = f.get("--save-interval", int, 0, ir="train.checkpoint.interval")

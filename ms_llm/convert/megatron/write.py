@@ -45,6 +45,9 @@ def write(job: JobConfig, world_size: int) -> Written:
                 f"--train-iters {t.steps}", f"--lr {num(o.lr)}", f"--min-lr {num(o.lr * sch.min_lr_ratio)}",
                 f"--lr-decay-style {sch.decay}", f"--lr-decay-iters {t.steps}", f"--lr-warmup-iters {sch.warmup_steps}",
                 f"--weight-decay {num(o.weight_decay)}", f"--clip-grad {num(o.grad_clip)}", f"--seed {t.seed}"]
+    if sch.warmup_steps and not sch.warmup_from_zero:
+        warnings.append("train.schedule.warmup_from_zero = false: Megatron's warmup starts at 0 (update k runs at "
+                        "lr*(k-1)/warmup, not lr*k/warmup); its warmup runs one update behind this job's")
     if o.weight_decay_1d:
         warnings.append("train.optimizer.weight_decay_1d = true: Megatron never decays biases and 1-D parameters "
                         "(norm weights), and has no flag to; they will not decay")

@@ -14,7 +14,8 @@ def read_schedule(f: Fields, ls: str, lr: float | None, dataset_steps: int,
     the step count: total_steps, or with -1 ("the dataset's") `dataset_steps` (epochs * training
     samples // global batch; 0 when unknown)."""
     if not f.has(ls):
-        return {"warmup_steps": 0, "decay": "constant"}, dataset_steps, 3e-4 if lr is None else lr
+        peak = 3e-4 if lr is None else lr
+        return {"warmup_steps": 0, "decay": "constant"}, dataset_steps, peak
     kind = f.get(f"{ls}.type", str, ir="train.schedule.decay")
     if kind not in LR_SCHEDULES:
         warnings.append(f"{ls}.type = {kind}: read as cosine decay")
@@ -32,7 +33,10 @@ def read_schedule(f: Fields, ls: str, lr: float | None, dataset_steps: int,
             warnings.append(f"{ls}.warmup_ratio = {ratio} of a dataset-sized run: the step count is unknown here; "
                             "no warmup")
     end = f.get(f"{ls}.lr_end", float, 0.0, ir="train.schedule.min_lr_ratio")
+    # warmup_from_zero: the *WithWarmUpLR schedules get global_step before the optimizer increments it, so
+    # update k runs at lr*(k-1)/warmup; the first update at rate 0. Without warmup the flag changes nothing:
+    # left false, so a job without warmup round-trips unchanged.
     schedule = {"warmup_steps": warmup, "decay": LR_SCHEDULES.get(kind, "cosine"),
-                "min_lr_ratio": end / peak if peak else 0.0}
+                "min_lr_ratio": end / peak if peak else 0.0, "warmup_from_zero": warmup > 0}
     f.sources["train.optimizer.lr"] = f"{ls}.learning_rate"
     return schedule, max(steps, 0), peak

@@ -93,6 +93,9 @@ def write(job: JobConfig, world_size: int, mcore: bool = False) -> Written:
         expressed |= {"train.data.paths", "train.data.weights", "train.data.split"}
     if t.optimizer.name != "adamw":
         warnings.append(f"train.optimizer.name = {t.optimizer.name}: MindFormers pretraining uses AdamW; AdamW written")
+    if t.schedule.warmup_steps and not t.schedule.warmup_from_zero:
+        warnings.append("train.schedule.warmup_from_zero = false: MindFormers' warmup starts at 0 (update k runs at "
+                        "lr*(k-1)/warmup_steps, not lr*k/warmup_steps); its warmup runs one update behind this job's")
     if t.optimizer.weight_decay_1d:
         warnings.append("train.optimizer.weight_decay_1d = true: MindFormers' parameter groups never decay biases "
                         "and 1-D parameters (norm weights); they will not decay")

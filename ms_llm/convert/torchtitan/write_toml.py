@@ -119,6 +119,9 @@ def job_sections(job: JobConfig) -> tuple[dict, set[str], list[str]]:
         warnings.append("train.schedule.decay = constant: torchtitan decays linearly, cosine or sqrt; written as "
                         "linear with min_lr_factor 1.0")
         sections["lr_scheduler"].update(decay_type="linear", min_lr_factor=1.0)
+    if sch.warmup_steps and sch.warmup_from_zero:
+        warnings.append("train.schedule.warmup_from_zero = true: torchtitan's warmup runs update k at "
+                        "lr*k/warmup_steps, one update ahead of a warmup from 0")
     if t.data != DataConfig():
         warnings.append("train.data: torchtitan names datasets in [training] dataset; not written")
     if not o.weight_decay_1d:
