@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.utils import _create_file_view
 
 from ms_llm.checkpoint.storage.untrusted import confined
 from ms_llm.errors import CheckpointError
@@ -48,12 +49,13 @@ SAFE_GLOBALS = [argparse.Namespace, types.SimpleNamespace, PosixPath, np.core.mu
                 np.dtype, np.dtypes.UInt32DType, *[(PeerValue, name) for name in MEGATRON_ENUMS]]
 
 
-def unpickle(source: Path | bytes, where: str, mmap: bool = False) -> Any:
-    """torch.load(weights_only=True) of a file or bytes, allowing only SAFE_GLOBALS; one line on refusal."""
+def unpickle(source: Path | bytes | io.IOBase, where: str, mmap: bool = False) -> Any:
+    """torch.load(weights_only=True) of a file, bytes or a file view, allowing only SAFE_GLOBALS; one line on refusal."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS), warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=UserWarning)
-            target = io.BytesIO(source) if isinstance(source, bytes) else str(source)
+            target = io.BytesIO(source) if isinstance(source, bytes) else source if hasattr(source, "read") \
+                else str(source)
             return torch.load(target, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -107,6 +109,12 @@ class DistFolder:
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box [offsets, offsets + sizes) of tensor `key`, from the chunks that meet it."""
         m = self.tensors[key]
+        if any(tuple(c.offsets) == tuple(offsets) and tuple(c.sizes) == tuple(sizes) for c in m.chunks):
+            data = self._load(self.storage.get((key, tuple(offsets))), f"tensor {key!r} chunk {list(offsets)}")
+            if not isinstance(data, torch.Tensor) or list(data.shape) != list(sizes):
+                raise CheckpointError(f"{self.folder}: tensor {key!r} chunk {list(offsets)} holds "
+                                      f"{getattr(data, 'shape', type(data).__name__)}, not {list(sizes)}")
+            return data                     # the stored chunk is the box: no copy into another tensor
         out = torch.empty(sizes, dtype=m.properties.dtype)
         covered = 0
         for chunk in m.chunks:
@@ -138,10 +146,8 @@ class DistFolder:
             raise CheckpointError(f"{self.folder}: {what} is stored transformed ({info.transform_descriptors}); "
                                   "ms_llm reads plain torch_dist files")
         path = confined(self.folder, info.relative_path, f"the file of {what}")
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.length)
-        return unpickle(raw, f"{path} ({what})")
+        with open(path, "rb") as f:             # loaded from a view of its bytes: no copy of them first
+            return unpickle(_create_file_view(f, info.offset, info.length), f"{path} ({what})")
 
 
 @dataclass(frozen=True)
