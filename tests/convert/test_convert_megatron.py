@@ -1,12 +1,15 @@
 """Megatron-LM launch scripts and argument lists -> IR, resolved the way Megatron resolves them."""
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from ms_llm.convert import ConversionError, ReadOptions, dump, load, read
+from ms_llm.convert import ConversionError, ReadOptions, dump, from_job, load, read
 from ms_llm.convert.shell import launch_command
+from ms_llm.job import load_job
 
-FIXTURES = Path(__file__).resolve().parents[2] / "configs" / "examples"    # the peers' configs users convert
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "configs" / "examples"    # the peers' configs users convert
 
 
 def test_gpt3_175b_script():
@@ -227,3 +230,18 @@ def test_a_file_name_that_is_no_job_name_is_made_one(tmp_path):
         path = tmp_path / file_name
         path.write_text((FIXTURES / "megatron_llama3_8b.sh").read_text())
         assert load(path).job.name == job_name
+
+
+@pytest.mark.parametrize("from_zero", [True, False])
+def test_warmup_from_zero_is_read_and_a_later_warmup_is_said(from_zero):
+    """Megatron's scheduler runs update k of its warmup at lr*(k-1)/warmup: read as warmup_from_zero,
+    and a job without it is written with a warning that names the field."""
+    assert load(FIXTURES / "megatron_gpt3_175b.sh").job.train.schedule.warmup_from_zero     # warmup 430
+    job = load_job(ROOT / "configs" / "train" / "tiny_ms_dp2.yaml")                          # warmup 5
+    job = dataclasses.replace(job, train=dataclasses.replace(
+        job.train, schedule=dataclasses.replace(job.train.schedule, warmup_from_zero=from_zero)))
+    out = dump(from_job(job, job.strategy.dp), "megatron")
+    said = [w for w in out.warnings if "train.schedule.warmup_from_zero" in w]
+    assert len(said) == (0 if from_zero else 1) and all("warmup starts at 0" in w for w in said)
+    back = read(out.text, "out.sh", "megatron", ReadOptions(world_size=job.strategy.dp, model=job.model))
+    assert back.job.train.schedule.warmup_from_zero and back.job.train.schedule.warmup_steps == 5

@@ -9,9 +9,10 @@ from ms_llm.config.model import MoEConfig
 from ms_llm.convert import ConversionError, ReadOptions, dump, from_job, load, read
 from ms_llm.convert.mindformers.read import mindformers_ffn
 from ms_llm.errors import ConfigError
-from ms_llm.job import load_section
+from ms_llm.job import load_job, load_section
 
-FIXTURES = Path(__file__).resolve().parents[2] / "configs" / "examples"    # the peers' configs users convert
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "configs" / "examples"    # the peers' configs users convert
 SEVEN_B = (FIXTURES / "mindformers_r1_llama2_7b.yaml").read_text()
 # the 7B recipe on dp2 * mp2 * cp2 with use_seq_parallel (flash attention on, as the recipe has it)
 CP2_SP = SEVEN_B.replace("  data_parallel: 8", "  data_parallel: 2") \
@@ -384,3 +385,18 @@ def test_2x_experts_are_whole_and_a_split_expert_is_named():
     split = dataclasses.replace(conv.job, strategy=dataclasses.replace(conv.job.strategy, ep=2, etp=2))
     warnings = dump(from_job(split, 4), "mindformers2").warnings
     assert any(w.startswith("strategy.etp = 2: MindFormers 2.1's grouped-GEMM experts are whole") for w in warnings)
+
+
+@pytest.mark.parametrize("fmt", ["mindformers", "mindformers2"])
+@pytest.mark.parametrize("from_zero", [True, False])
+def test_warmup_from_zero_is_read_and_a_later_warmup_is_said(fmt, from_zero):
+    """MindFormers' *WithWarmUpLR schedules run update k of the warmup at lr*(k-1)/warmup_steps: read as
+    warmup_from_zero, and a job without it is written with a warning that names the field."""
+    job = load_job(ROOT / "configs" / "train" / "tiny_ms_dp2.yaml")                          # warmup 5
+    job = dataclasses.replace(job, train=dataclasses.replace(
+        job.train, schedule=dataclasses.replace(job.train.schedule, warmup_from_zero=from_zero)))
+    out = dump(from_job(job, job.strategy.dp), fmt)
+    said = [w for w in out.warnings if "train.schedule.warmup_from_zero" in w]
+    assert len(said) == (0 if from_zero else 1) and all("warmup starts at 0" in w for w in said)
+    back = read(out.text, "out.yaml", fmt, ReadOptions(world_size=job.strategy.dp, model=job.model))
+    assert back.job.train.schedule.warmup_from_zero and back.job.train.schedule.warmup_steps == 5
