@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_llm.convert import ConversionError, ReadOptions, load, read
+from ms_llm.convert import ConversionError, ReadOptions, dump, load, read
 from ms_llm.job import load_section
 
 FIXTURES = Path(__file__).resolve().parents[2] / "configs" / "examples"    # the peers' configs users convert
@@ -93,3 +93,16 @@ def test_ulysses_and_autoep():
     assert not any("sequence_parallel_size" in w or "expert_parallel" in w for w in conv.warnings)
     with pytest.raises(ConversionError, match="ds.json: expert_parallel.enabled: AutoEP needs an MoE model"):
         _read(cfg)
+
+
+def test_warmup_is_linear_both_ways():
+    """DeepSpeed's Warmup*LR schedules warm up logarithmically unless warmup_type says linear, as
+    ms_llm does: a config without it reads with a warning, and what ms_llm writes says linear."""
+    base = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}
+    for params, warned in (({}, True), ({"warmup_type": "linear"}, False), ({"warmup_type": "log"}, True)):
+        cfg = base | {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, **params}}}
+        conv = _read(cfg)
+        assert conv.job.train.schedule.warmup_steps == 10
+        assert any("warmup_type = log" in w for w in conv.warnings) == warned, conv.warnings
+    written = json.loads(dump(conv, "deepspeed").text)["scheduler"]["params"]
+    assert (written["warmup_type"], written["warmup_num_steps"]) == ("linear", 10)

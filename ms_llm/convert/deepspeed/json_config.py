@@ -238,6 +238,8 @@ def _schedule(f: Fields, optimizer: dict, warnings: list[str]) -> tuple[dict, in
         optimizer["lr"] = f.get(f"{p}.warmup_max_lr", float, ir="train.optimizer.lr")
     if f.get(f"{p}.warmup_min_lr", float, 0.0) or f.get(f"{p}.warmup_min_ratio", float, 0.0):
         warnings.append("the warmup starts above zero; ms_llm warms up from 0")
+    if f.get(f"{p}.warmup_type", ("log", "linear"), "log") == "log" and schedule["warmup_steps"]:
+        warnings.append(f"{p}.warmup_type = log (DeepSpeed's default): ms_llm warms up linearly")
     if kind == "WarmupCosineLR":
         schedule["min_lr_ratio"] = f.get(f"{p}.cos_min_ratio", float, 0.0001, ir="train.schedule.min_lr_ratio")
     elif kind == "WarmupDecayLR":
@@ -351,7 +353,7 @@ def _write_zero(s, warnings: list[str]) -> dict:
 
 def _write_schedule(t, warnings: list[str]) -> dict:
     sch = t.schedule
-    params: dict = {"warmup_num_steps": sch.warmup_steps}
+    params: dict = {"warmup_num_steps": sch.warmup_steps, "warmup_type": "linear"}     # DeepSpeed's default is log
     if sch.warmup_steps and sch.warmup_from_zero:
         warnings.append("train.schedule.warmup_from_zero = true: DeepSpeed's Warmup*LR schedules have no setting for "
                         "where warmup starts; not written")
