@@ -100,13 +100,12 @@ def spawn_logged(cmd: list[str], env: dict[str, str], log: Path, session: bool =
     console and to `log` from a thread. From the first line `report` matches on (the launcher's own
     failure report), lines go to `log` alone and to `proc.report`, for the caller to say in a line
     per rank what the console needs of it."""
-    out = None
     try:
         out = open(log, "a")
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
     except OSError:                                       # a full disk: the console still gets the output
-        pass
+        out = None
     # In a session of its own the supervisor stops it by PID (SIGKILL on its death will do); in this
     # one, SIGTERM on the launcher's death lets torchrun stop its workers as it does on Ctrl-C.
     cmd = die_with_parent(cmd) if session else die_with_parent(cmd, signal.SIGTERM)
