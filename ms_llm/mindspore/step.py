@@ -172,7 +172,8 @@ class ZeroStep:
 
         self.runner = MsZeroDataParallel(loss_cell, zero_plan(plan), rank, EngineConfig.from_job(plan.strategy, job.train),
                                          net=net)
-        self.buffers: dict = {}               # MoE (expert biases) trains through GraphStep only (support.py)
+        self.buffers: dict = {}               # none: the expert biases move in GraphStep only (support.py refuses
+                                              # model.moe.expert_bias here); the routed experts train here, over edp
         self.loads: Optional[np.ndarray] = None
         self.mean = MeanOverRanks(world)
         self.train, self.shape = job.train, (plan.micro_batches, job.train.micro_batch_size, job.train.seq_len + 1)
