@@ -260,30 +260,21 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
     mb = plan.micro_batches
     tokens = t.micro_batch_size * t.seq_len / s.cp                  # per micro-batch per rank
     layers = max(st.layers + st.mtp_layers for st in plan.stages)
-    psi = max(st.params for st in plan.stages)
+    # The dense parameters' gradients are reduced over dp x cp, the routed experts' over edp (the ranks
+    # holding the same expert shard; none when edp is 1), each at the job's ZeRO stage
+    # (ms_llm.strategy.plan._expert_zero). Each axis is charged for its busiest pipeline rank.
+    dense = max(st.params - st.expert_params for st in plan.stages)
+    experts = max(st.expert_params for st in plan.stages)
     vol: dict[str, float] = {}
     kind: dict[str, str] = {}
 
-    n = s.dp * s.cp
-    if n > 1:
-        ring = (n - 1) / n
-        G, P = psi * gbytes, psi * pbytes
-        if s.zero.stage == 0:
-            vol["dp_cp"], kind["dp_cp"] = 2 * ring * G, "all-reduce grads"
-        elif s.zero.stage == 1:
-            vol["dp_cp"], kind["dp_cp"] = ring * (G + P), "reduce-scatter grads + all-gather params"
-        elif s.zero.stage == 2:
-            # No full gradient buffer to accumulate into: each micro-batch's gradients are reduce-scattered.
-            vol["dp_cp"], kind["dp_cp"] = ring * (mb * G + P), \
-                "reduce-scatter grads per micro-batch + all-gather params"
-        else:
-            # Parameters are gathered again for every micro-batch's forward and backward.
-            vol["dp_cp"], kind["dp_cp"] = ring * mb * (G + 2 * P), \
-                "all-gather params (fwd, bwd) + reduce-scatter grads, per micro-batch"
-        if plan.zero.replicate_size > 1 and s.zero.stage:
-            r = plan.zero.replicate_size
-            vol["dp_cp"] += 2 * (r - 1) / r * G / plan.zero.group_size
-            kind["dp_cp"] += " + all-reduce across replicas"
+    for axis, n, psi in (("dp_cp", s.dp * s.cp, dense), ("edp", s.edp, experts)):
+        if n > 1 and psi:
+            vol[axis], kind[axis] = _grad_sync_volume(psi * gbytes, psi * pbytes, n, s.zero.stage, mb)
+    if "dp_cp" in vol and plan.zero.replicate_size > 1 and s.zero.stage:
+        r = plan.zero.replicate_size
+        vol["dp_cp"] += 2 * (r - 1) / r * dense * gbytes / plan.zero.group_size
+        kind["dp_cp"] += " + all-reduce across replicas"
     if s.tp > 1:
         a = tokens * m.hidden_size * act
         per_layer = 4 + (2 if plan.recomputed_layers("full") else 0)
@@ -305,6 +296,21 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
         for axis, (nbytes, what) in expert_volume(plan, tokens, act).items():
             vol[axis], kind[axis] = nbytes, what
     return CommVolume(vol, kind)
+
+
+def _grad_sync_volume(G: float, P: float, n: int, stage: int, mb: int) -> tuple[float, str]:
+    """Bytes a rank sends per step to reduce `G` bytes of gradients (and, under ZeRO, gather `P` bytes
+    of parameters) over `n` ranks by ring collectives at ZeRO `stage` with `mb` micro-batches."""
+    ring = (n - 1) / n
+    if stage == 0:
+        return 2 * ring * G, "all-reduce grads"
+    if stage == 1:
+        return ring * (G + P), "reduce-scatter grads + all-gather params"
+    if stage == 2:
+        # No full gradient buffer to accumulate into: each micro-batch's gradients are reduce-scattered.
+        return ring * (mb * G + P), "reduce-scatter grads per micro-batch + all-gather params"
+    # Parameters are gathered again for every micro-batch's forward and backward.
+    return ring * mb * (G + 2 * P), "all-gather params (fwd, bwd) + reduce-scatter grads, per micro-batch"
 
 
 def expert_volume(plan: CostShape, tokens: float, act: float) -> dict[str, tuple[float, str]]:
@@ -380,8 +386,10 @@ def cp_algorithms(model: ModelConfig, s: ParallelStrategy, train: TrainConfig) -
 def _group_bandwidth(plan: CostShape, axis: str, device: DeviceSpec) -> float:
     """Intra-node links if the whole group fits in one node, else the network."""
     s = plan.strategy
-    inner = {"tp": 1, "cp": s.tp, "dp_cp": s.tp, "ep": s.etp, "etp": 1, "pp": s.tp * s.cp * s.dp}[axis]
-    span = inner * {"tp": s.tp, "cp": s.cp, "dp_cp": s.dp * s.cp, "ep": s.ep, "etp": s.etp, "pp": 2}[axis]
+    inner = {"tp": 1, "cp": s.tp, "dp_cp": s.tp, "edp": s.ep * s.etp, "ep": s.etp, "etp": 1,
+             "pp": s.tp * s.cp * s.dp}[axis]
+    span = inner * {"tp": s.tp, "cp": s.cp, "dp_cp": s.dp * s.cp, "edp": s.edp,
+                    "ep": s.ep, "etp": s.etp, "pp": 2}[axis]
     return device.intra_node_bw if span <= device.devices_per_node else device.inter_node_bw
 
 
@@ -426,11 +434,13 @@ def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec) -> StepEstim
             bubble_fraction /= 6
     bubble = compute * bubble_fraction
     exposed = {}
+    # The gradient reductions (dense over dp x cp, then experts over edp) share one window under backward.
+    overlap = 0.8 * compute * (1.0 if s.zero.stage == 3 else 2 / 3)
     for axis, nbytes in comm.bytes_by_axis.items():
         seconds = nbytes / _group_bandwidth(plan, axis, device)
-        if axis == "dp_cp":
-            overlap = 0.8 * compute * (1.0 if s.zero.stage == 3 else 2 / 3)   # hidden under backward
-            seconds = max(0.0, seconds - overlap)
+        if axis in ("dp_cp", "edp"):
+            hidden = min(seconds, overlap)
+            seconds, overlap = seconds - hidden, overlap - hidden
         elif axis == "cp" and cp_algorithm(plan) == "ring":
             # Each hop's transfer runs under the previous block's attention.
             seconds = max(0.0, seconds - 0.5 * compute * attention_share)

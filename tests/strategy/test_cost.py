@@ -1,7 +1,7 @@
 """Cost model: the seed's ZeRO example exactly, and memory / comm / time that move the right way."""
 import pytest
 
-from ms_llm.config.model import ModelConfig
+from ms_llm.config.model import DTYPE_BYTES, ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.errors import ConfigError
@@ -84,3 +84,31 @@ def test_device_names():
     assert get_device("Ascend-910B") is DEVICES["910b"] and get_device("H100") is DEVICES["h100"]
     with pytest.raises(ConfigError, match="--device: unknown device 'v100'"):
         get_device("v100")
+
+
+MOE = from_dict(ModelConfig, {"vocab_size": 128, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                              "ffn_hidden_size": 128, "max_seq_len": 64,
+                              "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32}}, "model")
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_expert_gradients_are_reduced_over_edp_not_dp_cp(stage):
+    """The routed experts are replicated over edp = dp*cp*tp/(ep*etp) only: with dp 8, ep 2 and ep 4
+    (edp 4 and 2) charge their experts' gradient reduction over 4 and 2 ranks, the dense part over
+    dp 8 in both, and ep 8 (edp 1) none at all."""
+    train = TrainConfig(global_batch_size=8, micro_batch_size=1, seq_len=16)
+    vol = {ep: communication(make({"dp": 8, "ep": ep, "zero": {"stage": stage}}, 8, MOE, train)) for ep in (2, 4, 8)}
+    s = make({"dp": 8}, 8, MOE, train).strategy
+    G, P = DTYPE_BYTES[s.precision.grad_reduce_dtype], DTYPE_BYTES[s.precision.param_dtype]
+    every = 2 * 8 * 3 * 32 * 64                                    # 2 MoE layers x 8 experts x gate/up/down
+    dense = MOE.num_params() - every
+    for ep, edp in ((2, 4), (4, 2)):
+        experts = every // ep
+        ring = (edp - 1) / edp
+        want = 2 * ring * experts * G if stage == 0 else ring * experts * (G + P)   # all-reduce; RS + AG
+        assert vol[ep].bytes_by_axis["edp"] == pytest.approx(want)
+    dense_want = 2 * 7 / 8 * dense * G if stage == 0 else 7 / 8 * dense * (G + P)
+    assert vol[2].bytes_by_axis["dp_cp"] == vol[4].bytes_by_axis["dp_cp"] == pytest.approx(dense_want)
+    assert "edp" not in vol[8].bytes_by_axis and vol[8].bytes_by_axis["dp_cp"] == pytest.approx(dense_want)
+    est = estimate(make({"dp": 8, "ep": 2, "zero": {"stage": stage}}, 8, MOE, train), DEVICES["h100"])
+    assert set(est.exposed_comm_s) == set(vol[2].bytes_by_axis)
