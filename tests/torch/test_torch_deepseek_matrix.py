@@ -2,7 +2,9 @@
 fp32, configs/models/tiny_deepseek.yaml: MLA with q_lora, sigmoid group-limited routing with the
 aux-loss-free expert bias, a shared expert, a dense first layer, one MTP module): dp2, tp2, ep2,
 ep2 x dp2 ZeRO-1, ep2 x tp2, pp2 and pp2 x ep2 ZeRO-1 (the shipped DeepSeek-V3 job's strategy), and
-its dense variant under pp2 x dp2 on the shared ZeRO-3 and FSDP2. Losses and MTP losses of 5 steps
+its dense variant under pp2 x dp2 on the shared ZeRO-3 and FSDP2 (FSDP2 takes no routed experts,
+torch_backend/support.py; the experts under the shared ZeRO-2 and ZeRO-3 are
+test_torch_moe_matrix.py's). Losses and MTP losses of 5 steps
 and the parameters after them equal the world-1 run within 1e-5; the expert biases are equal on
 every rank and equal the world-1 run's, bit for bit. Under pipeline parallel the MTP modules sit on
 the last stage with a copy of the embedding (Megatron-core's embedding group), which stays equal to
@@ -173,7 +175,7 @@ def test_refusals_name_the_field(strategy, model, match):
 
 
 def test_moe_under_tensor_parallel_alone_runs_on_the_shared_engine():
-    """Experts split over tp are plain tensors: only the shared engine's expert path counts them
-    whole in the clipping norm, even without data parallelism."""
+    """Experts split over tp are plain tensors: only the shared engine (its experts' buckets) counts
+    them whole in the clipping norm, even without data parallelism."""
     assert support.zero_engine(plan_for({"tp": 2}, 2), CPU) == support.SHARED
     assert support.zero_engine(plan_for({"tp": 2}, 2, MODEL | {"moe": None}), CPU) == support.NONE
