@@ -89,6 +89,41 @@ def resume(cell, batches: np.ndarray, load: str) -> dict:
     return {"losses": losses, "step": step, "global_step": global_step}
 
 
+def load_2x(yaml: str, hf: str) -> dict:
+    """MindFormers 2.x's side of an export in its 2.x layout: the YAML's network (use_legacy: False) and
+    AdamW, loaded by its own 2.x loader (mindformers.checkpoint.load_checkpoint, as the trainer resumes),
+    against the exported run's Hugging Face tensors put in MindFormers' layout by its own converter
+    (Qwen3's convert_weight_dict: ModelMixin.convert_name, concat_qkv_weight_megatron,
+    concat_ffn_weight_megatron; TeleChat3 has the same names and layout but no converter of its own)."""
+    from mindformers.checkpoint.checkpoint import load_checkpoint
+    from mindformers.core.context.build_context import MFContextOperator
+    from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
+    from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
+    from mindformers.models.telechat3.configuration_telechat3 import TeleChat3Config
+    from mindformers.models.telechat3.modeling_telechat3_train import TrainingTeleChat3ForCausalLM
+    from safetensors.numpy import load_file
+
+    cfg = MindFormerConfig(yaml)
+    MFContextOperator.get_mf_ctx_instance().set_context(use_legacy=False)
+    model_config = dict(cfg.model.model_config)
+    classes = {"qwen3": (Qwen3Config, TrainingQwen3ForCausalLM),
+               "telechat3": (TeleChat3Config, TrainingTeleChat3ForCausalLM)}[model_config["model_type"]]
+    net = classes[1](classes[0](**model_config))
+    lr = build_lr(cfg.lr_schedule)
+    optimizer = build_optim(cfg.optimizer, default_args={
+        "params": get_optimizer_grouped_parameters(net, cfg.optimizer.weight_decay, lr), "learning_rate": lr})
+    load_checkpoint(cfg.checkpoint.load_path, net, optimizer)
+    expected = TrainingQwen3ForCausalLM.convert_weight_dict(net, load_file(hf))
+    held = {p.name: p for p in [*net.get_parameters(), *optimizer.get_parameters()]}
+    found: dict[str, bool] = {}
+    for name, value in expected.items():
+        found[name] = bool(name in held and np.array_equal(held[name].asnumpy(), value))
+    weights = [p.name for p in net.get_parameters()]
+    return {"compared": len(found), "equal": sum(found.values()), "unequal": [n for n, ok in found.items() if not ok],
+            "weights_not_compared": [n for n in weights if n not in found],
+            "global_step": int(optimizer.global_step.asnumpy().reshape(-1)[0])}
+
+
 if __name__ == "__main__":
     request = json.loads(open(sys.argv[1]).read())
     config = MindFormerConfig(request["yaml"])
@@ -97,5 +132,7 @@ if __name__ == "__main__":
     rows = np.load(request["batches"]).astype(np.int32)
     result = train(config, step_cell, rows, request["save"]) if request["mode"] == "train" else \
         resume(step_cell, rows, request["load"])
+    if request.get("load_2x"):
+        result["v2"] = load_2x(request["load_2x"], request["hf"])
     with open(request["out"], "w") as f:
         json.dump(result, f)

@@ -24,7 +24,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from ms_llm.checkpoint import Checkpoint
+from ms_llm.checkpoint import Checkpoint, split_optim_name
 from ms_llm.checkpoint.interop.run_state import write_foreign_run
 from ms_llm.cli import main as cli
 from ms_llm.data import GlobalBatchSampler
@@ -101,6 +101,18 @@ def _train(job: Path, run: Path, backend: str, tokens: Path) -> dict[int, float]
     return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
 
 
+def _hf_named(ckpt: Checkpoint) -> dict[str, np.ndarray]:
+    """Weights and Adam moments under the Hugging Face names MindFormers' converters take
+    (moments as adam_m. / adam_v. + the weight's name, as its AdamW names them)."""
+    out = {}
+    for name in ckpt.names():
+        owned = split_optim_name(name)
+        if owned is None or owned[0] in ("exp_avg", "exp_avg_sq"):
+            out[{"exp_avg": "adam_m.", "exp_avg_sq": "adam_v."}[owned[0]] + owned[1] if owned else name] = \
+                ckpt.read_full(name)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mindformers")
@@ -118,7 +130,12 @@ def runs(tmp_path_factory):
     torch_losses = _train(job, tmp / "run_torch", "torch", tokens)
     assert cli(["export-run", str(tmp / "run_torch" / "checkpoints" / "step_00000006"), "--to", "mindformers",
                 "-o", str(tmp / "export"), "--job", str(tmp / "run_torch" / "config.yaml")]) == 0
-    resumed = _probe(tmp, "resume", load=tmp / "export")
+    step6 = Checkpoint.open(tmp / "run_torch" / "checkpoints" / "step_00000006")
+    assert cli(["export-run", str(step6.folder), "--to", "mindformers2", "-o", str(tmp / "export2"),
+                "--job", str(tmp / "run_torch" / "config.yaml")]) == 0
+    save_file(_hf_named(step6), str(tmp / "hf.safetensors"))
+    resumed = _probe(tmp, "resume", load=tmp / "export", load_2x=tmp / "export2" / "mindformers2.yaml",
+                     hf=tmp / "hf.safetensors")
     return {"tmp": tmp, "peer": peer, "torch": torch_losses, "resumed": resumed, "tokens": tokens, "legacy": legacy}
 
 
@@ -187,6 +204,25 @@ def test_the_export_imports_back_without_a_config(runs, tmp_path):
     source = Checkpoint.open(runs["tmp"] / "run_torch" / "checkpoints" / "step_00000006")
     back = Checkpoint.open(write_foreign_run(mindformers.read_run(runs["tmp"] / "export", None), tmp_path))
     assert back.step == 6 and back.model_config() == source.model_config() and back.names() == source.names()
+    assert all(np.array_equal(back.read_full(n), source.read_full(n)) for n in source.names())
+
+
+@pytest.mark.slow
+def test_mindformers_2x_loads_the_2x_export_as_its_converter_lays_it_out(runs):
+    """export-run --to mindformers2, loaded by MindFormers' own 2.x loader (checkpoint.load_checkpoint) into
+    the 2.x network its YAML builds (TeleChat3ForCausalLM) and MindFormers' AdamW: every weight and moment
+    equals, bit for bit, the run's Hugging Face tensors put in MindFormers' fused layout by its own
+    converter (Qwen3's convert_weight_dict), and the optimizer's step count arrives."""
+    v2 = runs["resumed"]["v2"]
+    assert v2["compared"] == 3 * (3 + 2 * 6) and v2["equal"] == v2["compared"], v2["unequal"]
+    assert v2["weights_not_compared"] == [] and v2["global_step"] == 6
+
+
+@pytest.mark.slow
+def test_the_2x_export_imports_back_bit_for_bit(runs, tmp_path):
+    source = Checkpoint.open(runs["tmp"] / "run_torch" / "checkpoints" / "step_00000006")
+    back = Checkpoint.open(write_foreign_run(mindformers.read_run(runs["tmp"] / "export2", None), tmp_path))
+    assert back.step == 6 and back.state["optimizer_step"] == 6 and back.names() == source.names()
     assert all(np.array_equal(back.read_full(n), source.read_full(n)) for n in source.names())
 
 

@@ -22,6 +22,7 @@ PEERS: dict[str, str] = {
     "deepspeed": "torch_backend.interop.deepspeed",
     "torchtitan": "torch_backend.interop.torchtitan",
     "mindformers": "ms_llm.mindspore.interop.mindformers",
+    "mindformers2": "ms_llm.mindspore.interop.mindformers2",      # writes the 2.x layout; read by mindformers
 }
 
 
@@ -32,7 +33,7 @@ def peer_module(fmt: str) -> ModuleType:
     try:
         return importlib.import_module(PEERS[fmt])
     except ImportError as exc:
-        framework = "MindSpore" if fmt == "mindformers" else "torch"
+        framework = "MindSpore" if fmt.startswith("mindformers") else "torch"
         need = f"; the {fmt} format needs {framework} installed" if exc.name in ("torch", "mindspore") else ""
         raise CheckpointError(f"format {fmt!r}: {PEERS[fmt]} cannot be imported ({exc}){need}") from None
 

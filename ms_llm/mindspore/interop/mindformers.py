@@ -37,7 +37,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from ms_llm.convert import read as read_config
 from ms_llm.convert.common import ReadOptions
 from ms_llm.errors import CheckpointError, MsLlmError
 from ms_llm.job import job_to_dict, load_section, read_text
+from ms_llm.mindspore.interop import mindformers_names as mcore
 from ms_llm.run.loss_scale import GROWTH_INTERVAL
 from ms_llm.run.lr import lr_at
 
@@ -223,12 +224,12 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
             if key in RUN_VALUES or key.startswith(SKIPPED_PREFIXES):
                 continue
             head, _, rest = key.partition(".")
-            if head in MOMENTS:
-                name = optim_name(MOMENTS[head], hf_name(rest, str(f.path)))
-                tensors[name] = LazyTensor(f.spans[key].shape, "float32", _fp32(f, key))
-            else:
-                span = f.spans[key]
-                tensors[hf_name(key, str(f.path))] = LazyTensor(span.shape, span.dtype, _reader(f, key))
+            moment = MOMENTS.get(head)
+            for name, shape, read in _hf_tensors(f, key, rest if moment else key, model):
+                if moment:
+                    tensors[optim_name(moment, name)] = LazyTensor(shape, "float32", _fp32(read))
+                else:
+                    tensors[name] = LazyTensor(shape, f.spans[key].dtype, read)
     step, optimizer_step = _count(values, "step_num", where), _count(values, "global_step", where)
     if optimizer_step > step:
         raise CheckpointError(f"{where}: global_step {optimizer_step} is past step_num {step}")
@@ -258,12 +259,25 @@ def _exported_model(text: str, where: str) -> ModelConfig:
         raise CheckpointError(f"{where}: {MODEL_KEY}: {exc}") from None
 
 
+def _hf_tensors(f: _File, key: str, name: str, model: ModelConfig) -> list[tuple[str, tuple, Callable]]:
+    """(ms_llm name, shape, reader) of each tensor file entry `key` (weight `name`) holds: one for a
+    LLaMA (1.x) or unfused 2.x name, the parts of a fused 2.x tensor (mindformers_names)."""
+    shape, read = tuple(f.spans[key].shape), _reader(f, key)
+    parts = mcore.hf_parts(name)
+    if parts is None:
+        return [(hf_name(name, str(f.path)), shape, read)]
+    if len(parts) == 1:
+        return [(parts[0], shape, read)]
+    return [(hf, mcore.part_shape(hf, shape, model), mcore.part_reader(name, i, read, model, f"{f.path}: {key}"))
+            for i, hf in enumerate(parts)]
+
+
 def _reader(f: _File, key: str):
     return lambda: f.read(key)
 
 
-def _fp32(f: _File, key: str):
-    return lambda: f.read(key).astype(np.float32, copy=False)
+def _fp32(read: Callable[[], np.ndarray]):
+    return lambda: read().astype(np.float32, copy=False)
 
 
 def _count(values: dict[str, float], key: str, where: str) -> int:
