@@ -2,9 +2,8 @@
 fp32, configs/models/tiny_deepseek.yaml: MLA with q_lora, sigmoid group-limited routing with the
 aux-loss-free expert bias, a shared expert, a dense first layer, one MTP module): dp2, tp2, ep2,
 ep2 x dp2 ZeRO-1, ep2 x tp2, pp2 and pp2 x ep2 ZeRO-1 (the shipped DeepSeek-V3 job's strategy), and
-its dense variant under pp2 x dp2 on the shared ZeRO-3 and FSDP2 (FSDP2 takes no routed experts,
-torch_backend/support.py; the experts under the shared ZeRO-2 and ZeRO-3 are
-test_torch_moe_matrix.py's). Losses and MTP losses of 5 steps
+its dense variant under pp2 x dp2 on the shared ZeRO-3 and FSDP2 (the routed experts under the
+ZeRO stages are test_torch_moe_matrix.py's). Losses and MTP losses of 5 steps
 and the parameters after them equal the world-1 run within 1e-5; the expert biases are equal on
 every rank and equal the world-1 run's, bit for bit. Under pipeline parallel the MTP modules sit on
 the last stage with a copy of the embedding (Megatron-core's embedding group), which stays equal to
