@@ -13,6 +13,13 @@ ms_llm.mindspore.moe.MoE (a jitted forward + backward, graph mode) at the same s
 factor 1.25 (its static-shape token dispatch) and dropless, whose worst-case capacity gives every
 expert a slot for every token, the work the MindSpore layer did before it dispatched tokens.
 
+Activation memory, in the same run on the same tokens: the bytes one layer's forward keeps for backward
+(every tensor its autograd graph saves, counted by torch.autograd.graph.saved_tensors_hooks, each
+storage once, the weights left out): the dispatch's (E, C, H) buffers (the padded batched matmul, C
+the largest count; with capacity factor 1.25, C at most 1.25 x tokens x top_k / E, the MindSpore
+layer's static capacity) against the layer before token dispatch, every expert over every token
+(E, tokens, H, the MindSpore layer's dropless worst case), and the grouped and dense layers beside.
+
 Expert parallelism: one torchrun launch runs ep1, ep2, ep4 and ep2 x etp2 in turn on the same batches
 (4 ranks, dp 4, shared ZeRO-0); each times `--steps` training steps after 2 warm-up steps, and where an
 MoE layer's time goes: the all-to-all dispatch and combine (forward and backward) and, under etp, the
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -84,6 +92,25 @@ class LoopExperts(moe.Experts):
         return (torch.cat(out) if out else rows[:0]) * scale[:, None]
 
 
+class EveryExpert(torch.nn.Module):
+    """The MoE layer before token dispatch: `layer`'s router and experts, every expert over every
+    token ((E, tokens, H)), each output weighted by its routing weight (0 where not chosen)."""
+
+    def __init__(self, layer: moe.MoE):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])                                            # (N, H)
+        _, _, weights, top = self.layer.route(tokens)
+        routed = tokens.new_zeros(tokens.shape[0], self.layer.num_experts).scatter(1, top, weights)   # (N, E)
+        w1, w3, w2 = (w.weight.transpose(1, 2) for w in
+                      (self.layer.experts.gate_proj, self.layer.experts.up_proj, self.layer.experts.down_proj))
+        every = tokens.expand(self.layer.num_experts, *tokens.shape)                   # (E, N, H)
+        out = torch.bmm(F.silu(torch.bmm(every, w1)) * torch.bmm(every, w3), w2)       # (E, N, H)
+        return torch.einsum("ne,enh->nh", routed, out).view_as(x)
+
+
 def layer_config(a, capacity_factor: float = -1.0) -> ModelConfig:
     return ModelConfig(name="bench_moe_layer", vocab_size=64, hidden_size=a.hidden, num_layers=1, num_heads=1,
                        ffn_hidden_size=a.top_k * a.width, dtype="float32",
@@ -91,8 +118,15 @@ def layer_config(a, capacity_factor: float = -1.0) -> ModelConfig:
                                      capacity_factor=capacity_factor))
 
 
-def torch_sides(a, x: np.ndarray, upstream: np.ndarray) -> dict:
-    """name -> one forward + backward of that torch layer on the tokens x (1, N, H)."""
+def initialized(module: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.from_numpy(init_param(name, tuple(p.shape), SEED)))
+    return module
+
+
+def torch_layers(a) -> dict[str, torch.nn.Module]:
+    """name -> the torch layers of the expert-compute table, initialized alike."""
     cfg = layer_config(a)
     grouped, padded, loop = moe.MoE(cfg), moe.MoE(cfg), moe.MoE(cfg)
     padded.experts.grouped = False
@@ -100,13 +134,54 @@ def torch_sides(a, x: np.ndarray, upstream: np.ndarray) -> dict:
     dense = MLP(cfg, width=a.top_k * a.width)
     sides = {"torch MoE, grouped": grouped, "dense SwiGLU": dense, "torch MoE, padded bmm": padded,
              "torch MoE, loop (old)": loop}
+    return {name: initialized(module) for name, module in sides.items()}
+
+
+def torch_sides(a, x: np.ndarray, upstream: np.ndarray) -> dict:
+    """name -> one forward + backward of that torch layer on the tokens x (1, N, H)."""
     tokens, grad = torch.from_numpy(x).requires_grad_(), torch.from_numpy(upstream)
-    for module in sides.values():
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                p.copy_(torch.from_numpy(init_param(name, tuple(p.shape), SEED)))
     return {name: (lambda m=module: torch.autograd.grad(m(tokens), [tokens, *m.parameters()], grad))
-            for name, module in sides.items()}
+            for name, module in torch_layers(a).items()}
+
+
+def saved_bytes(module: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes `module`'s forward on `tokens` keeps for backward: the storages of the tensors its autograd
+    graph saves, each once, its weights left out."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(tokens)
+    return sum(held.values())
+
+
+def activation_memory(a, x: np.ndarray) -> None:
+    """Print what one MoE layer's forward keeps for backward: the dispatch's (E, C, H) buffers against
+    every expert over every token (E, tokens, H), on the tokens of the expert-compute table."""
+    layers = torch_layers(a)
+    capped = initialized(moe.MoE(layer_config(a, 1.25)))
+    capped.experts.grouped = False
+    sides = {"torch MoE, grouped": layers["torch MoE, grouped"],
+             "padded (E, C, H)": layers["torch MoE, padded bmm"], "padded, cap 1.25": capped,
+             "every expert (E, N, H)": EveryExpert(layers["torch MoE, grouped"]),
+             "dense SwiGLU": layers["dense SwiGLU"]}
+    tokens = torch.from_numpy(x).requires_grad_()
+    held = {name: saved_bytes(module, tokens) for name, module in sides.items()}
+    every = held["every expert (E, N, H)"]
+    capacity = math.ceil(1.25 * a.tokens * a.top_k / a.experts)
+    print(f"activation memory: bytes one layer's forward keeps for backward (saved tensors, each storage once, "
+          f"weights left out), {a.tokens} tokens, fp32; vs: against every expert over every token")
+    print(f"{'layer':<24} {'saved MB':>9} {'vs every':>9}")
+    for name, nbytes in held.items():
+        print(f"{name:<24} {nbytes / 1e6:>9.3f} {nbytes / every:>9.3f}")
+    print(f"dispatch (E, C, H) / every expert (E, {a.tokens}, H): {held['padded (E, C, H)'] / every:.3f} dropless, "
+          f"{held['padded, cap 1.25'] / every:.3f} at capacity 1.25 (C <= {capacity})")
 
 
 MS_SIDES = {"MindSpore MoE, cap 1.25": 1.25, "MindSpore MoE, dropless": -1.0}
@@ -176,6 +251,7 @@ def expert_compute(a) -> None:
     print(f"MindSpore MoE (capacity 1.25) / torch dense: {ms_ratio:.2f} wall "
           f"(goal <= 1.5 wall: {'met' if ms_ratio <= 1.5 else 'missed'}); dropless / capacity 1.25: "
           f"{wall_ms['MindSpore MoE, dropless'] / wall_ms['MindSpore MoE, cap 1.25']:.1f}")
+    activation_memory(a, x)
 
 
 class _Mark(torch.autograd.Function):
@@ -322,7 +398,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length of the ep settings")
     p.add_argument("--quick", action="store_true", help="tiny shapes, one round, one step: seconds")
     p.add_argument("--table", choices=("all", "compute", "parallel"), default="all",
-                   help="the expert-compute table, the expert-parallel one, or both (default)")
+                   help="the expert-compute table (with activation memory), the expert-parallel one, or both (default)")
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help=f"comma-separated rows of the expert-parallel table, of {', '.join(SETTINGS)} (default all)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

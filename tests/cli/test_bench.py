@@ -68,8 +68,10 @@ def test_gpu_mfu_checks_model_and_fit_before_it_needs_a_gpu():
 
 def test_moe_bench_quick_prints_both_tables():
     """bench/moe.py --quick: the expert-compute table (torch MoE grouped, dense, padded, loop, the
-    MindSpore layer, each timed and against dense) and the ep1 / ep2 / ep4 / ep2 x etp2 table with the experts'
-    memory per rank, the cost model's equal to the tensors held, at tiny shapes."""
+    MindSpore layer, each timed and against dense), the activation memory of one layer's forward (the
+    dispatch's (E, C, H) buffers below every expert over every token's (E, N, H)) and the ep1 / ep2 /
+    ep4 / ep2 x etp2 table with the experts' memory per rank, the cost model's equal to the tensors held,
+    at tiny shapes."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--quick"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -86,7 +88,18 @@ def test_moe_bench_quick_prints_both_tables():
                         r"loop \(old\) / grouped: \d+\.\d", lines[8]), lines[8]
     assert re.fullmatch(r"MindSpore MoE \(capacity 1\.25\) / torch dense: \d+\.\d\d wall \(goal <= 1\.5 wall: "
                         r"(met|missed)\); dropless / capacity 1\.25: \d+\.\d", lines[9]), lines[9]
-    assert lines[10] == "" and lines[11].startswith("expert parallel: tiny_moe (8 experts, top-2")
-    assert [line.split()[0] for line in lines[13:]] == ["ep1", "ep2", "ep4", "ep2_etp2"]
-    assert all(len(line.split()) == 10 for line in lines[13:])
-    assert all(line.split()[-2] == line.split()[-1] for line in lines[13:])     # expert MB: model = measured
+    assert lines[10].startswith("activation memory: bytes one layer's forward keeps for backward"), lines[10]
+    assert lines[11].split() == ["layer", "saved", "MB", "vs", "every"]
+    saved = {}
+    for i, name in enumerate(["torch MoE, grouped", "padded (E, C, H)", "padded, cap 1.25", "every expert (E, N, H)",
+                              "dense SwiGLU"]):
+        assert re.fullmatch(re.escape(name) + 2 * number, lines[12 + i]), lines[12 + i]
+        saved[name] = float(lines[12 + i].split()[-2])
+    assert lines[15].split()[-1] == "1.000"                          # every expert against itself
+    assert 0 < saved["padded (E, C, H)"] < saved["every expert (E, N, H)"]
+    assert re.fullmatch(r"dispatch \(E, C, H\) / every expert \(E, 64, H\): 0\.\d{3} dropless, 0\.\d{3} at capacity "
+                        r"1\.25 \(C <= 20\)", lines[17]), lines[17]
+    assert lines[18] == "" and lines[19].startswith("expert parallel: tiny_moe (8 experts, top-2")
+    assert [line.split()[0] for line in lines[21:]] == ["ep1", "ep2", "ep4", "ep2_etp2"]
+    assert all(len(line.split()) == 10 for line in lines[21:])
+    assert all(line.split()[-2] == line.split()[-1] for line in lines[21:])     # expert MB: model = measured
