@@ -4,15 +4,18 @@ wrapper and CheckpointMonitor in the loop (tests/helpers/mindformers_run_probe.p
 MindFormers trains 8 steps of the YAML below on one CPU device, CheckpointMonitor saving every 3 steps in
 its 1.x layout (rank_0/<prefix>_rank_0-<epoch>_<step>.safetensors) and its 2.x one (iteration_<n>/ with
 model-, opt- files and common.json). `ms-llm import-run` reads step 3 of each with the YAML as --config:
-the same tensors and step counts, and so does a folder mindspore.unified_safetensors merged (what
-MindFormers resumes a multi-rank run from). ms_llm continues steps 4-8 with the same batches on torch and on
-MindSpore: the losses are MindFormers' own within 1e-5 and 1e-4. The torch run's step 6, exported with
-`ms-llm export-run --to mindformers`, is found and loaded by MindFormers' resume functions, which train
-steps 7 and 8 with the losses of its own run (within 1e-5). The YAML has no weight decay: MindFormers exempts 1-D
-weights (the norms) from it, ms_llm's AdamW decays every weight.
+the same tensors and step counts, and so do a folder mindspore.unified_safetensors merged (what
+MindFormers resumes a multi-rank run from) and a .ckpt of the same tensors. ms_llm continues steps 4-8
+with the same batches on torch and on MindSpore: the losses are MindFormers' own within 1e-5 and 1e-4.
+The torch run's step 6, exported with `ms-llm export-run --to mindformers`, is found and loaded by
+MindFormers' resume functions, which train steps 7 and 8 with the losses of its own run (within 1e-5);
+exported with `--to mindformers2`, MindFormers' 2.x loader puts it into its 2.x network and AdamW bit for
+bit as its own converter lays it out. The YAML has no weight decay: MindFormers exempts 1-D weights (the
+norms) from it, ms_llm's AdamW decays every weight.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,15 +27,19 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from ms_llm.checkpoint import Checkpoint, split_optim_name
-from ms_llm.checkpoint.interop.run_state import write_foreign_run
+from ms_llm.checkpoint import Checkpoint, optim_name, split_optim_name
+from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor, write_foreign_run
+from ms_llm.checkpoint.reshard import layout_plan
 from ms_llm.cli import main as cli
+from ms_llm.config.model import ModelConfig, MoEConfig
+from ms_llm.config.schema import from_dict
 from ms_llm.data import GlobalBatchSampler
 from ms_llm.errors import CheckpointError
 from ms_llm.run.metrics import read_metrics
+from ms_llm.strategy.ir import ParallelStrategy
 
 ms = pytest.importorskip("mindspore")
-from ms_llm.mindspore.interop import mindformers  # noqa: E402  (needs MindSpore)
+from ms_llm.mindspore.interop import mindformers, mindformers_names  # noqa: E402  (needs MindSpore)
 from ms_llm.mindspore.strategy_file import MsParamLayout, write_strategy_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,6 +234,45 @@ def test_the_2x_export_imports_back_bit_for_bit(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_ckpt_file_imports_the_same_state(runs, tmp_path):
+    """MindFormers' checkpoint_format: ckpt, as mindspore.save_checkpoint writes the same tensors."""
+    legacy = runs["legacy"]
+    ckpt = tmp_path / "rank_0" / legacy.name.replace(".safetensors", ".ckpt")
+    ckpt.parent.mkdir()
+    ms.save_checkpoint([{"name": k, "data": ms.Tensor(v)} for k, v in load_file(str(legacy)).items()], str(ckpt))
+    back = Checkpoint.open(write_foreign_run(mindformers.read_run(tmp_path, runs["tmp"] / "mf.yaml"), tmp_path / "m"))
+    a = Checkpoint.open(runs["tmp"] / "imported" / "checkpoints")
+    assert back.step == SAVED and back.state == a.state and back.names() == a.names()
+    assert all(np.array_equal(a.read_full(n), back.read_full(n)) for n in a.names())
+
+
+def test_2x_fused_names_round_trip_biases_and_qk_norms(tmp_path):
+    """Qwen3's layout (q/k norms) with q/k/v biases: linear_qkv.bias fused as the weight, back bit for bit;
+    a model outside the 2.x dense writer is named."""
+    model = from_dict(ModelConfig, {"name": "q", "vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                                    "num_kv_heads": 2, "ffn_hidden_size": 48, "qkv_bias": True, "qk_norm": True},
+                      "model")
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for name, p in layout_plan(model, ParallelStrategy(dp=1), 1).params.items():
+        for key in (name, optim_name("exp_avg", name), optim_name("exp_avg_sq", name)):
+            arrays[key] = rng.standard_normal(p.shape).astype(np.float32)
+    tensors = {k: LazyTensor(a.shape, "float32", (lambda a: lambda: a)(a)) for k, a in arrays.items()}
+    source = Checkpoint.open(write_foreign_run(ForeignRun("test", model, 4, tensors, {"optimizer_step": 3}),
+                                               tmp_path / "src"))
+    assert cli(["export-run", str(source.folder), "--to", "mindformers2", "-o", str(tmp_path / "out")]) == 0
+    saved = load_file(str(tmp_path / "out" / "iteration_00000004" / "model-0000000-0000001.safetensors"))
+    qkv = saved["decoder.layers.1.self_attention.linear_qkv.bias"].reshape(2, 2 * 8 + 2 * 8)
+    assert np.array_equal(qkv[:, 16:24].reshape(-1), arrays["model.layers.1.self_attn.k_proj.bias"])
+    back = Checkpoint.open(write_foreign_run(mindformers.read_run(tmp_path / "out", None), tmp_path / "back"))
+    assert back.step == 4 and back.state["optimizer_step"] == 3 and back.names() == source.names()
+    assert all(np.array_equal(back.read_full(n), arrays[n]) for n in source.names())
+    moe = dataclasses.replace(model, moe=MoEConfig(num_experts=4, top_k=2))
+    with pytest.raises(CheckpointError, match="model.moe: the MindFormers 2.x checkpoint export writes dense"):
+        mindformers_names.check_model(moe)
+
+
+@pytest.mark.slow
 def test_bad_inputs_are_one_line(runs, tmp_path, capsys):
     legacy, yaml_file = runs["legacy"], runs["tmp"] / "mf.yaml"
     with pytest.raises(CheckpointError, match="records neither the head count"):
@@ -236,8 +282,8 @@ def test_bad_inputs_are_one_line(runs, tmp_path, capsys):
         (tmp_path / "two" / rank / legacy.name.replace("rank_0", rank)).write_bytes(legacy.read_bytes())
     with pytest.raises(CheckpointError, match=r"holds 2 ranks' slices; merge them with mindspore.unified_safetensors"):
         mindformers.read_run(tmp_path / "two", yaml_file)
-    (tmp_path / "tiny_rank_0-1_3.ckpt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="convert it with mindspore.ckpt_to_safetensors"):
+    (tmp_path / "tiny_rank_0-1_3.ckpt").write_bytes(b"not protobuf")
+    with pytest.raises(CheckpointError, match="not a MindSpore checkpoint MindSpore can read"):
         mindformers.read_run(tmp_path / "tiny_rank_0-1_3.ckpt", yaml_file)
     tensors = load_file(str(legacy))
     tensors["adam_m.model.norm_out.weight"] = np.zeros(32, np.float32)

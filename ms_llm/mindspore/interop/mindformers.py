@@ -18,8 +18,9 @@ safetensors):
 Weights carry the names of MindFormers' LLaMA (the legacy LlamaForCausalLM that both layouts save;
 MindFormers' own convert_weight.py renames Hugging Face tensors to them without permuting any row).
 One rank's files or a merged folder are read; several ranks' slices are refused with the MindSpore
-call that merges them, a .ckpt file with the one that converts it. Tensors are read from the
-safetensors files one at a time (safetensors_io headers, checked; pread of the tensor's bytes).
+call that merges them. Tensors are read from the safetensors files one at a time (safetensors_io
+headers, checked; pread of the tensor's bytes); a .ckpt file (1.x checkpoint_format: ckpt) is parsed
+whole by mindspore.load_checkpoint (protobuf, no pickle) where MindSpore is installed.
 
 Training state: step = step_num (steps taken, a skipped overflow step included), optimizer_step =
 global_step (Adam's bias-correction count), the loss scale when it is not 1 (static, or dynamic with
@@ -43,7 +44,8 @@ import numpy as np
 
 from ms_llm.checkpoint import Checkpoint, optim_name, split_optim_name
 from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor
-from ms_llm.checkpoint.storage.safetensors_io import TensorSpan, open_shard_file, read_header, storage_dtype, write_file
+from ms_llm.checkpoint.storage.safetensors_io import (TensorSpan, dtype_name, open_shard_file, read_header, storage_dtype,
+                                                     write_file)
 from ms_llm.checkpoint.storage.untrusted import confined, parse_json, read_regular
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict, to_dict
@@ -121,7 +123,7 @@ def _legacy_file(folder: Path) -> Path:
     """The 1.x file to read: `folder` itself, or rank_0's (of a checkpoint folder) file meta.json
     names, else its latest by epoch and step (MindFormers' get_resume_checkpoint)."""
     if folder.is_file():
-        return _safetensors(folder)
+        return folder
     ranks = sorted(p.name for p in folder.iterdir() if re.fullmatch(r"rank_\d+", p.name))
     if len(ranks) > 1:
         raise CheckpointError(f"{folder}: holds {len(ranks)} ranks' slices; merge them with mindspore.unified_"
@@ -134,20 +136,12 @@ def _legacy_file(folder: Path) -> Path:
         if not isinstance(name, str) or not (LEGACY_FILE.fullmatch(name) or LEGACY_CKPT.fullmatch(name)):
             raise CheckpointError(f"{meta}: 'last_ckpt_file' is {name!r}; expected "
                                   "<prefix>_rank_<r>-<epoch>_<step>.safetensors")
-        return _safetensors(confined(rank, name, "meta.json's last_ckpt_file"))
+        return confined(rank, name, "meta.json's last_ckpt_file")
     found = [(int(m.group(3)), int(m.group(4)), p) for p in rank.iterdir()
              if (m := LEGACY_FILE.fullmatch(p.name) or LEGACY_CKPT.fullmatch(p.name))]
     if not found:
         raise CheckpointError(f"{rank}: no MindFormers checkpoint (<prefix>_rank_<r>-<epoch>_<step>.safetensors)")
-    return _safetensors(max(found)[2])
-
-
-def _safetensors(path: Path) -> Path:
-    """`path`, unless it is a .ckpt (protobuf, read whole by MindSpore): then what converts it."""
-    if LEGACY_CKPT.fullmatch(path.name):
-        raise CheckpointError(f"{path}: a MindSpore .ckpt file; convert it with mindspore.ckpt_to_safetensors"
-                              f"('{path}', '<out folder>') and import the .safetensors file it writes")
-    return path
+    return max(found)[2]
 
 
 def _v2_files(folder: Path) -> tuple[list[Path], dict]:
@@ -198,6 +192,40 @@ class _File:
         return float(value.reshape(-1)[0])
 
 
+class _CkptFile(_File):
+    """One MindSpore .ckpt file, parsed whole by mindspore.load_checkpoint as MindSpore loads it: a
+    protobuf Checkpoint whose tensors are raw bytes with a dtype tag (strings as text); MindSpore's
+    parser unpickles nothing. MindSpore caps such a file at 2 GB of protobuf; it is held in memory."""
+
+    def __init__(self, path: Path):
+        try:
+            import mindspore as ms
+        except ImportError:
+            raise CheckpointError(f"{path}: a MindSpore .ckpt file is read with MindSpore, not installed here; convert "
+                                  f"it with mindspore.ckpt_to_safetensors('{path}', '<out folder>') and import the "
+                                  ".safetensors file it writes") from None
+        try:
+            params = ms.load_checkpoint(str(path), format="ckpt")
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(f"{path}: not a MindSpore checkpoint MindSpore can read "
+                                  f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})"
+                                  ) from None
+        self.path, self.metadata, self.arrays = path, {}, {}
+        for key, value in params.items():
+            if isinstance(value, str):
+                continue
+            if value.dtype == ms.bfloat16:             # exact in float32; kept as bfloat16 bits
+                bits = value.float().asnumpy().view(np.uint32) >> 16
+                self.arrays[key] = ("bfloat16", bits.astype(np.uint16))
+            else:
+                array = value.asnumpy()
+                self.arrays[key] = (dtype_name(array), array)
+        self.spans = {k: TensorSpan(k, d, tuple(a.shape), 0, a.nbytes) for k, (d, a) in self.arrays.items()}
+
+    def read(self, key: str) -> np.ndarray:
+        return self.arrays[key][1]
+
+
 def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
     folder = Path(folder)
     if folder.is_dir() and (folder / HYPER).is_file():
@@ -206,7 +234,7 @@ def read_run(folder: Path, config: Optional[Path]) -> ForeignRun:
         paths, info = _v2_files(folder)
     else:
         paths, info = [_legacy_file(folder)], {}
-    files = [_File(p) for p in paths]
+    files = [_CkptFile(p) if p.suffix == ".ckpt" else _File(p) for p in paths]
     values: dict[str, float] = {}
     for f in files:
         values.update({k: v for k in RUN_VALUES if (v := f.scalar(k)) is not None})
