@@ -21,6 +21,9 @@ bypassed (dropout is 0, nothing is drawn).
 argv[1]: JSON {"mode": "train" | "load", "flags": {Megatron-LM flag: value or true}, "batches": .npy
 (steps, global batch, seq + 1) of token ids, "out": folder, ...}:
   train: "save_at": N; trains len(batches) steps, saves at step N (torch_dist and legacy), records losses.
+        With "plain": true a twin model trains the same batches under megatron-core's non-distributed
+        optimizer (its state_dict in model_optim_rng.pt, param groups in model order) and saves at step N
+        too, as plain_torch_dist and plain_legacy.
   load: "load": a checkpoint root; loads it the way Megatron-LM's load_checkpoint does and trains the
         batches from its iteration on.
 Rank 0 writes out/result.json: {"losses": {step: loss}, "lrs": {step: its learning rate}, "start": the
@@ -88,8 +91,7 @@ def megatron_args(flags: dict, world: int) -> argparse.Namespace:
 
 
 class Run:
-    def __init__(self, spec: dict):
-        from megatron.core import parallel_state
+    def __init__(self, spec: dict, distributed: bool = True):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -100,7 +102,7 @@ class Run:
 
         mrandom.CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
         a = self.args = megatron_args(spec["flags"], dist.get_world_size())
-        parallel_state.initialize_model_parallel(a.tensor_model_parallel_size, 1)
+        a.use_distributed_optimizer = self.distributed = distributed
         torch.manual_seed(a.seed)
         config = TransformerConfig(
             num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
@@ -116,10 +118,10 @@ class Run:
                               share_embeddings_and_output_weights=not getattr(
                                   a, "untie_embeddings_and_output_weights", False))
         self.ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True), self.model)
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), self.model)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, use_distributed_optimizer=True),
+            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, use_distributed_optimizer=distributed),
             [self.ddp])
         gbs = a.global_batch_size
         self.scheduler = OptimizerParamScheduler(
@@ -129,9 +131,9 @@ class Run:
         self.iteration = 0
 
     def metadata(self) -> dict:
-        """Megatron-LM's _build_sharded_state_dict_metadata for --use-distributed-optimizer."""
-        return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
-                "chained_optim_avoid_prefix": True}
+        """Megatron-LM's _build_sharded_state_dict_metadata (with --use-distributed-optimizer, or without)."""
+        sharding = {"distrib_optim_sharding_type": "dp_reshardable"} if self.distributed else {}
+        return {**sharding, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
     def step(self, batch: np.ndarray) -> float:
         from megatron.core.distributed import finalize_model_grads
@@ -193,7 +195,8 @@ class Run:
                     "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                                    "torch_rng_state": torch.get_rng_state()}],
                     "num_floating_point_operations_so_far": 0}, folder / "model_optim_rng.pt")
-        self.optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+        if self.distributed:
+            self.optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
         dist.barrier()
         if dist.get_rank() == 0:
             (root / "latest_checkpointed_iteration.txt").write_text(str(self.iteration))
@@ -235,9 +238,13 @@ class Run:
 
 
 def main(spec: dict) -> None:
+    from megatron.core import parallel_state
+
     cpu_shim()
     dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(int(spec["flags"].get("--tensor-model-parallel-size", 1)), 1)
     run = Run(spec)
+    twin = Run(spec, distributed=False) if spec.get("plain") else None
     out = Path(spec["out"])
     batches = np.load(spec["batches"])
     losses, lrs = {}, {}
@@ -247,9 +254,14 @@ def main(spec: dict) -> None:
     for i in range(start, len(batches)):
         lrs[i + 1] = run.optimizer.param_groups[0]["lr"]
         losses[i + 1] = run.step(batches[i])
+        if twin is not None and i < spec["save_at"]:
+            twin.step(batches[i])
         if i + 1 == spec.get("save_at"):
             run.save(out / "torch_dist")
             run.save_legacy(out / "legacy")
+            if twin is not None:
+                twin.save(out / "plain_torch_dist")
+                twin.save_legacy(out / "plain_legacy")
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps({
             "losses": losses, "lrs": lrs, "start": start, "consumed_samples": run.args.consumed_train_samples}))

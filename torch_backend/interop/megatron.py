@@ -7,19 +7,23 @@ Read (a save folder with latest_checkpointed_iteration.txt, or one iter_NNNNNNN 
   (optimizer.state.<exp_avg|exp_avg_sq|param|fp32_param>.<key>: the plain optimizer, the distributed
   one's fully_reshardable) or in the distributed optimizer's buckets (dp_reshardable, Megatron-LM's
   default; megatron_buckets.py rebuilds where each parameter lies in them);
-- the legacy per-rank iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt (+ the distributed optimizer's
-  distrib_optim.pt), tensor-parallel shards concatenated, memory-mapped.
-The step is the iteration, the optimizer step its param groups' step, the learning rate the one the saved
-OptimizerParamScheduler gives next, the loss scale its grad scaler's, the data position the arguments'
-consumed_train_samples (megatron_state.py). The model and the job come from --config (the train script
-or arguments, through ms_llm.convert's Megatron-LM reader) or else from the arguments Megatron-LM stored
-in the checkpoint.
+- the legacy per-rank iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt, tensor-parallel shards
+  concatenated, memory-mapped; the Adam state from the distributed optimizer's distrib_optim.pt beside it,
+  or else from the non-distributed optimizer's state_dict in the file (torch's, indexed by param group in
+  model order: megatron_buckets.plain_slots).
+The step is the iteration, the optimizer step its param groups' (or parameters') step, the learning
+rate the one the saved OptimizerParamScheduler gives next, the loss scale its grad scaler's, the data
+position the arguments' consumed_train_samples (megatron_state.py). The model and the job come from
+--config (the train script or arguments, through ms_llm.convert's Megatron-LM reader) or else from the
+arguments Megatron-LM stored in the checkpoint.
 
 Write: latest_checkpointed_iteration.txt and iter_NNNNNNN/ in torch_dist, keys as megatron-core's
 GPTModel.sharded_state_dict names them (one chunk per layer, so one layer's tensor is in memory at a
 time), the Adam state as the distributed optimizer's fully_reshardable (loadable under any tp, pp and
 dp), the scheduler in samples as Megatron-LM counts them (from --job, else constant at the checkpoint's
-learning rate: then --override-opt_param-scheduler), the arguments its load checks. No RNG state (ms_llm's
+learning rate: then --override-opt_param-scheduler), the arguments Megatron-LM saves (as its parse_args holds
+them for the launch script ms_llm.convert writes from --job, else from the model and ms_llm's default
+settings), which an import without --config reads back to the same model. No RNG state (ms_llm's
 generators are not Megatron's): Megatron-LM loads it with --no-load-rng.
 """
 from __future__ import annotations
@@ -43,9 +47,10 @@ from ms_llm.errors import CheckpointError
 from ms_llm.job import job_from_dict
 from ms_llm.strategy.ir import ParallelStrategy
 from torch_backend.checkpoint import DTYPE_NAMES, TORCH_DTYPES, from_numpy, to_numpy
-from torch_backend.interop.megatron_buckets import Buckets, stage_layers, tp_merge
+from torch_backend.interop.megatron_buckets import Buckets, plain_slots, rank_params, stage_layers, tp_merge
 from torch_backend.interop.megatron_files import DistFolder, TensorChunk, unpickle, write_dist
-from torch_backend.interop.megatron_state import common_state, job_and_model, training_state
+from torch_backend.interop.megatron_state import (common_state, export_job, job_and_model, saved_args,
+                                                  training_state)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATES = ("exp_avg", "exp_avg_sq")
@@ -95,6 +100,7 @@ class _Source:
 
     def __init__(self) -> None:
         self.notes: list[str] = []
+        self.param_steps: set = set()       # the optimizer step each parameter's state holds, where it is kept so
 
     @property
     def iteration(self) -> Any:
@@ -161,6 +167,7 @@ class _Dist(_Source):
 
 class _Legacy(_Source):
     """An iter_NNNNNNN folder of per-rank model_optim_rng.pt files (torch.save, memory-mapped)."""
+    plain: Optional[dict] = None        # the non-distributed optimizer's state, when the files hold it
 
     def __init__(self, folder: Path):
         ranks = {}
@@ -206,8 +213,57 @@ class _Legacy(_Source):
             states = {r: self._load(name, "distrib_optim.pt") for r, name in self.names.items()}
             self.buckets = Buckets.from_legacy(states, model, args, self.tp, self.pp, str(self.folder))
         else:
-            self.notes.append("the legacy checkpoint has no distrib_optim.pt: the Adam moments start from zero "
-                              "(only the distributed optimizer's state is read from legacy checkpoints)")
+            self.plain = self._plain(model, args)
+
+    def _plain(self, model: ModelConfig, args) -> Optional[dict]:
+        """The non-distributed optimizer's state (its state_dict in model_optim_rng.pt): per parameter and
+        tensor-parallel rank, its exp_avg, exp_avg_sq and (16-bit models) fp32 master; None with a note
+        when the file holds none that ms_llm can place."""
+        out: dict = {}
+        decay_qk = getattr(args, "apply_wd_to_qk_layernorm", False) is True
+        for (t, p), name in self.names.items():
+            saved = self.files[(t, p)].get("optimizer")
+            inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
+            state = inner.get("state") if isinstance(inner, dict) else None
+            if not state:
+                why = (f"holds {len(saved)} chained optimizers' states" if isinstance(saved, list)
+                       else "holds no optimizer state")
+                self.notes.append(f"the legacy checkpoint {why} (mp_rank folder {name}): the Adam moments were not "
+                                  "carried and start from zero")
+                return None
+            params = rank_params(model, "local", self.tp, p, self.pp, self.stages)
+            slots = plain_slots(params, _param_groups(saved), decay_qk)
+            if slots is None:
+                mults = [g.get("wd_mult") for g in _param_groups(saved)]
+                self.notes.append(f"the legacy checkpoint's param groups (wd_mult {mults}) are not megatron-core's "
+                                  "default ones for this model's parameters: the Adam moments were not carried and "
+                                  "start from zero")
+                return None
+            masters = saved.get("fp32_from_fp16_params") if isinstance(saved, dict) else None
+            for (key, layer, shape), (g, j, index) in zip(params, slots):
+                entry = state.get(index)
+                found = {s: entry.get(s) for s in STATES} if isinstance(entry, dict) else {}
+                if masters is not None:
+                    found["param"] = masters[g][j] if isinstance(masters, list) and g < len(masters) \
+                        and isinstance(masters[g], list) and j < len(masters[g]) else None
+                if not found or any(not isinstance(v, torch.Tensor) or tuple(v.shape) != shape for v in found.values()):
+                    raise CheckpointError(f"{self.folder}/{name}/model_optim_rng.pt: the optimizer state of parameter "
+                                          f"{index} is not {key!r} {list(shape)} of layer {layer}: the optimizer state "
+                                          "of another model?")
+                out[(key, layer, t)] = found
+                if isinstance(entry.get("step"), (int, float, torch.Tensor)):
+                    self.param_steps.add(float(entry["step"]))
+        return out
+
+    def has_moment(self, state: str) -> bool:
+        if self.buckets is not None:
+            return self.buckets.has(state)
+        return self.plain is not None and state in next(iter(self.plain.values()), {})
+
+    def moment(self, state: str, key: str, layer: Optional[int]) -> torch.Tensor:
+        if self.buckets is not None:
+            return self.buckets.read(state, key, layer)
+        return tp_merge(key, [self.plain[(key, layer, t)][state].float() for t in range(self.tp)])
 
     def _shards(self, key: str, layer: Optional[int]) -> Optional[list[torch.Tensor]]:
         """The tensor-parallel shards of `key` (memory-mapped), None when the files lack it."""
@@ -322,7 +378,8 @@ def write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path:
     model, step = ckpt.model_config(), ckpt.step
     if model.moe is not None or model.mla is not None or model.mtp_layers:
         raise CheckpointError(f"{ckpt.folder}: MoE / multi-latent attention / MTP models have no Megatron-LM export")
-    train = job_from_dict(job, None, "--job: ").train if job else None
+    config = export_job(job, model, ckpt.state, step)
+    train = config.train if job else None
     have = set(ckpt.names())
     plan = layout_plan(model, ParallelStrategy(dp=1), 1).params
     with_optim = all(optim_name(s, n) in have for s in STATES for n in plan)
@@ -354,7 +411,8 @@ def write_run(ckpt: Checkpoint, out: Path, job: Optional[dict]) -> Path:
                          "mlp.linear_fc2", "self_attention.core_attention") for i in range(model.num_layers)}
     folder = Path(out) / f"iter_{step:07d}"
     write_dist(folder, chunks, objects)
-    torch.save(common_state(model, step, ckpt.state, train, with_optim), folder / "common.pt")
+    args = saved_args(config, model, Path(out))
+    torch.save(common_state(model, step, ckpt.state, train, with_optim, args), folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps(DIST_METADATA))
     (Path(out) / TRACKER).write_text(str(step))          # last: names the iteration once it is whole
     return Path(out)

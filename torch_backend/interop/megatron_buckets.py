@@ -111,6 +111,33 @@ def place(params: list, sizes: list[int], edges: Optional[list[set[int]]]) -> Op
     return spots if bucket == len(sizes) - 1 and pos == sizes[-1] else None
 
 
+def plain_slots(params: list, groups: list[dict], decay_qk_norm: bool) -> Optional[list[tuple[int, int, Any]]]:
+    """(group, position in it, state index) of each of a rank's `params` (named_parameters() order) in the
+    non-distributed optimizer's state_dict: megatron-core's _get_param_groups keeps model order within a
+    group and puts the default group (decayed) before the wd_mult 0 one (1-D parameters and biases; the q/k
+    layernorms stay decayed with --apply-wd-to-qk-layernorm); torch's state is keyed by each group's
+    'params' indices. None when the saved groups are not those (or one group of all) or not these counts."""
+    def exempt(key: str, shape: tuple[int, ...]) -> bool:
+        qk = "q_layernorm." in key or "k_layernorm." in key
+        return (len(shape) == 1 or key.endswith(".bias")) and not (decay_qk_norm and qk)
+
+    mults = [g.get("wd_mult") for g in groups]
+    if mults == [1.0]:
+        members = [list(range(len(params)))]
+    elif mults == [1.0, 0.0]:
+        members = [[i for i, p in enumerate(params) if exempt(p[0], p[2]) == bool(g)] for g in range(2)]
+    else:
+        return None
+    indices = [g.get("params") for g in groups]
+    if any(not isinstance(ix, list) or len(ix) != len(m) for ix, m in zip(indices, members)):
+        return None
+    slots: list = [None] * len(params)
+    for g, member in enumerate(members):
+        for j, i in enumerate(member):
+            slots[i] = (g, j, indices[g][j])
+    return slots
+
+
 class Buckets:
     """Reads one parameter's state (whole, tensor-parallel shards merged) out of the buckets."""
 

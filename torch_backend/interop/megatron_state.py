@@ -6,6 +6,8 @@ an ms_llm checkpoint head's, and the common.pt an export needs for Megatron-LM's
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import math
 import shlex
 from pathlib import Path
@@ -14,18 +16,35 @@ from typing import Any, Optional
 import torch
 
 from ms_llm.config.model import ModelConfig
+from ms_llm.config.schema import to_dict
 from ms_llm.config.train import TrainConfig
-from ms_llm.convert import ReadOptions, load as load_config, read as read_config
+from ms_llm.convert import ConversionError, ReadOptions, load as load_config, read as read_config
+from ms_llm.convert.megatron.read import parse_args
+from ms_llm.convert.megatron.write import write as write_script
+from ms_llm.convert.shell import launch_command
 from ms_llm.errors import CheckpointError
-from ms_llm.job import job_from_dict, job_to_dict
+from ms_llm.job import JobConfig, job_from_dict, job_to_dict
 from ms_llm.run.loss_scale import GROWTH_INTERVAL
 from ms_llm.run.lr import lr_at
+from torch_backend.checkpoint import TORCH_DTYPES
+from torch_backend.interop.megatron_files import PeerValue
 
 HYSTERESIS = 2          # Megatron-LM's --hysteresis default: overflowing steps before the scale drops
 # The distributed optimizer's state as the export writes it: model space, loadable under any tp, pp, dp.
 EXPORT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                    "distrib_optim_fully_reshardable_mem_efficient": False, "singleton_local_shards": False,
                    "chained_optim_avoid_prefix": True}
+# Megatron-LM's argparse defaults of the arguments its load_args_from_checkpoint (--use-checkpoint-args) and
+# ms_llm's reader take from a checkpoint: its saved Namespace holds every argument, given or not.
+MEGATRON_DEFAULTS = {"group_query_attention": False, "num_query_groups": 1, "swiglu": False,
+                     "normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "rotary_base": 10000,
+                     "rotary_percent": 1.0, "rotary_interleaved": False, "use_rotary_position_embeddings": False,
+                     "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
+                     "untie_embeddings_and_output_weights": False, "apply_layernorm_1p": False,
+                     "make_vocab_size_divisible_by": 128, "attention_dropout": 0.1, "hidden_dropout": 0.1,
+                     "bf16": False, "fp16": False, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                     "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
+ATTN_BACKENDS = {1: "flash", 2: "fused", 3: "unfused", 4: "local", 5: "auto"}    # megatron-core's AttnBackend
 
 
 def args_text(args: argparse.Namespace) -> str:
@@ -38,6 +57,9 @@ def args_text(args: argparse.Namespace) -> str:
             words += ["--disable-bias-linear"] if value is False else []
         elif key == "vocab_size" and value is None and values.get("padded_vocab_size"):
             words += [flag, str(values["padded_vocab_size"])]
+        elif key == "attention_backend" and isinstance(value, PeerValue) and ATTN_BACKENDS.get(value.value) \
+                not in (None, "auto"):           # the enum Megatron-LM stores; auto is its default
+            words += [flag, ATTN_BACKENDS[value.value]]
         elif value is True:
             words.append(flag)
         elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
@@ -92,7 +114,8 @@ def training_state(source, args, model: ModelConfig, job: dict, step: int) -> tu
     notes: list[str] = []
     inner = source.optimizer.get("optimizer", source.optimizer)
     common_step = inner.get("state", {}).get("common_step") if isinstance(inner.get("state"), dict) else None
-    steps = {g.get("step") for g in source.groups if g.get("step") is not None} or {common_step} - {None}
+    steps = ({g.get("step") for g in source.groups if g.get("step") is not None} or {common_step} - {None}
+             or source.param_steps)          # torch's own state_dict keeps the step per parameter
     if source.has_moment("exp_avg") and len(steps) == 1:
         state["optimizer_step"] = int(next(iter(steps)))
     elif not source.has_moment("exp_avg"):
@@ -126,7 +149,63 @@ def training_state(source, args, model: ModelConfig, job: dict, step: int) -> tu
     return state, notes
 
 
-def common_state(model: ModelConfig, step: int, saved: dict, train: Optional[TrainConfig], with_optim: bool) -> dict:
+def _typed(value: Any) -> Any:
+    """A flag's text as Megatron-LM's argparse types it: int, else float, else the string."""
+    if isinstance(value, list):
+        return [_typed(v) for v in value]
+    if isinstance(value, bool):                 # a store_true flag
+        return value
+    for kind in (int, float):
+        with contextlib.suppress(TypeError, ValueError):
+            return kind(value)
+    return value
+
+
+def export_job(job: Optional[dict], model: ModelConfig, saved: dict, step: int) -> JobConfig:
+    """The job an export's arguments are written from: --job's, else the checkpoint's model on one rank in
+    its own dtype at the checkpoint's learning rate held constant (the scheduler common_state then writes),
+    1-D parameters not decayed as in Megatron-LM, ms_llm's defaults otherwise."""
+    if job:
+        return job_from_dict(job, None, "--job: ")
+    precision = {"param_dtype": model.dtype, "compute_dtype": model.dtype}
+    if model.dtype == "float16":
+        precision["loss_scale"] = "dynamic"
+    lr = float(saved.get("lr", lr_at(step, TrainConfig())))
+    train = {"seq_len": min(TrainConfig().seq_len, model.max_seq_len), "schedule": {"decay": "constant"},
+             "optimizer": {"lr": lr, "weight_decay_1d": False}}
+    return job_from_dict({"name": "export", "model": to_dict(model, full=True), "train": train,
+                          "strategy": {"dp": 1, "precision": precision}}, None, "export: ")
+
+
+def saved_args(job: JobConfig, model: ModelConfig, out: Path) -> argparse.Namespace:
+    """The Namespace Megatron-LM's parse_args holds for the launch script `ms-llm convert-strategy --to
+    megatron` writes for `job` (with the checkpoint's model): argparse's names and defaults, the sizes
+    validate_args derives, --save the export folder (no --load: ms_llm's folders are not Megatron's).
+    args_text reads it back to the same model and settings. Megatron-LM stores --attention-backend as
+    megatron-core's AttnBackend, which cannot be pickled without megatron: it is stored by name."""
+    job = dataclasses.replace(job, model=model)
+    s = job.strategy
+    world = max(s.dp, 1) * s.tp * s.pp * s.cp         # dp -1 (the world's rest) is written as 1
+    try:
+        text = write_script(job, world).text
+        flags = parse_args(launch_command(text, "export.sh").args, "export.sh")
+    except ConversionError as exc:
+        raise CheckpointError(f"export --to megatron: the job's Megatron-LM arguments: {exc}") from None
+    args: dict[str, Any] = dict(MEGATRON_DEFAULTS)
+    for flag, value in flags.items():
+        if flag == "--disable-bias-linear":
+            args["add_bias_linear"] = False
+        else:
+            args[flag[2:].replace("-", "_")] = _typed(value)
+    args.update(save=str(Path(out).resolve()), load=None, padded_vocab_size=model.vocab_size,
+                kv_channels=model.head_dim, add_position_embedding=False, params_dtype=TORCH_DTYPES[model.dtype],
+                use_dist_ckpt=True, ckpt_format="torch_dist", world_size=world,
+                data_parallel_size=world // (s.tp * s.pp * s.cp))
+    return argparse.Namespace(**args)
+
+
+def common_state(model: ModelConfig, step: int, saved: dict, train: Optional[TrainConfig], with_optim: bool,
+                 args: argparse.Namespace) -> dict:
     """common.pt of an export: what Megatron-LM's load_checkpoint reads besides the tensors. The scheduler
     counts samples as Megatron-LM's OptimizerParamScheduler does (iterations x global batch); without a
     job it is constant at the checkpoint's learning rate. The param groups carry the keys torch's AdamW,
@@ -143,12 +222,8 @@ def common_state(model: ModelConfig, step: int, saved: dict, train: Optional[Tra
                      "lr_decay_style": "constant"}
     scheduler.update(num_steps=step * gbs, start_wd=o.weight_decay, end_wd=o.weight_decay,
                      wd_incr_steps=t.steps * gbs, wd_incr_style="constant")
-    args = argparse.Namespace(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
-        num_query_groups=model.num_kv_heads, ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.head_dim,
-        max_position_embeddings=model.max_seq_len, padded_vocab_size=model.vocab_size, add_position_embedding=False,
-        untie_embeddings_and_output_weights=not model.tie_embeddings, iteration=step, ckpt_format="torch_dist",
-        consumed_train_samples=step * gbs, consumed_valid_samples=0, global_batch_size=gbs)
+    args = argparse.Namespace(**{**vars(args), "iteration": step, "consumed_train_samples": step * gbs,
+                                 "consumed_valid_samples": 0, "global_batch_size": gbs})
     common: dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": step,
                               "opt_param_scheduler": scheduler, "num_floating_point_operations_so_far": 0,
                               "content_metadata": dict(EXPORT_METADATA)}
