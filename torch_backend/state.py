@@ -26,6 +26,7 @@ from ms_llm.checkpoint import Piece, Region, layout_piece, optim_name, split_opt
 from ms_llm.checkpoint.zero_state import engine_slices
 from ms_llm.errors import CheckpointError
 from ms_llm.run.checkpoints import Held
+from ms_llm.strategy.layout import Shard
 from ms_llm.strategy.plan import ModelPlan
 from torch_backend.checkpoint import load_into, save_items
 from torch_backend.dist import is_dtensor, is_loaded_instance
@@ -45,7 +46,23 @@ def _dtensor_piece(name: str, t: torch.Tensor, plan: ModelPlan, rank: int) -> Pi
     return Piece(name, tuple(t.shape), Region(offsets, sizes), primary)
 
 
+def _expert_dtensor_piece(name: str, t: torch.Tensor, plan: ModelPlan, rank: int, weight: str) -> Piece:
+    """An FSDP2 shard of a routed expert (torch_backend.parallelize.dp.FSDP): its DTensor spans this
+    rank's ep / etp slice only, split over edp, so its box is within the plan layout's piece, and each
+    edp rank holds its own."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    layout = plan.params[weight].layout
+    piece = layout_piece(name, layout, plan.stage_rank(rank))
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coords = layout.mesh.coords(plan.stage_rank(rank))
+    primary = all(coords[a] == 0 for a, q in zip(layout.mesh.names, layout.placements) if a != "edp" and not isinstance(q, Shard))
+    region = Region(tuple(a + b for a, b in zip(piece.region.offsets, offsets)), tuple(sizes))
+    return dataclasses.replace(piece, region=region, primary=primary)
+
+
 def _piece(name: str, t: torch.Tensor, plan: ModelPlan, rank: int, weight: str) -> Piece:
+    if is_dtensor(t) and plan.params[weight].kind.startswith("expert"):
+        return _expert_dtensor_piece(name, t, plan, rank, weight)
     if is_dtensor(t):
         return _dtensor_piece(name, t, plan, rank)
     return layout_piece(name, plan.params[weight].layout, plan.stage_rank(rank))

@@ -100,14 +100,26 @@ def _engine(plan: ModelPlan) -> tuple[str, list[str]]:
         return NONE, []
     problem = _shared_problem(plan)
     if plan.model.moe is not None and s.zero.engine == "native":
-        # native engines would average different ranks' experts together.
-        return _native(plan)[0], ["strategy.zero.engine: MoE experts are reduced over their expert-data-parallel "
-                                  "group by the shared engine only; use engine shared (or auto)"]
+        return _native_moe(plan)
     if plan.model.moe is not None:
         return SHARED, [f"{problem}; MoE runs on the shared engine"] if problem else []
     if s.zero.engine == "shared" or (s.zero.engine == "auto" and problem is None):
         return SHARED, [f"{problem}; use strategy.zero.engine: native (or auto)"] if problem else []
     return _native(plan)
+
+
+def _native_moe(plan: ModelPlan) -> tuple[str, list[str]]:
+    """FSDP2 shards the routed experts over edp apart from the dense weights (parallelize.dp.FSDP);
+    DDP and ZeroRedundancyOptimizer would average different ranks' experts together."""
+    engine, problems = _native(plan)
+    if engine != FSDP:
+        problems.append("strategy.zero.engine: MoE experts are reduced over their expert-data-parallel group by "
+                        "FSDP2 (native zero.stage 2 or 3) or the shared engine; set stage 2 or 3, or use engine "
+                        "shared (or auto)")
+    elif plan.zero.replicate_size > 1:
+        problems.append("strategy.zero.shard_size: FSDP2 shards MoE experts over all of edp, not hybrid; use "
+                        "shard_size -1 or engine shared")
+    return engine, problems
 
 
 def _shared_problem(plan: ModelPlan) -> Optional[str]:

@@ -39,6 +39,7 @@ from torch_backend import support
 from torch_backend.clip import clip_grad_norm
 from torch_backend.lower import DataParallelPlan
 from torch_backend.mesh import Meshes
+from torch_backend.moe import MoE
 from torch_backend.parallelize.precision import DTYPES
 from torch_backend.parallelize.tied import EmbeddingGroup, embedding_group
 
@@ -158,21 +159,77 @@ class Replicate(DataParallel):
         return [replicate(part, mesh=self.mesh, mp_policy=self.mp) for part in parts]
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertSharding:
+    """How FSDP2 shards MoE's routed experts (torchtitan's efsdp): over `mesh`, the edp ranks holding the
+    same expert shard, apart from the dense parameters' dp mesh. Their gradient on a rank already sums
+    the tokens of every ep (and etp) peer, so the edp sum is divided by `divide`, the ranks that see
+    different tokens (dp x cp), not by edp; their norm sums over `norm_groups` (ep, etp), whose ranks hold
+    the other experts and widths."""
+    mesh: DeviceMesh
+    divide: int
+    norm_groups: tuple[dist.ProcessGroup, ...]
+
+
 class FSDP(DataParallel):
-    """ZeRO-2 / 3 with FSDP2: one shard group per decoder layer plus one for the rest."""
+    """ZeRO-2 / 3 with FSDP2: one shard group per decoder layer plus one for the rest; with MoE, each
+    layer's routed experts one more, over edp (`experts`)."""
     name = support.FSDP
 
-    def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool, mp: MixedPrecisionPolicy):
-        self.mesh, self.reshard, self.mp = mesh, reshard_after_forward, mp
+    def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool, mp: MixedPrecisionPolicy,
+                 experts: Optional[ExpertSharding] = None):
+        self.mesh, self.reshard, self.mp, self.experts = mesh, reshard_after_forward, mp, experts
+        self.expert_params: set[int] = set()
 
     def _wrap(self, part: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
+        if self.experts is not None:          # every MoE layer's, the MTP modules' included
+            for moe in (m for m in part.modules() if isinstance(m, MoE)):
+                self._shard_experts(moe.experts)
         for layer in part.model.layers.values():
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
         return fully_shard(part, mesh=self.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
 
+    def _shard_experts(self, experts: nn.Module) -> None:
+        """The experts' own shard group, before their layer's, which then leaves them out. Summed, then
+        divided once (set_force_sum_reduction_for_comms: a plain sum, which gloo reduces too)."""
+        from torch.distributed.fsdp import fully_shard
+        unit = fully_shard(experts, mesh=self.experts.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
+        unit.set_gradient_divide_factor(float(self.experts.divide))
+        unit.set_force_sum_reduction_for_comms(True)
+        self.expert_params.update(id(p) for p in experts.parameters())
+
     def wrap(self, parts):
         return [self._wrap(part) for part in parts]
+
+    def step(self, optimizer, params, lr, grad_clip, pp_group, loss_scale=None):
+        if not self.expert_params:
+            return super().step(optimizer, params, lr, grad_clip, pp_group, loss_scale)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        norm = self._grad_norm(params, pp_group) / (loss_scale or 1.0)
+        if torch.isfinite(norm):
+            coef = min(1.0, grad_clip / (norm.item() + 1e-6)) if grad_clip > 0 else 1.0
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef / (loss_scale or 1.0))
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @torch.no_grad()
+    def _grad_norm(self, params: list[nn.Parameter], pp_group) -> torch.Tensor:
+        """Global norm with the experts' squares summed over the ranks holding the other experts."""
+        copy = self.embedding.uncounted if self.embedding is not None else ()
+        dense = clip_grad_norm([p for p in params if id(p) not in self.expert_params], 0.0, None, copy) ** 2
+        experts = clip_grad_norm([p for p in params if id(p) in self.expert_params], 0.0) ** 2
+        experts = experts.to(params[0].device)
+        for group in self.experts.norm_groups:
+            dist.all_reduce(experts, group=group)
+        total = dense.to(experts.device) + experts
+        if pp_group is not None:
+            dist.all_reduce(total, group=pp_group)
+        return total.sqrt()
 
 
 class SharedZero(DataParallel):
@@ -230,6 +287,15 @@ def mixed_precision(dp: DataParallelPlan) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=DTYPES[dp.param_dtype], reduce_dtype=DTYPES[dp.reduce_dtype])
 
 
+def expert_sharding(plan: ModelPlan, meshes: Meshes) -> Optional[ExpertSharding]:
+    """FSDP2's shard group of the routed experts (MoE only): edp, of the expert mesh."""
+    s = plan.strategy
+    if plan.model.moe is None:
+        return None
+    groups = tuple(meshes.expert_group(axis) for axis in ("ep", "etp") if getattr(s, axis) > 1)
+    return ExpertSharding(meshes.expert["edp"], s.dp * s.cp, groups)
+
+
 def _mesh(meshes: Meshes, axes: tuple[str, ...]) -> DeviceMesh:
     """One axis by name (derived ones, such as dp, are flattened meshes), several as a sub-mesh."""
     return meshes[axes[0]] if len(axes) == 1 else meshes[axes]
@@ -246,5 +312,6 @@ def build_data_parallel(dp: DataParallelPlan, plan: ModelPlan, meshes: Meshes, d
     if dp.engine == Replicate.name:
         return Replicate(_mesh(meshes, dp.mesh_axes), mixed_precision(dp))
     if dp.engine == FSDP.name:
-        return FSDP(_mesh(meshes, dp.mesh_axes), reshard_after_forward=dp.reshard_after_forward, mp=mixed_precision(dp))
+        return FSDP(_mesh(meshes, dp.mesh_axes), reshard_after_forward=dp.reshard_after_forward, mp=mixed_precision(dp),
+                    experts=expert_sharding(plan, meshes))
     return DataParallel()
