@@ -1,10 +1,11 @@
 """One optimizer step of the MindSpore worker, as the shared loop calls it: (step, rows) -> (loss, norm).
 
 Two kinds, chosen by ms_llm.mindspore.support's ZeRO engine:
-  - GraphStep: the whole step in one compiled graph (TrainCell). On Ascend the graph runs
-    under semi_auto_parallel with the lowering's shard strategies (ZeRO = MindSpore's parallel
+  - GraphStep: the step in two compiled graphs (TrainCell: forward and backward, then the
+    update, with the checkpoint fence between them). On Ascend both run under
+    semi_auto_parallel with the lowering's shard strategies (ZeRO = MindSpore's parallel
     optimizer over the AdamW moments, pp > 1 = nn.PipelineCell); on a CPU machine the same
-    cell runs stand-alone (one process) or DATA_PARALLEL (gradients averaged by
+    cells run stand-alone (one process) or DATA_PARALLEL (gradients averaged by
     DistributedGradReducer), so every line but the sharded compile runs in CI.
   - ZeroStep: the shared ZeRO engine (ms_llm.zero through ms_llm.mindspore.zero), PyNative
     around a compiled gradient function, as on torch: ZeRO 1-3 on a CPU machine.
@@ -15,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 from ms_llm.errors import ConfigError
 from ms_llm.job import JobConfig
@@ -40,30 +41,37 @@ class ScaledLoss(nn.Cell):
         return self.body(inputs, labels) * scale
 
 
-class TrainCell(nn.Cell):
-    """Micro-batch gradients, data-parallel mean, unscale, global norm, clip, AdamW, then the
-    expert-bias update (moe.ExpertBiasUpdate, with a body that returns the expert loads).
+_store = ops.MultitypeFuncGraph("store")
+
+
+@_store.register("Tensor", "Tensor")
+def _store_grad(buffer, grad):
+    return ops.assign(buffer, grad)
+
+
+class GradCell(nn.Cell):
+    """Forward and backward of one step: micro-batch gradients, data-parallel mean and unscale,
+    stored in `grads`; with an expert-bias update the step's loads in `loads`. It writes those
+    buffers only, never the training state, so a checkpoint snapshot may copy the state beside it.
 
     Inputs are stacked micro-batches (M, B, T) so the step compiles once, or the whole local
-    batch (M * B, T) for nn.PipelineCell, which splits it itself. An update whose gradient
-    norm is not finite is skipped (a loss-scale overflow); the norm says so to the caller. The
-    expert biases move at every step, as on torch. Returns (loss, norm), and with an expert-bias
-    update the step's loads (layers, E) after them.
+    batch (M * B, T) for nn.PipelineCell, which splits it itself. Returns the step's mean loss.
+
+    The loss cell is a sub-cell, not only inside grad_fn: a graph loaded from MindSpore's compile
+    cache binds the Parameters of its cell's parameters_dict() by name and no others, so a weight
+    the cell does not list reads as uninitialised memory (NaN losses on a cached launch).
     """
 
-    def __init__(self, body: nn.Cell, optimizer: AdamW, micro_batches: int, grad_clip: float,
-                 reducer: Optional[nn.Cell] = None, loss_mean: Optional[nn.Cell] = None, pipeline: bool = False,
-                 expert_bias: Optional[nn.Cell] = None):
+    def __init__(self, body: nn.Cell, weights: ms.ParameterTuple, grads: ms.ParameterTuple, micro_batches: int,
+                 reducer: Optional[nn.Cell], loss_mean: Optional[nn.Cell], pipeline: bool,
+                 loads: Optional[Parameter]):
         super().__init__(auto_prefix=False)
-        self.optimizer, self.reducer, self.loss_mean = optimizer, reducer, loss_mean
-        self.weights = optimizer.parameters
-        self.micro_batches, self.grad_clip, self.pipeline = micro_batches, grad_clip, pipeline
-        self.expert_bias, self.with_loads = expert_bias, expert_bias is not None
-        if self.with_loads and (pipeline or not getattr(body, "with_loads", False)):
-            raise ConfigError("model.moe.expert_bias: the MindSpore step updates the expert biases from the loads "
-                              "its loss cell returns (model.LossCell(net, loads=True)), outside nn.PipelineCell; "
-                              "use pp 1, or expert_bias false")
-        self.grad_fn = ms.value_and_grad(ScaledLoss(body), None, self.weights, has_aux=self.with_loads)
+        self.grads, self.loads, self.with_loads = grads, loads, loads is not None
+        self.reducer, self.loss_mean = reducer, loss_mean
+        self.micro_batches, self.pipeline = micro_batches, pipeline
+        self.scaled = ScaledLoss(body)
+        self.grad_fn = ms.value_and_grad(self.scaled, None, weights, has_aux=self.with_loads)
+        self.hyper_map = ops.HyperMap()
         self.no_loads = Tensor(0.0, ms.float32)
 
     def _grad(self, inputs, labels, scale):
@@ -74,7 +82,7 @@ class TrainCell(nn.Cell):
         loss, grads = self.grad_fn(inputs, labels, scale)
         return loss, grads, self.no_loads
 
-    def construct(self, inputs, labels, scale, lr):
+    def construct(self, inputs, labels, scale):
         if self.pipeline:
             loss, grads, loads = self._grad(inputs, labels, scale)
             divisor = scale
@@ -90,12 +98,79 @@ class TrainCell(nn.Cell):
         if self.reducer is not None:          # CPU data parallel: average over dp ranks
             grads = self.reducer(grads)
             loss = self.loss_mean(loss)
+        loss = ops.depend(loss, self.hyper_map(_store, self.grads, grads))      # kept: the loss depends on it
+        if self.with_loads:
+            loss = ops.depend(loss, ops.assign(self.loads, loads))
+        return loss
+
+
+class UpdateCell(nn.Cell):
+    """The update of one step from GradCell's buffers: global norm, clip, AdamW, then the
+    expert-bias update (moe.ExpertBiasUpdate) by the stored loads. An update whose gradient norm
+    is not finite is skipped (a loss-scale overflow); the norm says so to the caller. The expert
+    biases move at every step, as on torch. Returns the norm, and with an expert-bias update the
+    step's loads (layers, E) after it."""
+
+    def __init__(self, optimizer: AdamW, grads: ms.ParameterTuple, grad_clip: float,
+                 expert_bias: Optional[nn.Cell], loads: Optional[Parameter]):
+        super().__init__(auto_prefix=False)
+        self.optimizer, self.grads, self.grad_clip = optimizer, grads, grad_clip
+        self.expert_bias, self.loads, self.with_loads = expert_bias, loads, expert_bias is not None
+
+    def construct(self, lr):
+        grads = self.grads
         norm = global_norm(grads)
         if ops.isfinite(norm).all():       # the outputs depend on the update, so it runs before they return
-            loss = ops.depend(loss, self.optimizer(clip_by_norm(grads, norm, self.grad_clip), lr))
+            norm = ops.depend(norm, self.optimizer(clip_by_norm(grads, norm, self.grad_clip), lr))
         if self.with_loads:                # the loads are whole whatever the gradients (as on torch)
-            return loss, norm, self.expert_bias(loads)
-        return loss, norm
+            return norm, self.expert_bias(self.loads)
+        return norm
+
+
+class TrainCell:
+    """One training step as two compiled cells, GradCell (forward and backward) then UpdateCell
+    (clip, AdamW, expert biases), so that the shared loop's checkpoint fence can sit between them:
+    a snapshot of the last step's state copies beside the next forward and backward, which only
+    read it (the torch step and ZeroStep fence at the same point). The gradients cross from one
+    graph to the other in Parameters cloned from the weights, as the accumulation buffers of
+    MindSpore's and MindFormers' gradient-accumulation wrappers do: under semi_auto_parallel a
+    clone takes its weight's layout, as the AdamW moments do. They are named apart from those
+    wrappers' accu_grads, which the pipeline pass fills by name.
+
+    `cell(inputs, labels, scale, lr)` runs both and returns (loss, norm), and with an expert-bias
+    update the step's loads after them.
+    """
+
+    def __init__(self, body: nn.Cell, optimizer: AdamW, micro_batches: int, grad_clip: float,
+                 reducer: Optional[nn.Cell] = None, loss_mean: Optional[nn.Cell] = None, pipeline: bool = False,
+                 expert_bias: Optional[nn.Cell] = None):
+        self.optimizer, self.pipeline = optimizer, pipeline
+        self.expert_bias, self.with_loads = expert_bias, expert_bias is not None
+        if self.with_loads and (pipeline or not getattr(body, "with_loads", False)):
+            raise ConfigError("model.moe.expert_bias: the MindSpore step updates the expert biases from the loads "
+                              "its loss cell returns (model.LossCell(net, loads=True)), outside nn.PipelineCell; "
+                              "use pp 1, or expert_bias false")
+        weights = optimizer.parameters
+        grads = weights.clone(prefix="step_grads", init="zeros")
+        loads = None
+        if self.with_loads:
+            biases = expert_bias.biases
+            loads = Parameter(Tensor(np.zeros((len(biases), biases[0].shape[0]), np.float32)), name="step_loads",
+                              requires_grad=False)
+        self.forward_backward = GradCell(body, weights, grads, micro_batches, reducer, loss_mean, pipeline, loads)
+        self.update = UpdateCell(optimizer, grads, grad_clip, expert_bias, loads)
+
+    def compile(self, inputs: Tensor, labels: Tensor, scale: Tensor, lr: Tensor) -> None:
+        self.forward_backward.compile(inputs, labels, scale)
+        self.update.compile(lr)
+
+    def __call__(self, inputs: Tensor, labels: Tensor, scale: Tensor, lr: Tensor,
+                 before_update: Callable[[], None] = lambda: None) -> tuple[Tensor, ...]:
+        """The step; `before_update` runs between the two cells (the loop's checkpoint fence)."""
+        loss = self.forward_backward(inputs, labels, scale)
+        before_update()
+        out = self.update(lr)
+        return (loss, *out) if self.with_loads else (loss, out)
 
 
 class EvalCell(nn.Cell):
@@ -149,10 +224,9 @@ class GraphStep:
         return float(self.evaluator(x, y).asnumpy())
 
     def __call__(self, step: int, rows: np.ndarray, before_update: Callable[[], None]) -> tuple[float, float]:
-        """One compiled step; the optimizer is inside the graph, so the fence comes first."""
-        before_update()
+        """Forward and backward, then (after the fence) the update: two compiled graphs."""
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
-        out = self.cell(*self._inputs(rows, scale, lr_at(step, self.train)))
+        out = self.cell(*self._inputs(rows, scale, lr_at(step, self.train)), before_update)
         if self.cell.with_loads:
             self.loads = out[2].asnumpy()
         loss, norm = float(out[0].asnumpy()), float(out[1].asnumpy().reshape(-1)[0])
