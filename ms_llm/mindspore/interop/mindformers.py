@@ -44,8 +44,8 @@ import numpy as np
 
 from ms_llm.checkpoint import Checkpoint, optim_name, split_optim_name
 from ms_llm.checkpoint.interop.run_state import ForeignRun, LazyTensor
-from ms_llm.checkpoint.storage.safetensors_io import (TensorSpan, dtype_name, open_shard_file, read_header, storage_dtype,
-                                                     write_file)
+from ms_llm.checkpoint.storage.safetensors_io import (TensorSpan, dtype_name, open_shard_file, read_header,
+                                                     storage_dtype, write_file)
 from ms_llm.checkpoint.storage.untrusted import confined, parse_json, read_regular
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict, to_dict

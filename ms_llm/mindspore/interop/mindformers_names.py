@@ -112,7 +112,8 @@ def split(fused: str, value: np.ndarray, model: ModelConfig, where: str) -> list
         raise CheckpointError(f"{where}: {fused!r} has {value.shape[0]} rows; the model's {model.num_heads} heads in "
                               f"{groups} groups of head_dim {kv} give {groups * (q + 2 * kv)}")
     g = value.reshape((groups, q + 2 * kv) + tail)
-    return [np.ascontiguousarray(g[:, a:b]).reshape((-1,) + tail) for a, b in ((0, q), (q, q + kv), (q + kv, q + 2 * kv))]
+    bounds = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))
+    return [np.ascontiguousarray(g[:, a:b]).reshape((-1,) + tail) for a, b in bounds]
 
 
 def part_shape(hf: str, fused_shape: tuple[int, ...], model: ModelConfig) -> tuple[int, ...]:
