@@ -9,11 +9,15 @@
 3. ms_llm continues steps 4-6 on the same batches, on torch under dp2 ZeRO-3 (the strategy change: tp2
    Megatron -> dp2 ZeRO-3) and on MindSpore: the losses equal Megatron's own within 1e-5 / 1e-4;
 4. `ms-llm export-run --to megatron` of ms_llm's step 5 loads into megatron-core under tp1 (the export
-   reshards) the way Megatron-LM's load_checkpoint does, and its step 6 loss equals ms_llm's.
-The legacy files read to the same tensors; bad inputs are one CheckpointError line each.
+   reshards) the way Megatron-LM's load_checkpoint does, and its step 6 loss equals ms_llm's; imported back
+   without --config (the job from the arguments the export saved) it is the same model, settings and tensors.
+The legacy files read to the same tensors, the Adam moments from distrib_optim.pt (distributed optimizer)
+or from model_optim_rng.pt itself (a twin trained under megatron-core's non-distributed optimizer); bad
+inputs are one CheckpointError line each.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -35,9 +39,11 @@ from ms_llm.convert.megatron.read import parse_args
 from ms_llm.convert.shell import launch_command
 from ms_llm.data import GlobalBatchSampler, load_tokens
 from ms_llm.errors import CheckpointError
+from ms_llm.job import load_job
 from ms_llm.run.metrics import read_metrics
 from torch_backend.interop import megatron
 from torch_backend.interop.megatron_buckets import place
+from torch_backend.interop.megatron_files import PeerValue, unpickle
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -98,7 +104,7 @@ def megatron_run(tmp_path_factory):
     (tmp / "train.sh").write_text(SCRIPT)
     flags = parse_args(launch_command(SCRIPT, "train.sh").args, "train.sh")
     ours = _probe(tmp / "megatron", {"mode": "train", "flags": flags, "batches": str(tmp / "batches.npy"),
-                                     "save_at": SAVED}, 2)
+                                     "save_at": SAVED, "plain": True}, 2)
     return {"tmp": tmp, "tokens": tokens, "flags": flags, "megatron": ours["losses"], "lrs": ours["lrs"]}
 
 
@@ -148,12 +154,19 @@ def test_export_loads_in_megatron_with_the_same_next_loss(peer):
                                    "load": str(tmp / "export")}, 1)
     assert back["start"] == 5 and back["consumed_samples"] == STEPS * BATCH
     assert back["losses"][6] == pytest.approx(peer["torch"][6], abs=1e-5)
-    # ms_llm reads its own export back exactly (the fully_reshardable optimizer layout).
-    again = megatron.read_run(tmp / "export", tmp / "train.sh")
-    with Checkpoint.open(step5) as ckpt:
+    # ms_llm imports its own export back exactly (the fully_reshardable optimizer layout), without --config:
+    # the arguments the export saved give the job's model, strategy and training settings.
+    assert cli(["import-run", str(tmp / "export"), "-o", str(tmp / "reimport")]) == 0
+    ours, back = load_job(tmp / "torch.yaml"), load_job(tmp / "reimport" / "job.yaml")
+    assert dataclasses.replace(back.model, name=ours.model.name) == ours.model
+    assert back.strategy == ours.strategy
+    for field in ("global_batch_size", "micro_batch_size", "seq_len", "seed", "optimizer", "schedule"):
+        assert getattr(back.train, field) == getattr(ours.train, field), field
+    with Checkpoint.open(step5) as ckpt, Checkpoint.open(tmp / "reimport" / "checkpoints") as again:
+        assert sorted(again.names()) == sorted(ckpt.names())
         for name in ckpt.names():
-            assert np.array_equal(again.tensors[name].read(), ckpt.read_full(name)), name
-    assert again.step == 5 and again.state["optimizer_step"] == 5
+            assert np.array_equal(again.read_full(name), ckpt.read_full(name)), name
+        assert again.step == 5 and again.state["optimizer_step"] == 5
 
 
 @pytest.mark.slow
@@ -171,6 +184,14 @@ def test_legacy_files_and_saved_arguments_read_as_torch_dist(megatron_run):
     assert sorted(legacy.tensors) == sorted(dist.tensors) and len(dist.tensors) == 3 * 21
     for name, t in dist.tensors.items():
         assert np.array_equal(t.read(), legacy.tensors[name].read()), name
+    # The non-distributed optimizer's twin: its state_dict in model_optim_rng.pt (param groups in model
+    # order) gives the moments its torch_dist save holds in model space, bit for bit.
+    plain_dist = megatron.read_run(root / "plain_torch_dist", megatron_run["tmp"] / "train.sh")
+    plain = megatron.read_run(root / "plain_legacy")
+    assert plain.state == plain_dist.state == legacy.state and not any("moments" in n for n in plain.notes)
+    assert sorted(plain.tensors) == sorted(dist.tensors)
+    for name, t in plain_dist.tensors.items():
+        assert np.array_equal(t.read(), plain.tensors[name].read()), name
 
 
 def test_bucket_layout_follows_megatron_core():
@@ -217,7 +238,25 @@ def test_bad_inputs_are_one_line(megatron_run, tmp_path):
     torch.save(state, path)
     cases.append((bad, "do not hold this model's parameters in megatron-core's layout: the optimizer state of "
                        "another model"))
+    # The non-distributed optimizer's state of another model: a moment of another shape.
+    bad = _copy(root / "plain_legacy", tmp_path / "plain_other")
+    path = bad / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt"
+    state = unpickle(path, str(path))            # written back without megatron's enums (read as PeerValue)
+    state["args"] = argparse.Namespace(**{k: v for k, v in vars(state["args"]).items() if not isinstance(v, PeerValue)})
+    state["optimizer"]["state"][3]["exp_avg"] = torch.zeros(7)
+    torch.save(state, path)
+    cases.append((bad, r"mp_rank_01/model_optim_rng\.pt: the optimizer state of parameter 3 is not "
+                       r"'decoder\.layers\.mlp\.linear_fc1\.weight' \[64, 32\] of layer 0"))
     for folder, match in cases:
         with pytest.raises(CheckpointError, match=match) as info:
             megatron.read_run(folder, megatron_run["tmp"] / "train.sh")
         assert "\n" not in str(info.value)
+    # Param groups other than megatron-core's defaults: the weights are read, the moments are not, and a
+    # note says so.
+    state["optimizer"]["param_groups"][1]["wd_mult"] = 0.5
+    torch.save(state, path)
+    run = megatron.read_run(bad, megatron_run["tmp"] / "train.sh")
+    assert [n for n in run.notes if "moments" in n] == [
+        "the legacy checkpoint's param groups (wd_mult [1.0, 0.5]) are not megatron-core's default ones for this "
+        "model's parameters: the Adam moments were not carried and start from zero"]
+    assert len(run.tensors) == 21 and run.state["optimizer_step"] == 0
