@@ -192,11 +192,12 @@ class FSDP(DataParallel):
 
     def _shard_experts(self, experts: nn.Module) -> None:
         """The experts' own shard group, before their layer's, which then leaves them out. Summed, then
-        divided once (set_force_sum_reduction_for_comms: a plain sum, which gloo reduces too)."""
+        divided once (set_force_sum_reduction_for_comms: a plain sum, which gloo reduces too; not with
+        edp 1, where FSDP2 copies the gradient divided and would divide the copy again)."""
         from torch.distributed.fsdp import fully_shard
         unit = fully_shard(experts, mesh=self.experts.mesh, reshard_after_forward=self.reshard, mp_policy=self.mp)
         unit.set_gradient_divide_factor(float(self.experts.divide))
-        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_force_sum_reduction_for_comms(self.experts.mesh.size() > 1)
         self.expert_params.update(id(p) for p in experts.parameters())
 
     def wrap(self, parts):
