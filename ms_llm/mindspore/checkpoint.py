@@ -31,6 +31,7 @@ from ms_llm.checkpoint.writer import CheckpointWriter, SaveItem, held_items
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import to_dict
 from ms_llm.errors import CheckpointError
+from ms_llm.mindspore.lower import parallel_optimizer_plan
 from ms_llm.mindspore.strategy_file import MsParamLayout, ms_param_layout, read_strategy_file, to_layout, \
     write_strategy_file
 from ms_llm.strategy.ir import ParallelStrategy
@@ -80,8 +81,9 @@ def load_into(ckpt: Checkpoint, pieces: dict[str, Piece], params: dict, strict: 
 def export_mindspore(src: str | Path, out: str | Path, target: ModelPlan, *, zero_shards: bool = True,
                      prefix: str = "checkpoint_") -> Path:
     """Write checkpoint `src` as MindSpore per-rank .ckpt files and strategy files for `target`.
-    With zero_shards, optimizer states (and ZeRO-3 weights) are written as MindSpore
-    optimizer-parallel slices where strategy files can say so."""
+    With zero_shards, optimizer states (and ZeRO-3 weights) are written as the slices MindSpore's
+    parallel optimizer holds on each rank (lower.parallel_optimizer_plan)."""
+    target = parallel_optimizer_plan(target)
     ckpt = Checkpoint.open(src)
     out = Path(out)
     (out / "strategy").mkdir(parents=True, exist_ok=True)

@@ -100,3 +100,60 @@ def to_ms_merged(layout: TensorLayout) -> MsLayout:
     n = len(dev)
     tmap = tuple(n - 1 - owner.index(d) if d in owner else -1 for d in range(len(layout.shape)))
     return MsLayout(dev, tmap)
+
+
+def optimizer_split(layout: TensorLayout, size: int) -> TensorLayout:
+    """`layout` with dimension 0 split further over `size` of the ranks holding each slice of it,
+    consecutive in rank order: the innermost replicated mesh axes, the last one taken only in its
+    inner factor where `size` ends inside it (that axis becomes <axis>_outer x <axis>_inner). A
+    rank's place in its group is row-major over the axes taken, so they nest inside dim 0's own."""
+    mesh = layout.mesh
+    repeated = [a for a, n, p in zip(mesh.names, mesh.shape, layout.placements) if n > 1 and isinstance(p, Replicate)]
+    taken: dict[str, int] = {}
+    remaining = size
+    for a in reversed(repeated):
+        if remaining == 1:
+            break
+        n = mesh.axis_size(a)
+        part = math.gcd(n, remaining)
+        if part != min(n, remaining):
+            raise StrategyError(f"layout: {size} consecutive ranks of the {'x'.join(repeated)} ranks holding each "
+                                f"slice of {layout.shape} are no product of mesh axes; MindSpore's parallel "
+                                "optimizer groups would cut across them")
+        taken[a] = part
+        remaining //= part
+    if remaining != 1:
+        raise StrategyError(f"layout: {size} ranks to split {layout.shape} over, but only "
+                            f"{math.prod(mesh.axis_size(a) for a in repeated)} hold each slice of it")
+    names, sizes, placements, opt_axes = [], [], [], []
+    for a, n, p in zip(mesh.names, mesh.shape, layout.placements):
+        if a in taken and taken[a] < n:
+            names += [f"{a}_outer", f"{a}_inner"]
+            sizes += [n // taken[a], taken[a]]
+            placements += [Replicate(), Shard(0)]
+            opt_axes.append(f"{a}_inner")
+        else:
+            names.append(a)
+            sizes.append(n)
+            placements.append(Shard(0) if a in taken else p)
+            if a in taken:
+                opt_axes.append(a)
+    order = layout.axes_of(0) + tuple(opt_axes)
+    order += tuple(a for a in names if a not in order)
+    return TensorLayout(layout.shape, MeshSpec(tuple(names), tuple(sizes)), tuple(placements), order)
+
+
+def parallel_optimizer_layout(layout: TensorLayout, shard_size: int) -> TensorLayout:
+    """Where MindSpore's parallel optimizer (semi_auto_parallel, optimizer_weight_shard_size
+    `shard_size`, threshold 0) puts a weight's optimizer state, and at level 3 the weight. As
+    OperatorInfo::CreateGroupForOptShard: the ranks holding the same slice, in rank order, are cut
+    into consecutive groups of `shard_size` (-1: one group of all), and each splits dimension 0 of
+    its slice; the weight stays as it is where no rank repeats its slice, `shard_size` does not
+    divide the repeating ranks, or dimension 0 of the slice does not divide (OptParamMgr). For a
+    weight every tp rank holds whole this is tp first, not the data-parallel ranks."""
+    mesh = layout.mesh
+    repeated = math.prod(n for n, p in zip(mesh.shape, layout.placements) if isinstance(p, Replicate))
+    size = repeated if shard_size == -1 else shard_size
+    if size == 1 or repeated % size or layout.local_shape()[0] % size:
+        return layout
+    return optimizer_split(layout, size)

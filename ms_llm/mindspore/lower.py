@@ -22,11 +22,12 @@ compiling); applying it is apply.py, writing strategy files needs MindSpore's pr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ms_llm.errors import StrategyError
 from ms_llm.mindspore import lower_mla
+from ms_llm.mindspore.layout import parallel_optimizer_layout
 from ms_llm.mindspore.lower_moe import moe_ops
 from ms_llm.mindspore.op_strategy import OpShard, flat_tokens, norm_ops, op_shard, reshaped, select
 from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
@@ -101,6 +102,21 @@ def optimizer_shard_size(plan: ModelPlan) -> int:
     tensor-parallel weight over the same ranks as the dense group would."""
     experts = plan.expert_zero.group_size if plan.expert_zero is not None else 1
     return plan.zero.group_size if experts in (1, plan.zero.group_size) else -1
+
+
+def parallel_optimizer_plan(plan: ModelPlan) -> ModelPlan:
+    """The plan with each parameter's ZeRO layout where MindSpore's parallel optimizer puts it
+    (layout.parallel_optimizer_layout at optimizer_shard_size): what a compiled step's optimizer
+    states (and ZeRO-3 weights) hold on each rank, so what its checkpoints and strategy files name.
+    The same as the plan's data-parallel split for every weight tensor parallelism splits; a weight
+    every tp rank holds whole (norms, router, biases) MindSpore splits over ranks in rank order, tp
+    among them, and a weight whose dimension 0 does not divide it stays whole."""
+    if plan.zero.stage == 0:
+        return plan
+    size = optimizer_shard_size(plan)
+    params = {n: replace(p, zero_layout=parallel_optimizer_layout(p.layout, size), zero_stage=plan.zero.stage)
+              for n, p in plan.params.items()}
+    return replace(plan, params=params)
 
 
 # Context-parallel algorithms this lowering emits, as MindFormers 2.1's LLaMA does for
@@ -348,7 +364,8 @@ def stage_param_entries(plan: ModelPlan, stage: int) -> dict:
     of the slices a per-rank checkpoint under that entry holds."""
     from ms_llm.mindspore.strategy_file import ms_param_layout
 
-    return {p.name: ms_param_layout(p.layout, p.optimizer_layout) for p in plan.params_of_stage(stage)}
+    return {p.name: ms_param_layout(p.layout, p.optimizer_layout)
+            for p in parallel_optimizer_plan(plan).params_of_stage(stage)}
 
 
 def write_strategy_files(plan: ModelPlan, folder: str | Path) -> list[Path]:

@@ -2,7 +2,8 @@
 
 Two step kinds (ms_llm/mindspore/step.py): GraphStep, whose AdamW holds moments next to the
 weights, each rank the piece its layout gives it (whole on a CPU machine; the shard the
-lowering gives it under semi_auto_parallel on Ascend); and ZeroStep, the shared engine, whose
+lowering gives it under semi_auto_parallel on Ascend, where ZeRO is MindSpore's parallel optimizer
+and its split lower.parallel_optimizer_plan's); and ZeroStep, the shared engine, whose
 flat segments ms_llm.checkpoint.zero_state cuts into pieces. Engine segments are replaced by
 each (functional) update, so a slice is looked up when it is used.
 
@@ -27,6 +28,7 @@ from ms_llm.checkpoint.writer import SaveItem, held_items
 from ms_llm.checkpoint.zero_state import EngineSlice, engine_slices
 from ms_llm.errors import CheckpointError
 from ms_llm.mindspore.checkpoint import load_into, save_items, to_numpy
+from ms_llm.mindspore.lower import parallel_optimizer_plan
 from ms_llm.run.checkpoints import Held
 from ms_llm.strategy.plan import ModelPlan
 
@@ -134,11 +136,12 @@ class MsTrainerState:
     @functools.cached_property
     def _graph_held(self) -> Held:
         """A GraphStep's state: the same Parameters at every save, so the plan is cut into pieces
-        once (each save would spend about 15 ms of Python on a 75-tensor model doing it again)."""
-        opt = self.step_fn.optimizer
+        once (each save would spend about 15 ms of Python on a 75-tensor model doing it again).
+        Its ZeRO is MindSpore's parallel optimizer, whose split is lower.parallel_optimizer_plan's."""
+        opt, plan = self.step_fn.optimizer, parallel_optimizer_plan(self.plan)
         weights = {p.name: p for p in opt.parameters}
-        out = self._optimizer(opt)
-        out.update({name: (piece, weights[name]) for name, piece in param_pieces(self.plan, self.rank).items()})
+        out = self._optimizer(opt, plan)
+        out.update({name: (piece, weights[name]) for name, piece in param_pieces(plan, self.rank).items()})
         out.update(self._buffers())
         return out
 
@@ -162,8 +165,8 @@ class MsTrainerState:
                 held[name] = (layout_piece(name, b.layout, srank), self.step_fn.buffers[name])
         return held
 
-    def _optimizer(self, opt) -> Held:
-        states, out = optim_pieces(self.plan, self.rank, STATES), {}
+    def _optimizer(self, opt, plan: ModelPlan) -> Held:
+        states, out = optim_pieces(plan, self.rank, STATES), {}
         for i, p in enumerate(opt.parameters):
             for state, tensors in zip(STATES, (opt.exp_avg, opt.exp_avg_sq)):
                 name = optim_name(state, p.name)

@@ -8,9 +8,9 @@ innermost repeated device axes). MindSpore's transform_checkpoints, merge_sliced
 and load_distributed_checkpoint read these files; the MindSpore lowering writes the same
 files for its parameters by calling `write_strategy_file`.
 
-A ZeRO layout is written as an optimizer shard only when MindSpore's rule reproduces it:
-ZeRO splits dim 0 and no replicated device axis lies inside the ZeRO axes. Otherwise the
-tensor-parallel layout is written and the per-rank files hold tensor-parallel slices.
+A ZeRO layout is written as an optimizer shard only when it is MindSpore's own split
+(layout.parallel_optimizer_layout: dim 0 over consecutive ranks holding the same slice);
+otherwise the tensor-parallel layout is written and the per-rank files hold tensor-parallel slices.
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from typing import Optional
 
 from mindspore.train import node_strategy_pb2 as pb
 
-from ms_llm.errors import CheckpointError
-from ms_llm.mindspore.layout import MsLayout, TensorMap, from_ms, to_ms_merged
-from ms_llm.strategy.layout import Replicate, Shard, TensorLayout
-from ms_llm.strategy.mesh import MeshSpec
+from ms_llm.errors import CheckpointError, StrategyError
+from ms_llm.mindspore.layout import MsLayout, TensorMap, from_ms, optimizer_split, parallel_optimizer_layout, \
+    to_ms_merged
+from ms_llm.strategy.layout import Replicate, TensorLayout
 
 
 @dataclass(frozen=True)
@@ -39,67 +39,51 @@ class MsParamLayout:
 def ms_param_layout(layout: TensorLayout, zero_layout: Optional[TensorLayout] = None
                     ) -> tuple[MsParamLayout, TensorLayout]:
     """The strategy-file entry for a parameter, and the TensorLayout whose slices the per-rank
-    checkpoint files must hold under it (`zero_layout` when expressible, else `layout`)."""
+    checkpoint files must hold under it: `zero_layout` where it is MindSpore's parallel-optimizer
+    split of `layout` (layout.parallel_optimizer_layout, what lower.parallel_optimizer_plan gives),
+    else `layout`."""
     ms = to_ms_merged(layout)
     base = MsParamLayout(ms.dev_matrix, ms.tensor_map)
     if zero_layout is None or zero_layout == layout:
         return base, layout
-    names = layout.mesh.names
-    added = [a for a, p, q in zip(names, layout.placements, zero_layout.placements) if p != q]
-    if any(q != Shard(0) for a, q in zip(names, zero_layout.placements) if a in added):
+    size = zero_layout.split_count(0) // layout.split_count(0)
+    if size < 2 or parallel_optimizer_layout(layout, size) != zero_layout:
         return base, layout
-    if list(zero_layout.axes_of(0))[-len(added):] != added:
-        return base, layout
-    inner = names[names.index(added[-1]) + 1:]
-    if any(layout.mesh.axis_size(a) > 1 and isinstance(p, Replicate)
-           for a, p in zip(names, layout.placements) if a in inner):
-        return base, layout
-    size = math.prod(layout.mesh.axis_size(a) for a in added)
-    step = math.prod(layout.mesh.axis_size(a) for a in inner)
-    return MsParamLayout(ms.dev_matrix, ms.tensor_map, size, step), zero_layout
+    return MsParamLayout(ms.dev_matrix, ms.tensor_map, size, opt_shard_step(layout)), zero_layout
+
+
+def opt_shard_step(layout: TensorLayout) -> int:
+    """opt_weight_shard_step as MindSpore saves it: over the ranks holding rank 0's slice, in rank
+    order, (last - first) / (count - 1)."""
+    mesh, stride, last, count = layout.mesh, 1, 0, 1
+    for n, p in reversed(list(zip(mesh.shape, layout.placements))):
+        if isinstance(p, Replicate):
+            last += (n - 1) * stride
+            count *= n
+        stride *= n
+    return last // (count - 1)
 
 
 def to_layout(shape: tuple[int, ...], entry: MsParamLayout) -> TensorLayout:
     """The TensorLayout of an entry, optimizer shard included (MindSpore's rule: take repeated
     device axes innermost first, splitting the last one taken if it is larger than needed).
-    Device axis i is named d<i>; a split axis becomes d<i>r (outer) and d<i>o."""
+    Device axis i is named d<i>; a split axis becomes d<i>_outer and d<i>_inner."""
     dev, tmap = entry.dev_matrix, entry.tensor_map
     names = tuple(f"d{i}" for i in range(len(dev)))
     base = from_ms(tuple(shape), MsLayout(tuple(dev), tuple(tmap)), names)
     if entry.opt_shard_size == 0:
         return base
     used = {n for d in range(len(shape)) for n in base.axes_of(d)}
-    repeated = [i for i, n in enumerate(dev) if n > 1 and names[i] not in used]
-    remaining = entry.opt_shard_size if entry.opt_shard_size > 0 else math.prod(dev[i] for i in repeated)
-    take: dict[int, int] = {}
-    for i in reversed(repeated):
-        if remaining == 1:
-            break
-        part = min(dev[i], remaining)
-        if dev[i] % part or remaining % part:
-            raise CheckpointError(f"strategy file: optimizer shard size {entry.opt_shard_size} does not divide the "
-                                  f"repeated device axes of dev_matrix {dev}")
-        take[i] = part
-        remaining //= part
-    if remaining != 1:
-        raise CheckpointError(f"strategy file: optimizer shard size {entry.opt_shard_size} exceeds the repeated "
-                              f"devices of dev_matrix {dev}")
-    mesh_names, sizes, placements, opt_axes = [], [], [], []
-    for i, n in enumerate(dev):
-        if i in take and take[i] < n:
-            mesh_names += [f"d{i}r", f"d{i}o"]
-            sizes += [n // take[i], take[i]]
-            placements += [Replicate(), Shard(0)]
-            opt_axes.append(f"d{i}o")
-        else:
-            mesh_names.append(names[i])
-            sizes.append(n)
-            placements.append(Shard(0) if i in take else base.placements[i])
-            if i in take:
-                opt_axes.append(names[i])
-    order = tuple(base.axes_of(0)) + tuple(opt_axes)
-    order += tuple(a for a in mesh_names if a not in order)
-    return TensorLayout(tuple(shape), MeshSpec(tuple(mesh_names), tuple(sizes)), tuple(placements), order)
+    repeated = math.prod(n for i, n in enumerate(dev) if names[i] not in used)
+    size = repeated if entry.opt_shard_size == -1 else entry.opt_shard_size
+    if repeated % size:
+        raise CheckpointError(f"strategy file: optimizer shard size {entry.opt_shard_size} does not divide the "
+                              f"{repeated} repeated devices of dev_matrix {dev}")
+    try:
+        return optimizer_split(base, size)
+    except StrategyError as exc:
+        raise CheckpointError(f"strategy file: optimizer shard size {entry.opt_shard_size} over dev_matrix {dev}: "
+                              f"{exc}") from None
 
 
 def write_strategy_file(path: str | Path, entries: dict[str, MsParamLayout], stage: int = 0,
