@@ -66,6 +66,7 @@ def test_gpu_mfu_checks_model_and_fit_before_it_needs_a_gpu():
         gpu_mfu.job_for(gpu_mfu.parse_args(["--model", "llama2_7b"]), "h100")
 
 
+@pytest.mark.slow                # runs the MoE bench (about 19 CPU s): CI, not the inner loop
 def test_moe_bench_quick_prints_both_tables():
     """bench/moe.py --quick: the expert-compute table (torch MoE grouped, dense, padded, loop, the
     MindSpore layer, each timed and against dense), the activation memory of one layer's forward (the

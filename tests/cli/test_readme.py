@@ -102,6 +102,7 @@ def run_as_written(command: str) -> tuple[int, str]:
     return code or 0, out.getvalue()
 
 
+@pytest.mark.slow                # runs every page's commands, training included: CI, not the inner loop
 @pytest.mark.parametrize("doc", DOCS)
 def test_commands_run_as_written(doc, tmp_path, monkeypatch):
     # A fresh working folder with the checkout's inputs, so outputs land in tmp_path.
