@@ -48,6 +48,10 @@ CASES: dict[str, tuple[int, dict]] = {
     "ref": (1, {}),
     "ep2": (2, {"dp": 2, "ep": 2}),
     "ep2_cp2": (2, {"dp": 1, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ring"}}),   # experts over dp*cp
+    # FSDP2 with edp 1, the experts' unit one rank: ep = dp, and ep over cp (experts divided by dp x cp)
+    "ep2_zero2_fsdp2": (2, {"dp": 2, "ep": 2, "zero": {"stage": 2, "engine": "native"}}),
+    "ep2_cp2_zero2_fsdp2": (2, {"dp": 1, "cp": 2, "ep": 2, "context_parallel": {"algorithm": "ring"},
+                                "zero": {"stage": 2, "engine": "native"}}),
     "ep2_dp2_zero1": (4, {"dp": 4, "ep": 2, "zero": {"stage": 1}}),
     "ep2_dp2_zero3": (4, {"dp": 4, "ep": 2, "zero": {"stage": 3}}),
     "ep2_tp2": (4, {"dp": 2, "ep": 2, "tp": 2}),
@@ -63,6 +67,10 @@ CASES: dict[str, tuple[int, dict]] = {
     # torch's FSDP2: the experts a shard group of their own over edp 2, the dense weights over dp 4
     "ep2_dp2_zero2_fsdp2": (4, {"dp": 4, "ep": 2, "zero": {"stage": 2, "engine": "native"}}),
     "ep2_dp2_zero3_fsdp2": (4, {"dp": 4, "ep": 2, "zero": {"stage": 3, "engine": "native"}}),
+    # FSDP2 beside model parallelism (edp 1): the experts split over tp (etp 2, norm summed over it), and pp
+    "ep2_tp2_etp2_zero2_fsdp2": (4, {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "zero": {"stage": 2, "engine": "native"}}),
+    "ep2_pp2_zero2_fsdp2": (4, {"dp": 2, "ep": 2, "pp": 2, "pipeline": {"schedule": "1f1b"},
+                                "zero": {"stage": 2, "engine": "native"}}),
 }
 
 SAVED = ("ep2_dp2_zero3_fsdp2",)      # cases that also save a checkpoint after the last step

@@ -3,7 +3,9 @@ ep2, ep2 x cp2 (the experts split over the cp ranks), ep2 x dp2 with shared ZeRO
 ep2 x tp2, ep2 x pp2, and expert parallel folding: ep2 x etp2 carved out of dp4 and ep4 over
 dp2 x tp2 with whole experts, each with ZeRO-1 and ZeRO-3, and ep2 x etp1 over dp2 x tp2 (edp 2)
 with ZeRO-2 and ZeRO-3; and torch's FSDP2 at ZeRO-2 and ZeRO-3 over ep2 x dp2, the experts sharded
-over edp apart from the dense weights. Losses of 3 steps and the parameters after them (experts
+over edp apart from the dense weights, and at ZeRO-2 with edp 1 (ep2 = dp2, ep2 over cp2, ep2 x tp2
+with etp2, ep2 x pp2), where the experts' shard group is one rank and their gradient is divided once
+(FSDP2's sum-only reduction off). Losses of 3 steps and the parameters after them (experts
 gathered to full tensors), and under FSDP2 the first step's gradients, equal the world-1 run within
 1e-5. The shared engine partitions the experts over their expert-data-parallel ranks (edp) at the
 job's stage: what rank 0 holds of them at the end of backward is the ZeRO plan's figure, within
