@@ -196,29 +196,27 @@ def explained(short: str) -> str | None:
     return next((g for g in NOT_OURS if fnmatch.fnmatchcase(short, g)), None)
 
 
-# ---- ZeRO: MindSpore's parallel optimizer over the experts ----------------------------------------------
+# ---- ZeRO: MindSpore's parallel optimizer ------------------------------------------------------------
 # MindFormers' MoE configs (configs/general/llm_pretrain_moe_template.yaml, the Qwen3-MoE and DeepSeek ones)
 # turn the parallel optimizer on and leave optimizer_weight_shard_size at -1 and the threshold at 64 KB.
 MF_SHARD_SIZE, MF_THRESHOLD_KB = -1, 64
-# Our parameter name -> MindFormers' (LLaMA with moe_config), part by part.
+# Our parameter name -> MindFormers' (LLaMA, with or without moe_config), part by part.
 _NAMES = (("model.embed_tokens.weight", "model.tok_embeddings.embedding_weight"),
           ("self_attn.q_proj.", "attention.wq."), ("self_attn.k_proj.", "attention.wk."),
           ("self_attn.v_proj.", "attention.wv."), ("self_attn.o_proj.", "attention.wo."),
           ("input_layernorm.", "attention_norm."), ("post_attention_layernorm.", "ffn_norm."),
           ("mlp.gate.", "feed_forward.router.dense."), ("mlp.experts.gate_proj.", "feed_forward.ffn.w1."),
           ("mlp.experts.up_proj.", "feed_forward.ffn.w3."), ("mlp.experts.down_proj.", "feed_forward.ffn.w2."),
-          ("model.norm.", "model.norm_out."))
-# MindFormers parameters its parallel optimizer leaves whole, and why ours are not compared with them.
-_KEPT_WHOLE = "MindFormers builds its LLaMA {} with parallel_optimizer=False, whole on every rank; ms_llm's " \
-              "plan hands every weight to ZeRO"
-OPTIMIZER_NOT_COMPARED = {
-    "model.tok_embeddings.embedding_weight": _KEPT_WHOLE.format("embedding") + " (vocabulary over tp, then dp)",
-    "*norm*.weight": _KEPT_WHOLE.format("RMSNorm weights") + "; a weight every tp rank holds whole is split by "
-                     "MindSpore over ranks in rank order (tp among them), which the dense lowering's strategy "
-                     "files do not list as optimizer-sharded",
-    "*.feed_forward.router.dense.weight": "the router (E x hidden, 4 KB here) is under MindFormers' 64 KB "
-                                          "threshold; ms_llm's threshold is 0, its plan shards the router as a "
-                                          "dense weight every tp rank holds (see the norms)",
+          ("mlp.gate_proj.", "feed_forward.w1."), ("mlp.up_proj.", "feed_forward.w3."),
+          ("mlp.down_proj.", "feed_forward.w2."), ("model.norm.", "model.norm_out."))
+# MindFormers parameters its own parallel optimizer leaves whole, and why. Ours are split (ms_llm's plan
+# hands every weight to ZeRO, threshold 0); what MindSpore's rule makes of MindFormers' layout of them is
+# compared all the same.
+_KEPT_WHOLE = "MindFormers builds its LLaMA {} with parallel_optimizer=False, whole on every rank"
+KEPT_WHOLE = {
+    "model.tok_embeddings.embedding_weight": _KEPT_WHOLE.format("embedding"),
+    "*norm*.weight": _KEPT_WHOLE.format("RMSNorm weights"),
+    "*.feed_forward.router.dense.weight": "the router (E x hidden, 4 KB here) is under MindFormers' 64 KB threshold",
 }
 
 
@@ -229,28 +227,54 @@ def mf_param(ours: str) -> str:
     return ours
 
 
-def not_compared(mf: str) -> str | None:
-    return next((why for g, why in OPTIMIZER_NOT_COMPARED.items() if fnmatch.fnmatchcase(mf, g)), None)
+def kept_whole(mf: str) -> str | None:
+    return next((why for g, why in KEPT_WHOLE.items() if fnmatch.fnmatchcase(mf, g)), None)
 
 
-def mf_weight(records: dict, mf: str):
-    """The strategy MindFormers shards weight `mf` with: its Linear's MatMul / BatchMatMul input 1, the
-    embedding's Gather input 0."""
+def mf_weight(records: dict, mf: str) -> tuple[str, list, list | None]:
+    """The primitive MindFormers shards weight `mf` with, its strategy of the weight and of the input whose
+    device matrix places it (None: its own): a Linear's MatMul / BatchMatMul input 1 (after input 0), the
+    embedding's Gather input 0 (with the token indices), an RMSNorm's gamma (RmsNorm input 1 fused, else
+    mul2's; whole on every rank)."""
+    cell = mf.rsplit(".", 1)[0]
     if mf.endswith("embedding_weight"):
-        return records[mf.rsplit(".", 1)[0] + ".gather"]["in"][0]
-    return records[mf.rsplit(".", 1)[0] + ".matmul"]["in"][1]
+        return "gather", *records[cell + ".gather"]["in"][:2]
+    if mf.endswith("norm.weight") or mf.endswith("norm_out.weight"):
+        return "norm", records[cell + ".norm" if cell + ".norm" in records else cell + ".mul2"]["in"][1], None
+    x, w = records[cell + ".matmul"]["in"][:2]
+    return ("down" if mf.endswith("ffn.w2.weight") else "matmul"), w, x
 
 
-def optimizer_group(slices: int, devices: int, shape: tuple[int, ...], dim0_split: int, shard_size: int,
-                    on: bool = True, threshold_kb: float = 0, itemsize: int = 4) -> int:
-    """Ranks MindSpore's parallel optimizer splits a weight over (1: left whole), as its
-    OptParamMgr.SplitParam, OperatorInfo.CreateGroupForOptShard and TensorLayout.GenerateOptShardSliceShape
-    decide: a weight kept out (parallel_optimizer False) or under the threshold stays whole; the ranks
-    holding the same slice (devices / slices) are all taken at shard_size -1, `shard_size` of them where it
-    divides their count, none where it does not; the split is on dimension 0, which must divide by its
-    tensor-parallel split times that."""
-    repeated = devices // slices
-    if not on or repeated == 1 or math.prod(shape) * itemsize < threshold_kb * 1024:
-        return 1
-    n = repeated if shard_size == -1 else (shard_size if repeated % shard_size == 0 else 1)
-    return n if shape[0] % (dim0_split * n) == 0 else 1
+def optimizer_places(owners: tuple[tuple[int, ...], ...], shape: tuple[int, ...], dim0_split: int,
+                     shard_size: int, on: bool = True, threshold_kb: float = 0,
+                     itemsize: int = 4) -> tuple[tuple[int, int], ...]:
+    """Per rank of the stage, (its place, the group's size) in the group of ranks MindSpore's parallel
+    optimizer splits dimension 0 of its slice over, (0, 1) where the weight stays whole, as
+    OptParamMgr.SplitParam and OperatorInfo::CreateGroupForOptShard decide, on ranks, not mesh axes: a
+    weight kept out (parallel_optimizer False) or under the threshold stays whole; group_devices, the ranks
+    holding the same slice (`owners` equal), in rank order, are cut into consecutive groups of `shard_size`
+    (all of them at -1), none where it does not divide their count or dimension 0 of the slice."""
+    devices = len(owners)
+    whole = ((0, 1),) * devices
+    if not on or math.prod(shape) * itemsize < threshold_kb * 1024:
+        return whole
+    out = []
+    for rank in range(devices):
+        group = [r for r in range(devices) if owners[r] == owners[rank]]
+        n = len(group) if shard_size == -1 else shard_size
+        if n == 1 or len(group) % n or shape[0] % (dim0_split * n):
+            return whole
+        i = group.index(rank)
+        out.append((i % n, n))
+    return tuple(out)
+
+
+def place_box(owner: tuple[int, ...], splits: tuple[int, ...], shape: tuple[int, ...],
+              place: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of block `owner` of a tensor split `splits`, dimension 0 cut into place[1]
+    parts of which the rank holds part place[0]: TensorLayout.shard_box's terms."""
+    sizes = [s // k for s, k in zip(shape, splits)]
+    offsets = [o * z for o, z in zip(owner, sizes)]
+    sizes[0] //= place[1]
+    offsets[0] += place[0] * sizes[0]
+    return tuple(offsets), tuple(sizes)

@@ -54,13 +54,13 @@ import ms_oracle_deepseek
 import ms_oracle_moe
 from ms_llm.convert.common import ReadOptions
 from ms_llm.convert.mindformers.read import read
-from ms_llm.mindspore.lower import lower
+from ms_llm.mindspore.lower import lower, parallel_optimizer_plan
 from ms_llm.mindspore.op_strategy import LayoutStrategy, OpShard, as_layout, whole_over
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.config.train import TrainConfig
 from ms_llm.strategy.ir import ParallelStrategy
-from ms_llm.strategy.plan import plan
+from ms_llm.strategy.plan import EXPERT_KINDS, plan
 
 pytestmark = pytest.mark.mindspore
 
@@ -598,54 +598,83 @@ def test_expert_tensor_parallel_carved_from_dp_by_hand():
     assert Blocks.of(ops["model.layers.0.mlp.gate.matmul"].inputs[0], 4).splits == (4, 1)    # routed per dp rank
 
 
-def _slices(layout) -> int:
-    """Distinct pieces of a tensor over its stage's ranks."""
-    return len({layout.shard_box(r) for r in range(layout.mesh.size)})
+def _mf_weight_blocks(records: dict, mf: str, devices: int) -> Blocks:
+    """Which block of MindFormers' weight `mf` each rank holds, in the device matrix of the primitive that
+    uses it: a Linear's weight (N, K) follows its input's (.., K) with N on the replicas axis (MatMul's
+    (dp, k, n)), an expert weight as its BatchMatMul pair aligns it, the embedding table the Gather's
+    (index batch, vocab) matrix, a norm's gamma is whole."""
+    op, w, first = ms_oracle_moe.mf_weight(records, mf)
+    if op == "gather":       # GatherInfo, batch and vocabulary split: dev matrix (index[0], param[0]), replicas last
+        assert w[1] == 1, f"{mf}: {w}: the table split on its hidden dim is not Gather's batch-and-axis case"
+        return Blocks._expand((first[0], w[0], devices // (first[0] * w[0])), [[1], []], devices)
+    if op == "norm":
+        return Blocks.of(w, devices)
+    n = len(first)
+    if len(w) == 2:
+        align = (n, n - 1)
+    else:
+        align = (1, None, 3) if op == "down" else (1, 4, 3)
+    return Blocks.of(w, devices, first=first, align=align)
 
 
-@pytest.mark.parametrize("case", list(ms_oracle_moe.CASES))
-def test_parallel_optimizer_splits_the_experts_over_edp_as_mindformers(case, oracle_run):
-    """ZeRO with experts on MindSpore: the parallel optimizer (enable_parallel_optimizer, as MindFormers'
-    MoE configs turn it on) splits each weight over the ranks holding the same slice of it. For every weight
-    MindFormers hands it, the ranks it splits ours over (MindSpore's rule, ms_oracle_moe.optimizer_group, on
-    our lowering's shard size and layouts) are those it splits MindFormers' over, and the plan's ZeRO group:
-    the routed experts over edp, the tensor-parallel weights over dp. The rest MindFormers keeps whole
-    (OPTIMIZER_NOT_COMPARED says which and why). The dense group as the shard size, what the lowering passed
-    before, leaves dp4 x mp2 x ep2's experts (edp 2 under a dense group of 4) unsplit: the check fails on it."""
+# The MoE cases, and dense ones with tp 4 (MindSpore's groups of 2 end inside tp) and tp 2 (sequence parallel).
+OPTIMIZER_CASES = list(ms_oracle_moe.CASES) + ["dp2_mp4", "dp2_mp2_sp_gqa_flash"]
+
+
+@pytest.mark.parametrize("case", OPTIMIZER_CASES)
+def test_parallel_optimizer_splits_as_mindspore_on_mindformers_models(case, oracle_run):
+    """ZeRO on Ascend is MindSpore's parallel optimizer (enable_parallel_optimizer, as MindFormers' configs
+    turn it on): each weight's optimizer state is split over the ranks holding the same slice of it, in rank
+    order, in groups of optimizer_weight_shard_size. For every weight of MindFormers' model, each rank's box
+    of it in the split our lowering records (lower.parallel_optimizer_plan: what the compiled step's
+    checkpoints and strategy files name) is the box MindSpore's rule, taken rank by rank
+    (ms_oracle_moe.optimizer_places), gives on MindFormers' layout of that weight with our lowering's shard
+    size. That is the plan's ZeRO split for the tensor-parallel weights (over dp) and the routed experts
+    (over edp), and not for those every tp rank holds whole (norms, router): MindSpore splits them tp first,
+    where the plan says dp; the plan's split fails the check there. MindFormers' own settings (shard size
+    -1, a 64 KB threshold, its norms and embedding kept out) split what they split over as many ranks;
+    KEPT_WHOLE says what it keeps whole. The dense group as the shard size, what the lowering passed before,
+    leaves dp4 x mp2 x ep2's experts (edp 2 under a dense group of 4) unsplit: the check fails on it."""
     parallel, model = CASES[case]
     source = {"parallel_config": parallel, "model": {"model_config": {**MODEL, **model}},
               "runner_config": {"batch_size": 1}, "parallel": {"enable_parallel_optimizer": True}}
     conv = read(yaml.safe_dump(source), "oracle.yaml", ReadOptions())
     p = plan(conv.job.model, conv.job.strategy, conv.job.train, conv.world_size)
     shard_size = lower(p).context["parallel_optimizer_config"]["optimizer_weight_shard_size"]
+    recorded = parallel_optimizer_plan(p)
     devices = _devices(parallel) // _degrees(parallel)[3]
     records, theirs_params = oracle_run["cases"][case], oracle_run["params"][case]
-    compared, experts = set(), 0
+    tp_whole, experts = 0, 0
     for name, q in p.params.items():
         mf = ms_oracle_moe.mf_param(name)
         info = theirs_params[mf]
         assert tuple(info["shape"]) == q.shape, (name, mf)
-        if ms_oracle_moe.not_compared(mf):
-            assert ms_oracle_moe.optimizer_group(1, devices, q.shape, 1, ms_oracle_moe.MF_SHARD_SIZE,
-                                                 info["parallel_optimizer"], ms_oracle_moe.MF_THRESHOLD_KB) == 1, mf
-            continue
-        blocks = Blocks.of(ms_oracle_moe.mf_weight(records, mf), devices)
-        theirs = ms_oracle_moe.optimizer_group(len(set(blocks.owners)), devices, q.shape, blocks.splits[0],
-                                               ms_oracle_moe.MF_SHARD_SIZE, info["parallel_optimizer"],
-                                               ms_oracle_moe.MF_THRESHOLD_KB)
-        ours = ms_oracle_moe.optimizer_group(_slices(q.layout), devices, q.shape, q.layout.split_count(0), shard_size)
-        planned = _slices(q.optimizer_layout) // _slices(q.layout)
-        assert ours == theirs == planned, (name, ours, theirs, planned)
-        if q.kind.startswith("expert"):
+        blocks = _mf_weight_blocks(records, mf, devices)
+        boxes = lambda layout: [layout.shard_box(r) for r in range(devices)]     # noqa: E731
+        assert boxes(q.layout) == [ms_oracle_moe.place_box(o, blocks.splits, q.shape, (0, 1)) for o in blocks.owners]
+        rule = ms_oracle_moe.optimizer_places(blocks.owners, q.shape, blocks.splits[0], shard_size)
+        ours = boxes(recorded.params[name].optimizer_layout)
+        assert ours == [ms_oracle_moe.place_box(o, blocks.splits, q.shape, place)
+                        for o, place in zip(blocks.owners, rule)], name
+        whole_over_tp = p.strategy.tp > 1 and q.kind not in EXPERT_KINDS and not any(
+            "tp" in q.layout.axes_of(d) for d in range(len(q.shape)))
+        assert (boxes(q.optimizer_layout) != ours) == whole_over_tp, name        # the plan's split is MindSpore's
+        tp_whole += whole_over_tp
+        theirs = ms_oracle_moe.optimizer_places(blocks.owners, q.shape, blocks.splits[0], ms_oracle_moe.MF_SHARD_SIZE,
+                                                info["parallel_optimizer"], ms_oracle_moe.MF_THRESHOLD_KB)
+        if ms_oracle_moe.kept_whole(mf):
+            assert {n for _, n in theirs} == {1}, mf
+        else:
+            assert {n for _, n in theirs} == {n for _, n in rule}, mf
+        if q.kind in EXPERT_KINDS:
             experts += 1
-            assert planned == p.expert_zero.group_size == p.strategy.edp
+            assert {n for _, n in rule} == {p.expert_zero.group_size} == {p.strategy.edp}
             if p.strategy.edp not in (1, p.zero.group_size):
-                dense = ms_oracle_moe.optimizer_group(_slices(q.layout), devices, q.shape, q.layout.split_count(0),
-                                                      p.zero.group_size)
-                assert dense == 1 != ours, name
-        compared.add(mf)
-    assert experts == 3 * MODEL["num_layers"]
-    assert set(theirs_params) - compared == {n for n in theirs_params if ms_oracle_moe.not_compared(n)}
+                dense = ms_oracle_moe.optimizer_places(blocks.owners, q.shape, blocks.splits[0], p.zero.group_size)
+                assert {n for _, n in dense} == {1}, name
+    assert experts == (3 * MODEL["num_layers"] if "moe_config" in model else 0)
+    assert tp_whole >= 2 * MODEL["num_layers"] + 1                    # the norms at least
+    assert {ms_oracle_moe.mf_param(n) for n in p.params} == set(theirs_params)
 
 
 # ---- DeepSeek-V3: MindFormers 2.1's own training graph (ms_oracle_deepseek.py) ----------------------
