@@ -81,7 +81,10 @@ class Experts(nn.Module):
             offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
             rows = rows.contiguous()
             h = F.silu(torch._grouped_mm(rows, w1, offs=offs)) * torch._grouped_mm(rows, w3, offs=offs)
-            return _ContiguousGrad.apply(torch._grouped_mm(h * scale, w2, offs=offs))
+            out = torch._grouped_mm(h * scale, w2, offs=offs)
+            if out.requires_grad:              # _grouped_mm's backward needs 16-byte strides
+                out.register_hook(torch.Tensor.contiguous)
+            return out
         return padded_bmm(rows, counts, scale, w1, w3, w2)
 
 
@@ -99,18 +102,6 @@ def padded_bmm(rows: torch.Tensor, counts: list[int], scale: torch.Tensor, w1: t
     padded_scale = scale.new_zeros(e * c, 1).index_copy(0, slot, scale).view(e, c, 1)
     h = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
     return torch.bmm(h * padded_scale, w2).view(e * c, hidden)[slot]
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity; backward makes the gradient contiguous (_grouped_mm's backward needs 16-byte strides)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
 
 
 class AuxLoss(torch.autograd.Function):
