@@ -362,15 +362,30 @@ def cp_algorithm(plan: Union[ModelPlan, CostShape], device: DeviceSpec = DEVICES
     chosen = s.context_parallel.algorithm
     if chosen != "auto" or s.cp == 1:
         return backend_runs[0] if chosen == "auto" else chosen
-    best = None
+    return priced_cp_algorithm(shape, device, backend_runs)[0]
+
+
+def priced_cp_algorithm(shape: CostShape, device: DeviceSpec, backend_runs: tuple[str, ...] = CP_ALGORITHMS
+                        ) -> tuple[str, Union[StepEstimate, None]]:
+    """cp_algorithm's 'auto' pick for a shape with cp > 1, and the shape's estimate under it (None when
+    no algorithm applies), which the search keeps rather than pricing it again. Memory first: while
+    one algorithm fits, those that do not can never win, so their step time is not priced."""
+    s = shape.strategy
+    options = []
     for algorithm in (a for a in backend_runs if a in cp_algorithms(shape.model, s, shape.train)):
         priced = dataclasses.replace(shape, strategy=dataclasses.replace(
             s, context_parallel=ContextParallelSpec(algorithm=algorithm)))
-        est = estimate(priced, device)
+        options.append((algorithm, priced, memory(priced)))
+    any_fits = any(mem.total <= device.memory_bytes for _, _, mem in options)
+    best = None
+    for algorithm, priced, mem in options:
+        if any_fits and mem.total > device.memory_bytes:
+            continue
+        est = estimate(priced, device, mem)
         key = (not est.fits, est.step_s, est.memory.total)
         if best is None or key < best[0]:
-            best = (key, algorithm)
-    return best[1] if best else backend_runs[0]
+            best = (key, algorithm, est)
+    return (best[1], best[2]) if best else (backend_runs[0], None)
 
 
 def cp_algorithms(model: ModelConfig, s: ParallelStrategy, train: TrainConfig) -> tuple[str, ...]:
@@ -407,10 +422,12 @@ def _work_per_token(m: ModelConfig, seq_len: int) -> tuple[float, float]:
     return flops + 6.0 * m.vocab_size * m.hidden_size * m.mtp_layers, 6.0 * m.num_layers * m.hidden_size * seq_len / flops
 
 
-def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec) -> StepEstimate:
+def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec,
+             mem: Union[MemoryBreakdown, None] = None) -> StepEstimate:
+    """`mem`: memory(plan), when the caller has it already (the search checks the fit first)."""
     plan = _shape(plan)
     s, m, t = plan.strategy, plan.model, plan.train
-    mem = memory(plan)
+    mem = memory(plan) if mem is None else mem
     comm = communication(plan)
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_per_token, attention_share = _work_per_token(m, t.seq_len)

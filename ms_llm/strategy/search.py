@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import TrainConfig
 from ms_llm.errors import ConfigError, StrategyError
-from ms_llm.strategy.cost import StepEstimate, cp_algorithm, estimate, shape_of
+from ms_llm.strategy.cost import StepEstimate, estimate, memory, priced_cp_algorithm, shape_of
 from ms_llm.strategy.devices import DeviceSpec
 from ms_llm.strategy.ir import ContextParallelSpec, ParallelStrategy, PipelineSpec, RecomputeSpec
 from ms_llm.strategy.validate import validate
@@ -136,22 +136,34 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
                                 except StrategyError:
                                     invalid += 1
                                     continue
+                                known = None             # policies[0]'s estimate, when picking cp's algorithm priced it
                                 if cp > 1 and s.context_parallel.algorithm == "auto":
                                     # The cost model prices ring / ulysses / allgather on this device.
-                                    algorithm = cp_algorithm(shape_of(model, s, t), device)
+                                    algorithm, known = priced_cp_algorithm(shape_of(model, s, t), device)
                                     s = dataclasses.replace(s, context_parallel=ContextParallelSpec(algorithm=algorithm))
-                                for recompute in policies:
+                                for i, recompute in enumerate(policies):
                                     # No rule involves a whole-model recompute policy: validate once.
                                     priced += 1
-                                    s = dataclasses.replace(s, recompute=recompute)
-                                    est = estimate(shape_of(model, s, t), device)
-                                    if est.fits:
+                                    if i or known is None:
+                                        s = dataclasses.replace(s, recompute=recompute)
+                                        est = _estimate_if_fits(model, s, t, device)
+                                    else:
+                                        est = known
+                                    if est is not None and est.fits:
                                         found.append(Candidate(s, t, est))
                                         break
                                 else:
                                     too_big += 1
     found.sort(key=lambda c: c.key)
     return SearchResult(tuple(found), enumerated, priced, invalid, too_big, time.perf_counter() - start)
+
+
+def _estimate_if_fits(model: ModelConfig, s: ParallelStrategy, train: TrainConfig,
+                      device: DeviceSpec) -> StepEstimate | None:
+    """The estimate of a strategy that fits in memory; None, without pricing time, for one that does not."""
+    shape = shape_of(model, s, train)
+    mem = memory(shape)
+    return estimate(shape, device, mem) if mem.total <= device.memory_bytes else None
 
 
 def _expert_degrees(model: ModelConfig, dp: int, cp: int, tp: int, base: ParallelStrategy,
