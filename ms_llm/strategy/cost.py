@@ -13,10 +13,9 @@ rank holding lm_head and the MTP modules may set the pace.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TypeVar, Union
 
 from ms_llm.config.model import DTYPE_BYTES, ModelConfig
 from ms_llm.config.train import TrainConfig
@@ -27,6 +26,8 @@ from ms_llm.strategy.plan import ModelPlan
 from ms_llm.strategy.shape import CostShape, cost_shape, mtp_embedding_copy, shape_of, stage_flops_per_token
 
 ADAM_STATE_BYTES = 8       # m and v in fp32
+_CP_SPECS = {a: ContextParallelSpec(algorithm=a) for a in CP_ALGORITHMS}
+T = TypeVar("T")
 
 
 def zero_model_state_bytes(psi: float, stage: int, nd: int, k: float = 12,
@@ -98,6 +99,18 @@ def _shape(plan: Union[ModelPlan, CostShape]) -> CostShape:
     return plan if isinstance(plan, CostShape) else cost_shape(plan)
 
 
+def replaced(obj: T, **changes: object) -> T:
+    """dataclasses.replace without running the class's __init__ and checks again: for copies of a
+    checked ParallelStrategy or CostShape that change a field no check reads (the context-parallel
+    algorithm, the recompute policy), which a search makes tens of thousands of times."""
+    unknown = changes.keys() - obj.__dataclass_fields__.keys()
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}")
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__, **changes)
+    return new
+
+
 def _optimizer_bytes_per_param(plan: CostShape) -> float:
     prec = plan.strategy.precision
     # An offloaded optimizer steps on the host, so it keeps its own copy of the weights there.
@@ -144,7 +157,7 @@ def activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     # K/V as attention keeps them: all-gather context parallelism keeps the gathered K/V, and its
     # (T_local, T) position mask, which SDPA keeps as a float copy per layer (shared by the
     # micro-batch's sequences and the tp ranks' heads: T / micro-batch per local token).
-    allgather = s.cp > 1 and cp_algorithm(plan) == "allgather"
+    allgather = s.cp > 1 and keeps_gathered_kv(cp_algorithm(plan))
     kv_kept = (k + v) * s.cp if allgather else k + v
     mask = plan.train.seq_len / plan.train.micro_batch_size if allgather else 0.0
     inside = (q + kv_kept + out + 4 * f + dispatch) / tp + mask   # q, k, v, attn out, gate/up/silu/product
@@ -153,6 +166,12 @@ def activation_bytes_per_token_layer(plan: CostShape, mode: str) -> float:
     if mode == "selective":
         inside -= 2 * f / tp                                   # silu output and product are recomputed
     return act * (norm_io + inside)
+
+
+def keeps_gathered_kv(algorithm: str) -> bool:
+    """Whether attention under this context-parallel algorithm keeps the whole sequence's K/V: the
+    only way the algorithm changes the memory model (the cp algorithm pick shares the rest)."""
+    return algorithm == "allgather"
 
 
 def _mtp_activation_bytes_per_token(plan: CostShape, per_token_layer: dict[str, float]) -> float:
@@ -180,18 +199,29 @@ def _in_flight(plan: CostShape, stage: int) -> float:
     return float(min(m, pp - stage))
 
 
+class _PerTokenLayer(dict):
+    """activation_bytes_per_token_layer by recompute mode, each counted the first time a stage asks."""
+
+    def __init__(self, shape: CostShape) -> None:
+        super().__init__()
+        self.shape = shape
+
+    def __missing__(self, mode: str) -> float:
+        self[mode] = value = activation_bytes_per_token_layer(self.shape, mode)
+        return value
+
+
 def memory(plan: Union[ModelPlan, CostShape]) -> MemoryBreakdown:
     """Per-device memory of the busiest stage."""
     shape = _shape(plan)
-    per_token_layer = {mode: activation_bytes_per_token_layer(shape, mode) for mode in ("none", "selective", "full")}
-    best = None
-    seen = set()
-    for stage in range(shape.strategy.pp):
-        # A later stage shaped like an earlier one holds no more micro-batches in flight, so it
-        # cannot be busier: price each distinct stage shape once.
-        if shape.stages[stage] in seen:
+    per_token_layer = _PerTokenLayer(shape)
+    best = previous = None
+    for stage, st in enumerate(shape.stages):
+        # A stage shaped like the one before it holds no more micro-batches in flight, so it cannot
+        # be busier (nor, on a tie, come first): price a run of equal stage shapes once.
+        if st == previous:
             continue
-        seen.add(shape.stages[stage])
+        previous = st
         mb = _stage_memory(shape, stage, per_token_layer)
         if best is None or mb.total > best.total:
             best = mb
@@ -201,8 +231,7 @@ def memory(plan: Union[ModelPlan, CostShape]) -> MemoryBreakdown:
 def stage_memory(plan: Union[ModelPlan, CostShape], stage: int) -> MemoryBreakdown:
     """Per-device memory of one pipeline rank."""
     shape = _shape(plan)
-    per_token_layer = {mode: activation_bytes_per_token_layer(shape, mode) for mode in ("none", "selective", "full")}
-    return _stage_memory(shape, stage, per_token_layer)
+    return _stage_memory(shape, stage, _PerTokenLayer(shape))
 
 
 def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]) -> MemoryBreakdown:
@@ -211,12 +240,12 @@ def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]
     psi = st.params - st.expert_params
     pbytes = DTYPE_BYTES[s.precision.param_dtype]
     nd = plan.zero.group_size
-    params, grads, optim = zero_model_state_bytes(psi, s.zero.stage, nd, _optimizer_bytes_per_param(plan),
-                                                  pbytes, pbytes)
+    k = _optimizer_bytes_per_param(plan)
+    edp = s.edp
+    params, grads, optim = zero_model_state_bytes(psi, s.zero.stage, nd, k, pbytes, pbytes)
     # Routed experts: split over ep and etp already, replicated over edp; ZeRO shards them over edp at
     # the job's stage, optimizer states, then gradients, then weights (ms_llm.strategy.plan._expert_zero).
-    routed = zero_model_state_bytes(st.expert_params, s.zero.stage, s.edp, _optimizer_bytes_per_param(plan),
-                                    pbytes, pbytes)
+    routed = zero_model_state_bytes(st.expert_params, s.zero.stage, edp, k, pbytes, pbytes)
     experts = sum(routed)
     params, grads, optim = params + routed[0], grads + routed[1], optim + routed[2]
     host = 0.0
@@ -228,7 +257,7 @@ def _stage_memory(plan: CostShape, stage: int, per_token_layer: dict[str, float]
         # One layer's parameters unsharded for compute plus the next one's prefetched: its dense ones
         # over tp, its routed experts over ep x etp (gathered over edp; whole already when edp is 1).
         every = 3 * m.moe.num_experts * m.hidden_size * m.expert_ffn_size if plan.moe_layers_of(st) else 0
-        local = every / (s.ep * s.etp) if s.edp > 1 else 0
+        local = every / (s.ep * s.etp) if edp > 1 else 0
         gather = 2 * ((m.layer_param_count() - every) / s.tp + local) * pbytes
         if s.offload.params:
             host += params
@@ -372,10 +401,13 @@ def priced_cp_algorithm(shape: CostShape, device: DeviceSpec, backend_runs: tupl
     one algorithm fits, those that do not can never win, so their step time is not priced."""
     s = shape.strategy
     options = []
+    memories: dict[bool, MemoryBreakdown] = {}
     for algorithm in (a for a in backend_runs if a in cp_algorithms(shape.model, s, shape.train)):
-        priced = dataclasses.replace(shape, strategy=dataclasses.replace(
-            s, context_parallel=ContextParallelSpec(algorithm=algorithm)))
-        options.append((algorithm, priced, memory(priced)))
+        priced = replaced(shape, strategy=replaced(s, context_parallel=_CP_SPECS[algorithm]))
+        gathered = keeps_gathered_kv(algorithm)
+        if gathered not in memories:
+            memories[gathered] = memory(priced)
+        options.append((algorithm, priced, memories[gathered]))
     any_fits = any(mem.total <= device.memory_bytes for _, _, mem in options)
     best = None
     for algorithm, priced, mem in options:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ms_llm.config.model import ModelConfig
 from ms_llm.config.train import TrainConfig
 from ms_llm.errors import ConfigError, StrategyError
-from ms_llm.strategy.cost import StepEstimate, estimate, memory, priced_cp_algorithm, shape_of
+from ms_llm.strategy.cost import StepEstimate, estimate, memory, priced_cp_algorithm, replaced, shape_of
 from ms_llm.strategy.devices import DeviceSpec
 from ms_llm.strategy.ir import ContextParallelSpec, ParallelStrategy, PipelineSpec, RecomputeSpec
 from ms_llm.strategy.validate import validate
@@ -140,12 +140,12 @@ def search(model: ModelConfig, train: TrainConfig, world_size: int, device: Devi
                                 if cp > 1 and s.context_parallel.algorithm == "auto":
                                     # The cost model prices ring / ulysses / allgather on this device.
                                     algorithm, known = priced_cp_algorithm(shape_of(model, s, t), device)
-                                    s = dataclasses.replace(s, context_parallel=ContextParallelSpec(algorithm=algorithm))
+                                    s = replaced(s, context_parallel=ContextParallelSpec(algorithm=algorithm))
                                 for i, recompute in enumerate(policies):
                                     # No rule involves a whole-model recompute policy: validate once.
                                     priced += 1
                                     if i or known is None:
-                                        s = dataclasses.replace(s, recompute=recompute)
+                                        s = replaced(s, recompute=recompute)
                                         est = _estimate_if_fits(model, s, t, device)
                                     else:
                                         est = known
