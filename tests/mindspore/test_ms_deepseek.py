@@ -115,13 +115,27 @@ def ours_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, 
     return out
 
 
-def ms_logits_and_grads(net: Transformer, tokens: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Logits of tokens[:, :-1] and the gradients of their mean cross-entropy against tokens[:, 1:]."""
+class LossAndOutputs(ms.nn.Cell):
+    """The training loss (LossCell), then the logits and the cross-entropy alone as auxiliary outputs:
+    one compiled graph where three cost three compiles (the values are the separate graphs', bit for bit)."""
+
+    def __init__(self, net: Transformer):
+        super().__init__()
+        self.net, self.loss, self.main = net, LossCell(net), LossCell(net, training=False)
+
+    def construct(self, x, y):
+        return self.loss(x, y), self.net(x), self.main(x, y)
+
+
+def ms_loss_logits_grads(net: Transformer, tokens: np.ndarray) -> tuple[float, np.ndarray, float, dict]:
+    """The training loss of tokens[:, :-1] against tokens[:, 1:], their logits, the cross-entropy
+    alone, and the training loss's gradients by parameter name."""
     x, y = ms.Tensor(tokens[:, :-1], ms.int32), ms.Tensor(tokens[:, 1:], ms.int32)
     weights = ms.ParameterTuple(net.trainable_params())
-    _, grads = ms.value_and_grad(LossCell(net), None, weights)(x, y)
+    (loss, logits, main), grads = ms.value_and_grad(LossAndOutputs(net), None, weights, has_aux=True)(x, y)
     names = {id(p): n for n, p in net.parameters_and_names()}
-    return net(x).asnumpy(), {names[id(p)]: g.asnumpy() for p, g in zip(weights, grads)}
+    return (float(loss.asnumpy()), logits.asnumpy(), float(main.asnumpy()),
+            {names[id(p)]: g.asnumpy() for p, g in zip(weights, grads)})
 
 
 def torch_logits_and_grads(model: torch.nn.Module, tokens: np.ndarray, cfg: ModelConfig):
@@ -154,7 +168,7 @@ def case(request):
 
 def test_logits_and_gradients_match_transformers(case):
     name, cfg, ours, ref, tokens = case
-    logits, grads = ms_logits_and_grads(ours, tokens)
+    _, logits, _, grads = ms_loss_logits_grads(ours, tokens)
     want_logits, want_grads = torch_logits_and_grads(ref, tokens, cfg)
     logit_diff = float(np.abs(logits - want_logits).max())
     grad_diff, worst = max_diff(grads, want_grads)
@@ -228,23 +242,18 @@ def test_mtp_loss_and_gradients_match_eq_21_25():
     ours.load_numpy(state)
     tokens = np.random.default_rng(11).integers(0, cfg.vocab_size, (2, cfg.max_seq_len + 1))
 
-    x, y = ms.Tensor(tokens[:, :-1], ms.int32), ms.Tensor(tokens[:, 1:], ms.int32)
-    weights = ms.ParameterTuple(ours.trainable_params())
-    loss, grads = ms.value_and_grad(LossCell(ours), None, weights)(x, y)
-    names = {id(p): n for n, p in ours.parameters_and_names()}
-    grads = {names[id(p)]: g.asnumpy() for p, g in zip(weights, grads)}
-    main_only = float(LossCell(ours, training=False)(x, y).asnumpy())
+    loss, _, main_only, grads = ms_loss_logits_grads(ours, tokens)
 
     want = reference_loss(ref, mtp, tokens, cfg)
     want.backward()
     want_grads = ours_from_hf({**{n: p.grad.numpy() for n, p in ref.named_parameters()},
                                **{f"model.mtp.{n}": p.grad.numpy() for n, p in mtp.named_parameters()}}, cfg)
-    loss_diff = abs(float(loss.asnumpy()) - want.item())
+    loss_diff = abs(loss - want.item())
     grad_diff, worst = max_diff(grads, want_grads)
-    print(f"mtp: loss {float(loss.asnumpy()):.6f} (main alone {main_only:.6f}), max |loss - eq. 21-25| "
+    print(f"mtp: loss {loss:.6f} (main alone {main_only:.6f}), max |loss - eq. 21-25| "
           f"{loss_diff:.2e}, max |grad| diff {grad_diff:.2e} ({worst})")
     assert loss_diff <= TOL and grad_diff <= TOL
-    assert float(loss.asnumpy()) - main_only > 0.1                 # the MTP loss is in the training loss
+    assert loss - main_only > 0.1                                  # the MTP loss is in the training loss
     assert all(np.abs(g).max() > 1e-4 for n, g in grads.items() if n.startswith("model.mtp.") and "experts" not in n)
 
 
@@ -407,12 +416,7 @@ def test_matches_the_torch_model_with_mtp_and_router_losses():
             dict(ours.parameters_and_names())[name].set_data(ms.Tensor(value))
     tokens = rng.integers(0, cfg.vocab_size, (2, cfg.max_seq_len + 1))
 
-    x, y = ms.Tensor(tokens[:, :-1], ms.int32), ms.Tensor(tokens[:, 1:], ms.int32)
-    weights = ms.ParameterTuple(ours.trainable_params())
-    loss, grads = ms.value_and_grad(LossCell(ours), None, weights)(x, y)
-    names = {id(p): n for n, p in ours.parameters_and_names()}
-    grads = {names[id(p)]: g.asnumpy() for p, g in zip(weights, grads)}
-    logits = ours(x).asnumpy()
+    loss, logits, _, grads = ms_loss_logits_grads(ours, tokens)
 
     t = torch.from_numpy(tokens)
     want_logits = ref(t[:, :-1], targets=t[:, 1:])
@@ -423,7 +427,7 @@ def test_matches_the_torch_model_with_mtp_and_router_losses():
     want_grads = {n: p.grad.numpy() for n, p in ref.named_parameters()}
     logit_diff = float(np.abs(logits - want_logits.detach().numpy()).max())
     grad_diff, worst = max_diff(grads, want_grads)
-    loss_diff = abs(float(loss.asnumpy()) - want_loss)
+    loss_diff = abs(loss - want_loss)
     print(f"torch model: loss {want_loss:.6f}, max |loss| diff {loss_diff:.2e}, |logits| {logit_diff:.2e}, "
           f"|grad| {grad_diff:.2e} ({worst})")
     assert loss_diff <= TOL and logit_diff <= TOL and grad_diff <= TOL

@@ -6,6 +6,7 @@ TrainCell, AdamW (nn.Optimizer) and clipping that semi_auto_parallel compiles on
 - fp16 compute with dynamic loss scaling stays finite and close to fp32;
 - tiny_moe follows the torch backend, and its checkpoints cross backends and expert splits.
 """
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,17 @@ def tokens(tmp_path_factory) -> Path:
 
 
 def run_worker(run: Path, job: dict) -> list[dict]:
-    """Write the resolved job as `ms-llm train` does, start one worker, return its step records."""
+    """Write the resolved job as `ms-llm train` does, start one worker, return its step records.
+    The worker gets the launcher's compile cache folder: a later run of the same graphs (a resume:
+    steps and checkpoints are host-only) loads them from the suite's shared cache, not compiling."""
+    from ms_llm.mindspore.compile_cache import RUN_ENV, job_cache
+    from ms_llm.run import RunFolder
+
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(yaml.safe_dump(job))
+    env = dict(os.environ, **{RUN_ENV: str(job_cache(RunFolder(run), 1))})
     proc = subprocess.run([sys.executable, "-m", "ms_llm.mindspore.worker", "--run-dir", str(run)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
