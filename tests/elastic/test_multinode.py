@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ms_llm.nodes import free_port
 from ms_llm.processes import descendants
@@ -22,6 +23,18 @@ from ms_llm.run.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600                     # a bound on each wait, not a speed requirement
 NODE = ["--nnodes", "2", "--master-addr", "127.0.0.1"]
+# The configs' jobs with a smaller model: the launch, not the model, is what two nodes change.
+MODEL = dict(name="tiny_nodes", vocab_size=320, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+             ffn_hidden_size=64, max_seq_len=32, dtype="float32")
+
+
+def small(config: str, tmp: Path) -> str:
+    """`config` with MODEL and 16-token sequences, written to `tmp`."""
+    job = yaml.safe_load((ROOT / config).read_text())
+    job["model"], job["train"]["seq_len"] = MODEL, 16
+    path = tmp / Path(config).name
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
 
 
 def start(config: str, run: Path, name: str, *flags: str) -> subprocess.Popen:
@@ -65,6 +78,7 @@ def outputs(tmp: Path) -> str:
 def test_two_nodes_train_like_one(tmp_path, config):
     if "ms_dp2" in config:
         pytest.importorskip("mindspore")
+    config = small(config, tmp_path)
     one, two = tmp_path / "one", tmp_path / "two"
     assert finish([start(config, one, "one")]) == [0], outputs(tmp_path)
     port = str(free_port())
