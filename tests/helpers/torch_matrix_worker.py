@@ -34,12 +34,14 @@ from torch_backend.state import training_state
 from torch_backend.step import TrainStep
 from torch_backend.weights import canonical_name
 
-MODEL = dict(name="matrix", vocab_size=264, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+MODEL = dict(name="matrix", vocab_size=264, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=64, max_seq_len=32, dtype="float32")
 # Cases named qwen_*: the same model with Qwen's extra parameters (q/k/v biases, q/k norms per head)
 # and a head_dim apart from hidden / heads.
 QWEN = dict(MODEL, name="matrix_qwen", qkv_bias=True, qk_norm=True, head_dim=16)
-STEPS = 4
+# Cases named deep_* and the virtual-stage schedules (pp x virtual_stages = 4 chunks, a layer each).
+DEEP = dict(MODEL, name="matrix_deep", num_layers=4)
+STEPS = 3                  # the losses of steps 2 and 3 follow an update each; parameters after the third
 FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
 NATIVE, SHARED = {"engine": "native"}, {"engine": "shared"}
 
@@ -49,6 +51,7 @@ CASES: dict[str, tuple[int, dict, str]] = {
     "ref": (1, {}, "sgd"),
     "ref_adamw": (1, {}, "adamw"),
     "qwen_ref": (1, {}, "sgd"),
+    "deep_ref": (1, {}, "sgd"),
     "compile_selective": (1, {"recompute": {"policy": "selective"}}, "sgd"),     # train.compile: true
     "dp2": (2, {"dp": 2, "zero": NATIVE}, "sgd"),
     "dp2_adamw": (2, {"dp": 2, "zero": NATIVE}, "adamw"),
@@ -108,12 +111,21 @@ CASES: dict[str, tuple[int, dict, str]] = {
 }
 
 
+def model_for(case: str) -> dict:
+    strategy = CASES[case][1]
+    if case.startswith("qwen"):
+        return QWEN
+    if case.startswith("deep") or strategy.get("pipeline", {}).get("virtual_stages", 1) > 1:
+        return DEEP
+    return MODEL
+
+
 def job_for(case: str):
     world, strategy, opt = CASES[case]
     lr = 0.5 if opt == "sgd" else 1e-2
     compile = case.startswith("compile")
     return job_from_dict({
-        "name": case, "device": "cpu", "model": QWEN if case.startswith("qwen") else MODEL,
+        "name": case, "device": "cpu", "model": model_for(case),
         "strategy": {**strategy, "precision": FP32},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "steps": STEPS, "seed": 7,
                   "compile": compile,
@@ -232,4 +244,5 @@ def main(argv: list[str], run=None) -> None:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)      # as torchrun sets for W > 1: a world-1 run's idle OpenMP threads only spin
     main(sys.argv[1:])
