@@ -13,9 +13,8 @@ rank holding lm_head and the MTP modules may set the pace.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import TypeVar, Union
+from typing import NamedTuple, TypeVar, Union
 
 from ms_llm.config.model import DTYPE_BYTES, ModelConfig
 from ms_llm.config.train import TrainConfig
@@ -310,7 +309,7 @@ def communication(plan: Union[ModelPlan, CostShape]) -> CommVolume:
         vol["tp"] = per_layer * layers * mb * 2 * (s.tp - 1) / s.tp * a
         kind["tp"] = "all-gather + reduce-scatter (sequence parallel)" if s.sequence_parallel else "all-reduce"
     if s.cp > 1:
-        vol["cp"], kind["cp"] = _cp_volume(plan, tokens, act, layers * mb)
+        vol["cp"], kind["cp"] = _cp_volume(plan)
     if s.pp > 1:
         boundary = tokens * m.hidden_size * act / (s.tp if s.sequence_parallel else 1)
         vol["pp"] = 2 * boundary * mb * s.pipeline.virtual_stages
@@ -360,10 +359,13 @@ def expert_volume(plan: CostShape, tokens: float, act: float) -> dict[str, tuple
     return out
 
 
-def _cp_volume(plan: CostShape, tokens: float, act: float, layer_passes: int) -> tuple[float, str]:
-    """Bytes a rank sends over cp for `layer_passes` layer forward+backward passes of `tokens`
-    local tokens, and what carries them."""
-    s, m = plan.strategy, plan.model
+def _cp_volume(plan: CostShape) -> tuple[float, str]:
+    """Bytes a rank sends over cp per step (a forward and backward pass of its busiest pipeline rank's
+    layers per micro-batch), and what carries them."""
+    s, m, t = plan.strategy, plan.model, plan.train
+    act = DTYPE_BYTES[s.precision.compute_dtype]
+    tokens = t.micro_batch_size * t.seq_len / s.cp                  # per micro-batch per rank
+    layer_passes = max(st.layers + st.mtp_layers for st in plan.stages) * plan.micro_batches
     cp, algorithm = s.cp, cp_algorithm(plan)
     q_width, k_width, v_width, out_width = attention_widths(m)
     kv = tokens * (k_width + v_width) / s.tp * act         # this rank's K and V
@@ -409,11 +411,19 @@ def priced_cp_algorithm(shape: CostShape, device: DeviceSpec, backend_runs: tupl
             memories[gathered] = memory(priced)
         options.append((algorithm, priced, memories[gathered]))
     any_fits = any(mem.total <= device.memory_bytes for _, _, mem in options)
-    best = None
+    best = comm = None
+    time = _compute_time(shape, device)           # the algorithms share it, and all but cp's traffic
     for algorithm, priced, mem in options:
         if any_fits and mem.total > device.memory_bytes:
             continue
-        est = estimate(priced, device, mem)
+        if comm is None:
+            comm = communication(priced)
+        else:
+            volume = dict(comm.bytes_by_axis)
+            collective = dict(comm.collective_by_axis)
+            volume["cp"], collective["cp"] = _cp_volume(priced)
+            comm = CommVolume(volume, collective)
+        est = _estimate(priced, device, mem, comm, time)
         key = (not est.fits, est.step_s, est.memory.total)
         if best is None or key < best[0]:
             best = (key, algorithm, est)
@@ -433,10 +443,24 @@ def cp_algorithms(model: ModelConfig, s: ParallelStrategy, train: TrainConfig) -
 def _group_bandwidth(plan: CostShape, axis: str, device: DeviceSpec) -> float:
     """Intra-node links if the whole group fits in one node, else the network."""
     s = plan.strategy
-    inner = {"tp": 1, "cp": s.tp, "dp_cp": s.tp, "edp": s.ep * s.etp, "ep": s.etp, "etp": 1,
-             "pp": s.tp * s.cp * s.dp}[axis]
-    span = inner * {"tp": s.tp, "cp": s.cp, "dp_cp": s.dp * s.cp, "edp": s.edp,
-                    "ep": s.ep, "etp": s.etp, "pp": 2}[axis]
+    # Ranks the group spans: the ranks inside one of its members (the mesh is tp innermost, then cp,
+    # dp, pp; the experts' etp, ep, edp) times its size.
+    if axis == "tp":
+        span = s.tp
+    elif axis == "cp":
+        span = s.tp * s.cp
+    elif axis == "dp_cp":
+        span = s.tp * (s.dp * s.cp)
+    elif axis == "edp":
+        span = s.ep * s.etp * s.edp
+    elif axis == "ep":
+        span = s.etp * s.ep
+    elif axis == "etp":
+        span = s.etp
+    elif axis == "pp":
+        span = s.tp * s.cp * s.dp * 2
+    else:
+        raise KeyError(axis)
     return device.intra_node_bw if span <= device.devices_per_node else device.inter_node_bw
 
 
@@ -446,26 +470,46 @@ def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return _work_per_token(m, seq_len)[0]
 
 
-@functools.lru_cache(maxsize=64)
+# (id(model), seq_len) -> (model, _work_per_token): looked up by identity, since hashing a ModelConfig
+# costs as much as the rest of an estimate's compute time; the entry keeps its model, so the id stays its own.
+_WORK: dict[tuple[int, int], tuple[ModelConfig, tuple[float, float]]] = {}
+
+
 def _work_per_token(m: ModelConfig, seq_len: int) -> tuple[float, float]:
     """(model_flops_per_token, attention's share of ModelConfig.flops_per_token): a sum over the layers
     that every strategy of a search shares, so it is counted once per model and sequence length."""
-    flops = m.flops_per_token(seq_len)
-    return flops + 6.0 * m.vocab_size * m.hidden_size * m.mtp_layers, 6.0 * m.num_layers * m.hidden_size * seq_len / flops
+    hit = _WORK.get((id(m), seq_len))
+    if hit is None or hit[0] is not m:
+        flops = m.flops_per_token(seq_len)
+        work = flops + 6.0 * m.vocab_size * m.hidden_size * m.mtp_layers, 6.0 * m.num_layers * m.hidden_size * seq_len / flops
+        if len(_WORK) >= 64:
+            _WORK.clear()
+        hit = _WORK[(id(m), seq_len)] = (m, work)
+    return hit[1]
 
 
-def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec,
-             mem: Union[MemoryBreakdown, None] = None) -> StepEstimate:
-    """`mem`: memory(plan), when the caller has it already (the search checks the fit first)."""
-    plan = _shape(plan)
+class _ComputeTime(NamedTuple):
+    tokens_per_step: int
+    model_flops: float
+    attention_share: float
+    compute: float                     # seconds
+    bubble: float                      # seconds
+
+
+def _compute_time(plan: CostShape, device: DeviceSpec) -> _ComputeTime:
+    """A step's compute and pipeline bubble: what the memory and traffic of a shape (its ZeRO stage,
+    its cp algorithm) do not change."""
     s, m, t = plan.strategy, plan.model, plan.train
-    mem = memory(plan) if mem is None else mem
-    comm = communication(plan)
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_per_token, attention_share = _work_per_token(m, t.seq_len)
     model_flops = flops_per_token * tokens_per_step
-    n_full = plan.recomputed_layers("full") / m.num_layers
-    n_sel = plan.recomputed_layers("selective") / m.num_layers
+    recomputed = dict.fromkeys(("full", "selective"), 0)
+    for st in plan.stages:
+        for mode, n in st.recompute:
+            if mode in recomputed:
+                recomputed[mode] += n
+    n_full = recomputed["full"] / m.num_layers
+    n_sel = recomputed["selective"] / m.num_layers
     recompute_factor = 1 + n_full / 3 + n_sel * attention_share / 3
     # The pipeline runs at the pace of its busiest rank: the one with lm_head and the MTP modules
     # unless the layer split makes up for them (1 when pp = 1).
@@ -481,7 +525,21 @@ def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec,
             bubble_fraction /= 3
         elif s.pipeline.schedule == "zbv":
             bubble_fraction /= 6
-    bubble = compute * bubble_fraction
+    return _ComputeTime(tokens_per_step, model_flops, attention_share, compute, compute * bubble_fraction)
+
+
+def estimate(plan: Union[ModelPlan, CostShape], device: DeviceSpec,
+             mem: Union[MemoryBreakdown, None] = None) -> StepEstimate:
+    """`mem`: memory(plan), when the caller has it already (the search checks the fit first)."""
+    plan = _shape(plan)
+    mem = memory(plan) if mem is None else mem
+    return _estimate(plan, device, mem, communication(plan), _compute_time(plan, device))
+
+
+def _estimate(plan: CostShape, device: DeviceSpec, mem: MemoryBreakdown, comm: CommVolume,
+              time: _ComputeTime) -> StepEstimate:
+    s = plan.strategy
+    tokens_per_step, model_flops, attention_share, compute, bubble = time
     exposed = {}
     # The gradient reductions (dense over dp x cp, then experts over edp) share one window under backward.
     overlap = 0.8 * compute * (1.0 if s.zero.stage == 3 else 2 / 3)
