@@ -2,7 +2,7 @@
 
 One torchrun launch per world size runs every case (tests/helpers/fp16_torch_worker.py) three times:
 fp32, fp16 (scale 65536), fp16 from a scale of 2**20. Checked: fp16 follows the fp32 losses
-(measured: at most 5.6e-4 apart over 6 AdamW steps on any engine); a step whose gradients
+(measured: at most 3.1e-4 apart over 6 AdamW steps on any engine); a step whose gradients
 overflow is skipped on every rank alike, halves the scale and changes no weight, moment or
 optimizer step count, and the run then trains.
 """
@@ -21,7 +21,7 @@ from torch_backend.launch import torchrun
 from fp16_torch_worker import CASES, HUGE, OVERFLOW_STEPS, STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
-LOSS_TOL = 2e-3           # fp16 vs fp32 loss, any step; measured <= 5.6e-4
+LOSS_TOL = 2e-3           # fp16 vs fp32 loss, any step; measured <= 3.1e-4
 pytestmark = pytest.mark.slow
 
 
@@ -35,7 +35,8 @@ def results(tmp_path_factory):
     def folder(world: int) -> Path:
         if world not in done:
             cases = [c for c, (w, _) in CASES.items() if w == world]
-            cmd = [*torchrun(world), str(ROOT / "tests" / "helpers" / "fp16_torch_worker.py"), str(tokens), str(out), *cases]
+            worker = ROOT / "tests" / "helpers" / "fp16_torch_worker.py"
+            cmd = [*torchrun(world), str(worker), str(tokens), str(out), *cases]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
             done.add(world)
