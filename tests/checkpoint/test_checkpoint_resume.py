@@ -27,11 +27,11 @@ FP32 = {"param_dtype": "float32", "compute_dtype": "float32"}
 
 
 def _job(tmp: Path, name: str, tokens: Path, strategy: dict, interval: int, load: str = "",
-         model: dict = MODEL) -> Path:
+         model: dict = MODEL, micro_batch_size: int = 2) -> Path:
     job = {"name": name, "backend": "torch", "device": "cpu", "model": model,
            "strategy": {**strategy, "precision": FP32},
-           "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "steps": 6, "seed": 7,
-                     "log_every": 1, "optimizer": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+           "train": {"global_batch_size": 8, "micro_batch_size": micro_batch_size, "seq_len": 16, "steps": 6,
+                     "seed": 7, "log_every": 1, "optimizer": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.01},
                      "schedule": {"warmup_steps": 2, "decay": "constant"},   # --steps then only stops early
                      "data": {"source": str(tokens)},
                      "checkpoint": {"interval": interval, "keep_last": 5, "load": load}}}
@@ -127,13 +127,16 @@ def test_torch_to_mindspore_to_torch_resume(reference, zero_stage):
     """MindSpore (2 msrun workers; its GRAPH step, or the shared ZeRO engine at stage 3 with its
     per-layer gathers in PyNative) continues the torch run from its step-3 checkpoint for one step
     and saves at step 4; torch runs steps 5 and 6 from that, so the weights and the AdamW moments
-    MindSpore read and wrote are both on the torch curve: every loss on the torch curve."""
+    MindSpore read and wrote are both on the torch curve: every loss on the torch curve. MindSpore
+    takes each rank's 4 rows as one micro-batch (torch: two of 2), which halves its graph and its
+    PyNative step; the data and the loss are the same."""
     pytest.importorskip("mindspore")
     tmp, tokens, ref_run, ref = reference
     load = str(ref_run / "checkpoints" / "step_00000003")
     ms_run = tmp / f"ms_resume{zero_stage}"
-    ms_losses = _train(_job(tmp, f"ms_resume{zero_stage}", tokens, {"dp": 2, "zero": {"stage": zero_stage}}, 4, load),
-                       ms_run, 4, backend="mindspore")
+    ms_job = _job(tmp, f"ms_resume{zero_stage}", tokens, {"dp": 2, "zero": {"stage": zero_stage}}, 4, load,
+                  micro_batch_size=4)
+    ms_losses = _train(ms_job, ms_run, 4, backend="mindspore")
     assert sorted(ms_losses) == [4]
     assert ms_losses[4] == pytest.approx(ref[4], abs=1e-5)
     saved = ms_run / "checkpoints" / "step_00000004"
