@@ -22,7 +22,7 @@ from ms_llm.strategy.devices import DEVICES, DeviceSpec
 from ms_llm.strategy.ir import CP_ALGORITHMS, ContextParallelSpec, ParallelStrategy
 from ms_llm.strategy.plan import ModelPlan
 # CostShape and its two builders live in shape.py; the search and the tests import them from here.
-from ms_llm.strategy.shape import CostShape, cost_shape, mtp_embedding_copy, shape_of, stage_flops_per_token
+from ms_llm.strategy.shape import CostShape, StageShape, cost_shape, mtp_embedding_copy, shape_of, stage_flops_per_token
 
 ADAM_STATE_BYTES = 8       # m and v in fp32
 _CP_SPECS = {a: ContextParallelSpec(algorithm=a) for a in CP_ALGORITHMS}
@@ -216,15 +216,26 @@ def memory(plan: Union[ModelPlan, CostShape]) -> MemoryBreakdown:
     per_token_layer = _PerTokenLayer(shape)
     best = previous = None
     for stage, st in enumerate(shape.stages):
-        # A stage shaped like the one before it holds no more micro-batches in flight, so it cannot
-        # be busier (nor, on a tie, come first): price a run of equal stage shapes once.
-        if st == previous:
-            continue
+        # A later stage holds no more micro-batches in flight (_in_flight), so one no bigger than the
+        # stage before it cannot be busier (nor, on a tie, come first): price only the others.
+        skip = previous is not None and _no_bigger(st, previous)
         previous = st
+        if skip:
+            continue
         mb = _stage_memory(shape, stage, per_token_layer)
         if best is None or mb.total > best.total:
             best = mb
     return best
+
+
+def _no_bigger(st: StageShape, than: StageShape) -> bool:
+    """Whether every term of _stage_memory but the micro-batches in flight is at most `than`'s:
+    no more dense or expert parameters, the same layers' recompute modes and MTP modules (so the
+    same activations per micro-batch and ZeRO-3 gather), a head only if `than` has one."""
+    return (st.recompute == than.recompute and st.mtp_layers == than.mtp_layers
+            and (st.moe_layers > 0) == (than.moe_layers > 0) and st.has_head <= than.has_head
+            and st.expert_params <= than.expert_params
+            and st.params - st.expert_params <= than.params - than.expert_params)
 
 
 def stage_memory(plan: Union[ModelPlan, CostShape], stage: int) -> MemoryBreakdown:
