@@ -1,6 +1,7 @@
 """Strategy search: what it returns is valid and priced like a full plan, its pruning loses nothing,
 and published configurations (read from their own formats) validate and rank near the top."""
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -58,12 +59,42 @@ def test_pruned_search_matches_trying_every_policy():
     assert best.estimate.step_s == min(c.estimate.step_s for c in exhaustive)
 
 
+# The bench's search (bench/search_strategy.py), its ten fastest as the cost model ranked them before the
+# search's prunings: (dp, zero, tp, sp, pp, vpp, micro-batches, cp, cp algorithm, micro-batch size,
+# recompute), step seconds. The eighth and ninth tie exactly (step, bytes moved and memory) and keep
+# enumeration order. RANKING_70B_1024_H100: sha256 of all 4102 ranked, one repr((degrees, step seconds,
+# memory bytes)) a line. A deliberate change to the cost model updates both.
+TOP_70B_1024_H100 = [
+    ((32, 1, 2, True, 4, 5, 32, 4, "ring", 1, "none"), 3.107355520068989),
+    ((32, 1, 2, True, 4, 4, 32, 4, "ring", 1, "none"), 3.1102295652239897),
+    ((16, 1, 1, False, 8, 5, 64, 8, "ring", 1, "none"), 3.1252351898259794),
+    ((32, 1, 2, False, 4, 4, 32, 4, "ring", 1, "none"), 3.1531792381839896),
+    ((32, 1, 2, True, 4, 2, 32, 4, "ring", 1, "none"), 3.156812045718992),
+    ((16, 1, 1, False, 8, 2, 64, 8, "ring", 1, "none"), 3.157474981584062),
+    ((32, 1, 2, False, 4, 5, 32, 4, "ring", 1, "none"), 3.161042611268989),
+    ((64, 1, 2, True, 4, 5, 16, 2, "ring", 1, "none"), 3.161801373648991),
+    ((32, 1, 2, True, 4, 5, 16, 4, "ring", 2, "none"), 3.161801373648991),
+    ((64, 1, 2, True, 4, 4, 16, 2, "ring", 1, "none"), 3.178286882198992),
+]
+RANKING_70B_1024_H100 = "214f485c1a020accb45d3dcd898504b39fe9816e9c1cfb92362eed76f20fe141"
+
+
 def test_70b_on_1024_devices():
+    """The bench's search: every count and the ten fastest strategies, bit for bit, as they were
+    before the search stopped pricing what cannot fit or win (memory first, one estimate per cp
+    algorithm pick, stages no bigger than the one before skipped)."""
     model = load_section("model", "llama2_70b")
     result = search(model, TrainConfig(global_batch_size=1024, seq_len=4096), 1024, get_device("h100"))
-    assert len(result.ranked) > 1000
-    top = result.ranked[0].strategy
-    assert top.dp * top.tp * top.pp * top.cp == 1024
+    assert (result.enumerated, result.priced, result.invalid, result.too_big, len(result.ranked)) == \
+        (5888, 8045, 1148, 638, 4102)
+    ranked = [((s.dp, s.zero.stage, s.tp, s.sequence_parallel, s.pp, s.pipeline.virtual_stages,
+                s.pipeline.micro_batches, s.cp, s.context_parallel.algorithm, c.train.micro_batch_size,
+                s.recompute.policy), c.estimate.step_s, c.estimate.memory.total)
+              for c in result.ranked for s in [c.strategy]]
+    assert [(degrees, step) for degrees, step, _ in ranked[:10]] == TOP_70B_1024_H100
+    assert hashlib.sha256("\n".join(map(repr, ranked)).encode()).hexdigest() == RANKING_70B_1024_H100
+    best = result.ranked[0]
+    assert estimate(plan(model, best.strategy, best.train, 1024), get_device("h100")) == best.estimate
 
 
 def _rank_published(path, **options):
