@@ -18,6 +18,9 @@ sys.path[:0] = [str(ROOT), str(HELPERS)]
 # Subprocesses (torchrun / msrun workers) import this checkout too, not another install.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HELPERS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 os.environ.setdefault("TMPDIR", str(ROOT / ".tmp"))
+# One OpenMP thread per process, as torchrun sets for several processes per node: the suite runs
+# four pytest workers and their launches on a few cores, where idle OpenMP threads only spin.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 (ROOT / ".tmp").mkdir(exist_ok=True)
 
 # The files that start several processes, longest first (`pytest --durations`): handed out in this
