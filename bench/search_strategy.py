@@ -33,7 +33,8 @@ def main() -> None:
         cpu = time.process_time()
         result = search(model, train, 1024, device)
         runs.append((result.seconds, time.process_time() - cpu))
-    wall, cpu = min(runs)
+    # Each the least of the runs: on a shared machine CPU time is the figure to compare, wall time waits.
+    wall, cpu = min(w for w, _ in runs), min(c for _, c in runs)
     print(f"search llama2_70b on 1024 x h100: {result.enumerated} strategies, {result.priced} priced, "
           f"{len(result.ranked)} fit; best of {args.runs} runs {wall:.2f} s wall, {cpu:.2f} s CPU "
           f"({1e6 * cpu / result.priced:.0f} us CPU per priced strategy)")
