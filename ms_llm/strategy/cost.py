@@ -415,7 +415,8 @@ def priced_cp_algorithm(shape: CostShape, device: DeviceSpec, backend_runs: tupl
     s = shape.strategy
     options = []
     memories: dict[bool, MemoryBreakdown] = {}
-    for algorithm in (a for a in backend_runs if a in cp_algorithms(shape.model, s, shape.train)):
+    allowed = cp_algorithms(shape.model, s, shape.train)
+    for algorithm in (a for a in backend_runs if a in allowed):
         priced = replaced(shape, strategy=replaced(s, context_parallel=_CP_SPECS[algorithm]))
         gathered = keeps_gathered_kv(algorithm)
         if gathered not in memories:

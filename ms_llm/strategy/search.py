@@ -6,11 +6,14 @@ ZeRO stage x tensor parallel (with and without sequence parallel) x pipeline par
 interleaved with v virtual stages) x micro-batch size (hence micro-batches) x context parallel x
 recompute, and for MoE models expert parallel x expert tensor parallel (etp = tp, experts split
 like the dense MLP, or 1, whole experts with ep folded over tp too), keeps what validate()
-accepts and what fits in device memory, and ranks it by the cost model's step time. Two prunings keep it fast and lose nothing the ranking would show:
+accepts and what fits in device memory, and ranks it by the cost model's step time. These keep it
+fast and lose nothing the ranking would show (tests/strategy/test_search.py pins the 70B ranking):
 
 - recompute is tried none -> selective -> full and the first that fits is kept: recomputing more
   only adds compute (and, for full, tensor-parallel traffic), so it is never faster;
-- each point is priced from its CostShape (cost.shape_of), not a full per-tensor ModelPlan.
+- each point is priced from its CostShape (cost.shape_of), not a full per-tensor ModelPlan;
+- memory comes first: a point (or, when cp picks its algorithm, an algorithm) that does not fit is
+  not priced further, and the cp pick hands back its winner's estimate rather than pricing it again.
 """
 from __future__ import annotations
 
