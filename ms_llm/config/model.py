@@ -103,6 +103,9 @@ class MoEConfig:
     capacity_factor: float = spec(-1.0, "Tokens an expert takes per step = capacity_factor x tokens x top_k / "
                                         "num_experts, the rest dropped (GShard); -1 = dropless.",
                                   ge=-1.0, le=1024.0)
+    use_gmm: bool = spec(False, "MindSpore on Ascend: dropless dispatch by sorting the token copies by expert and "
+                                "running the experts as GroupedMatmul (MindFormers' moe_config.use_gmm, MoEV3) instead "
+                                "of worst-case capacity; needs capacity_factor -1. Ignored by the torch backend.")
     aux_loss_coeff: float = spec(0.01, "Load-balancing loss weight (Switch: num_experts x sum_e f_e P_e, "
                                        "1.0 when balanced), per MoE layer.", ge=0.0, le=1e3)
     z_loss_coeff: float = spec(0.0, "Router z-loss weight (ST-MoE: mean logsumexp(router logits)^2).",
@@ -137,6 +140,9 @@ class MoEConfig:
         if self.capacity_factor != -1.0 and self.capacity_factor <= 0:
             raise ConfigError(f"model.moe.capacity_factor: got {self.capacity_factor}; use a positive factor, "
                               "or -1 for a dropless router")
+        if self.use_gmm and self.capacity_factor != -1.0:
+            raise ConfigError(f"model.moe.use_gmm: the GroupedMatmul path is dropless, capacity_factor "
+                              f"{self.capacity_factor} would be ignored; set capacity_factor -1 or use_gmm false")
         if self.num_experts % self.num_groups:
             raise ConfigError(f"model.moe.num_groups: {self.num_groups} must divide model.moe.num_experts="
                               f"{self.num_experts}")

@@ -24,6 +24,11 @@ beside token-split scores, group-limited top-k, the scores gathered at the choic
 routed_scaling_factor, the sequence-wise loss per sequence split like the tokens) is token-parallel the
 same way, as MindFormers 2.1's DeepSeek-V3 TopKRouter; the expert loads are summed over the tokens, so
 every rank holds the same loads and moves its biases alike.
+
+With moe.use_gmm (dropless by sorting, moe.py) the sort, the gathers and the combine are
+token-parallel over the groups as MoEV3 shards them ((dp*mp, 1, ...), compared in
+test_ms_oracle.py for ep2 and ep4). Its expert stage, a Morph whose AlltoAllV over ep moves each
+rank's sorted copies to their experts' ranks, is not lowered: support.py runs use_gmm on one device.
 """
 from __future__ import annotations
 
@@ -110,14 +115,51 @@ def moe_ops(plan: ModelPlan, layer: str) -> list[OpShard]:
     def grouped(*shape: int) -> TensorLayout:                           # (G, ...): one group per edp x ep position
         return TensorLayout.build((g, *shape), em, edp=0, ep=0)
 
-    rows = TensorLayout.build((e, g * c, h), em, ep=0, edp=1)           # expert rows: E over ep, groups over edp
-    hidden = TensorLayout.build((e, g * c, f), em, ep=0, edp=1, etp=2)  # expert SwiGLU hidden, its width over etp
     w = {proj: params[f"{p}experts.{proj}.weight"].layout for proj in ("gate_proj", "up_proj", "down_proj")}
-    copies = grouped(n * k, e)
     ops = [op_shard(p + "gate.matmul", [flat, params[p + "gate.weight"].layout]),
            op_shard(p + "softmax", [tok(e)]), op_shard(p + "topk", [tok(e)]),
            op_shard(p + "sum_top", [tok(k)]), op_shard(p + "div", [tok(k), tok(1)]),
-           op_shard(p + "one_hot", [tok(k, e), None, None]),
+           op_shard(p + "one_hot", [tok(k, e), None, None])]
+    ops += _sorted_ops(p, grouped, n, k, e, h) if m.moe.use_gmm else _capacity_ops(p, grouped, em, n, k, e, h, f, c, w)
+    r = p + "router_losses."
+    ops += [op_shard(r + "sum_copies", [tok(k, e)]), op_shard(r + "mean_tokens", [tok(e)]),
+            op_shard(r + "mul", [whole, whole]), op_shard(r + "sum_experts", [whole]),
+            op_shard(r + "max", [tok(e)]), op_shard(r + "sub", [tok(e), tok(1)]), op_shard(r + "exp", [tok(e)]),
+            op_shard(r + "sum", [tok(e)]), op_shard(r + "log", [tok()]), op_shard(r + "add", [tok(), tok()]),
+            op_shard(r + "square", [tok()]), op_shard(r + "mean", [tok()])]
+    ops += _deepseek_ops(plan, p, tok, whole)
+    if m.moe.shared_experts:      # a dense SwiGLU of its own width, laid out as the dense MLP
+        s, mh = p + "shared_experts.", a["mlp_hidden"]
+        hidden = TensorLayout(mh.shape[:-1] + (m.moe.shared_experts * f,), mh.mesh, mh.placements, mh.order)
+        ops += [op_shard(f"{s}{proj}.matmul", [flat_tokens(a["mlp_input"]), params[f"{s}{proj}.weight"].layout])
+                for proj in ("gate_proj", "up_proj")]
+        ops += [op_shard(s + "sigmoid", [hidden]), op_shard(s + "silu_mul", [hidden, hidden]), op_shard(s + "mul", [hidden, hidden]),
+                op_shard(s + "down_proj.matmul", [flat_tokens(hidden), params[s + "down_proj.weight"].layout],
+                    flat_tokens(a["hidden"])),
+                op_shard(p + "add", [a["hidden"], a["hidden"]])]
+    return ops
+
+
+def _sorted_ops(p: str, grouped, n: int, k: int, e: int, h: int) -> list[OpShard]:
+    """use_gmm's sort, dispatch and combine, per token group (MoEV3's _tensor_sort / _tensor_unsort)."""
+    return [op_shard(p + "transpose_ids", [grouped(n, k)]), op_shard(p + "sort", [grouped(k * n)]),
+            op_shard(p + "mod", [grouped(k * n), None]),
+            op_shard(p + "gather_sort", [grouped(n, h), grouped(k * n)]),
+            op_shard(p + "sum_counts", [grouped(n * k, e)]), op_shard(p + "sort_back", [grouped(k * n)]),
+            op_shard(p + "transpose_unsort", [grouped(k, n)]),
+            op_shard(p + "gather_unsort", [grouped(k * n, h), grouped(n, k)]),
+            op_shard(p + "mul_combine", [grouped(n, k, h), grouped(n, k, 1)]),
+            op_shard(p + "sum_copies", [grouped(n, k, h)])]
+
+
+def _capacity_ops(p: str, grouped, em, n: int, k: int, e: int, h: int, f: int, c: int,
+                  w: dict[str, TensorLayout]) -> list[OpShard]:
+    """Capacity dispatch, the experts' BatchMatMuls and combine, per token group."""
+    g = grouped().shape[0]
+    copies = grouped(n * k, e)
+    rows = TensorLayout.build((e, g * c, h), em, ep=0, edp=1)           # expert rows: E over ep, groups over edp
+    hidden = TensorLayout.build((e, g * c, f), em, ep=0, edp=1, etp=2)  # expert SwiGLU hidden, its width over etp
+    return [
            # capacity, per group: queue places in token order, the kept copies, their slots
            op_shard(p + "cumsum", [copies]), op_shard(p + "less_equal", [copies, None]),
            op_shard(p + "mul_kept", [copies, copies]), op_shard(p + "sub_priority", [None, copies]),
@@ -139,20 +181,3 @@ def moe_ops(plan: ModelPlan, layer: str) -> list[OpShard]:
            op_shard(p + "combine", [grouped(e * c, h), grouped(n * k)]),
            op_shard(p + "mul_combine", [grouped(n * k, h), grouped(n * k, 1)]),
            op_shard(p + "sum_copies", [grouped(n, k, h)])]
-    r = p + "router_losses."
-    ops += [op_shard(r + "sum_copies", [tok(k, e)]), op_shard(r + "mean_tokens", [tok(e)]),
-            op_shard(r + "mul", [whole, whole]), op_shard(r + "sum_experts", [whole]),
-            op_shard(r + "max", [tok(e)]), op_shard(r + "sub", [tok(e), tok(1)]), op_shard(r + "exp", [tok(e)]),
-            op_shard(r + "sum", [tok(e)]), op_shard(r + "log", [tok()]), op_shard(r + "add", [tok(), tok()]),
-            op_shard(r + "square", [tok()]), op_shard(r + "mean", [tok()])]
-    ops += _deepseek_ops(plan, p, tok, whole)
-    if m.moe.shared_experts:      # a dense SwiGLU of its own width, laid out as the dense MLP
-        s, mh = p + "shared_experts.", a["mlp_hidden"]
-        hidden = TensorLayout(mh.shape[:-1] + (m.moe.shared_experts * f,), mh.mesh, mh.placements, mh.order)
-        ops += [op_shard(f"{s}{proj}.matmul", [flat_tokens(a["mlp_input"]), params[f"{s}{proj}.weight"].layout])
-                for proj in ("gate_proj", "up_proj")]
-        ops += [op_shard(s + "sigmoid", [hidden]), op_shard(s + "silu_mul", [hidden, hidden]), op_shard(s + "mul", [hidden, hidden]),
-                op_shard(s + "down_proj.matmul", [flat_tokens(hidden), params[s + "down_proj.weight"].layout],
-                    flat_tokens(a["hidden"])),
-                op_shard(p + "add", [a["hidden"], a["hidden"]])]
-    return ops

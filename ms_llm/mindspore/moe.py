@@ -26,10 +26,15 @@ are where MindSpore puts the all-to-all over ep, as around MindFormers' transpos
 
 Dropless (capacity_factor -1) is C = n: every expert has a slot for every token of its group, the
 worst case of capacity dispatch, exact, at E / top_k times the expert FLOPs of the routed copies
-(the cost of running every expert over every token). Static shapes cannot drop nothing for less:
-MindSpore 2.10's GroupedMatmul, which MindFormers' dropless path uses, has only an Ascend kernel
-(kernel selection refuses it on CPU), so it is not used here; set a capacity factor for sparse
-compute.
+(the cost of running every expert over every token). moe.use_gmm drops nothing for less, as
+MindFormers' MoEV3 (use_gmm): per group, the n*k copies (choice-major) are sorted by expert id, a
+Gather brings the tokens in that order, the copies per expert are counted, and GroupedExperts runs
+each expert's consecutive rows through its three projections with GroupedMatmul (group_list = the
+running count); a second sort (of the sort map) gives each copy its row, and a Gather by it brings
+the outputs back to (n, k), weighted and summed as above. GroupedMatmul has only an Ascend kernel
+(MindSpore 2.10 refuses it on CPU), so support.py refuses use_gmm elsewhere; GroupedExperts'
+`matmul` is the one swappable piece (tests/mindspore/test_ms_moe_gmm.py checks the index math on
+CPU with an exact per-group matmul in its place).
 
 Every computation is a Primitive attribute, so the lowering shards each one. The router losses
 (Switch load balancing, z-loss, DeepSeek-V3's sequence-wise loss) are returned beside the output
@@ -77,6 +82,44 @@ class Experts(nn.Cell):
         gate = self.bmm_gate(x, self.gate_proj.weight)                           # (E, M, F)
         h = self.mul(self.silu_mul(gate, self.sigmoid(gate)), self.bmm_up(x, self.up_proj.weight))
         return self.bmm_down(h, self.down_proj.weight)                           # (E, M, H)
+
+
+class GroupedMatmul(nn.Cell):
+    """x (M, in) rows sorted by expert, w (E, out, in), group_list (E,) int64 running row counts ->
+    (M, out): rows group_list[e-1]:group_list[e] times w[e]^T. MindSpore's GroupedMatmul, Ascend only."""
+
+    def __init__(self):
+        super().__init__()
+        self.gmm = ops.auto_generate.GroupedMatmul(split_item=3, group_type=0, transpose_b=True)
+
+    def construct(self, x, w, group_list):
+        return self.gmm([x], [w], None, None, None, None, None, group_list)[0]
+
+
+class GroupedExperts(nn.Cell):
+    """Dropless experts on each token group's copies sorted by expert: (G, M, H) rows and (G, E) copies per
+    expert -> (G, M, H), SwiGLU per expert, one grouped matmul per projection and group (MoEV3's FFN; the
+    same weights as Experts)."""
+
+    def __init__(self, experts: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = StackedLinear(experts, width, hidden)
+        self.up_proj = StackedLinear(experts, width, hidden)
+        self.down_proj = StackedLinear(experts, hidden, width)
+        self.matmul = GroupedMatmul()
+        self.cumsum = ops.CumSum()                           # group_list: the end row of each expert
+        self.sigmoid = ops.Sigmoid()
+        self.silu_mul = ops.Mul()
+        self.mul = ops.Mul()
+
+    def construct(self, x, counts):
+        group_lists = self.cumsum(counts, 1).astype(ms.int64)                   # (G, E): each expert's end row
+        return ops.stack([self.swiglu(x[i], group_lists[i]) for i in range(x.shape[0])])
+
+    def swiglu(self, rows, group_list):
+        gate = self.matmul(rows, self.gate_proj.weight, group_list)              # (M, F)
+        hidden = self.mul(self.silu_mul(gate, self.sigmoid(gate)), self.matmul(rows, self.up_proj.weight, group_list))
+        return self.matmul(hidden, self.down_proj.weight, group_list)            # (M, H)
 
 
 class RouterLosses(nn.Cell):
@@ -205,7 +248,8 @@ class MoE(nn.Cell):
         self.sigmoid_scores, self.expert_bias = m.score_function == "sigmoid", m.expert_bias
         self.num_groups, self.group_top_k, self.scaling = m.num_groups, m.group_top_k, m.routed_scaling_factor
         self.gate = Router(cfg.hidden_size, m.num_experts, m.expert_bias)
-        self.experts = Experts(m.num_experts, cfg.hidden_size, cfg.expert_ffn_size)
+        self.use_gmm = m.use_gmm
+        self.experts = (GroupedExperts if m.use_gmm else Experts)(m.num_experts, cfg.hidden_size, cfg.expert_ffn_size)
         self.has_shared = m.shared_experts > 0
         if self.has_shared:
             self.shared_experts = MLP(cfg, width=m.shared_experts * cfg.expert_ffn_size)
@@ -229,6 +273,16 @@ class MoE(nn.Cell):
         if self.scaling != 1.0:
             self.mul_scaling = ops.Mul()
         self.one_hot = ops.OneHot()                          # (N, k) -> (N, k, E)
+        if m.use_gmm:      # dropless by sorting, per token group (MoEV3's _tensor_sort / _tensor_unsort)
+            self.transpose_ids = ops.Transpose()             # (G, n, k) -> (G, k, n): copies choice-major
+            self.sort = ops.Sort(axis=1)                     # (G, k*n) expert ids -> the copies in expert order
+            self.mod = ops.Mod()                             # a sorted copy's token: its index mod n
+            self.gather_sort = ops.Gather(batch_dims=1)      # (G, n, H) at (G, k*n) -> (G, k*n, H)
+            self.sum_counts = ops.ReduceSum(keep_dims=False)  # (G, n*k, E) -> (G, E): copies per expert
+            self.sort_back = ops.Sort(axis=1)                # of the sort map: each copy's row among the sorted
+            self.transpose_unsort = ops.Transpose()          # (G, k, n) -> (G, n, k)
+            self.gather_unsort = ops.Gather(batch_dims=1)    # (G, k*n, H) at (G, n, k) -> (G, n, k, H), then
+                                                             # mul_combine and sum_copies over k as below
         # Capacity, per token group (G, n*k copies, E), copies in token order:
         self.cumsum = ops.CumSum()                           # each copy's place in its expert's queue (1-based)
         self.less_equal = ops.LessEqual()                    # within capacity C
@@ -287,7 +341,10 @@ class MoE(nn.Cell):
         if self.scaling != 1.0:
             weights = self.mul_scaling(weights, self.scaling)
         chosen = self.one_hot(top, self.num_experts, self.on, self.off)          # (N, k, E)
-        y = self.dispatch_combine(tokens, chosen, weights.astype(x.dtype)).reshape((b, t, h))
+        if self.use_gmm:
+            y = self.dispatch_sorted(tokens, top, chosen, weights.astype(x.dtype)).reshape((b, t, h))
+        else:
+            y = self.dispatch_combine(tokens, chosen, weights.astype(x.dtype)).reshape((b, t, h))
         if self.has_shared:
             y = self.add(y, self.shared_experts(x))
         losses = self.off
@@ -323,6 +380,23 @@ class MoE(nn.Cell):
         out = self.transpose_out(out, (1, 0, 2, 3)).reshape((g, e * cap, h))
         copies = self.mul_combine(self.combine(out, slots, 1), weights.reshape((g, per * k, 1)))
         return self.sum_copies(copies.reshape((g, per, k, h)), 2).reshape((n, h))
+
+
+    def dispatch_sorted(self, tokens, top, chosen, weights):
+        """tokens (N, H), top (N, k) expert ids, chosen (N, k, E) one-hot, weights (N, k) -> (N, H): every
+        copy through its expert, grouped by sorting (dropless, use_gmm), weighted and summed per token."""
+        n, h = tokens.shape
+        g, e, k = self.token_groups, self.num_experts, self.top_k
+        per = n // g
+        ids = self.transpose_ids(ops.stop_gradient(top).reshape((g, per, k)), (0, 2, 1)).reshape((g, k * per))
+        _, order = self.sort(ids.astype(ms.float32))                             # (G, k*n): copy c = (c // n, c % n)
+        rows = self.gather_sort(tokens.reshape((g, per, h)), self.mod(order, per), 1)      # (G, k*n, H)
+        counts = self.sum_counts(ops.stop_gradient(chosen).reshape((g, per * k, e)), 1)     # (G, E)
+        _, place = self.sort_back(order.astype(ms.float32))                      # (G, k*n): copy -> its sorted row
+        place = self.transpose_unsort(place.reshape((g, k, per)), (0, 2, 1))     # (G, n, k)
+        out = self.experts(rows, counts)                                         # (G, k*n, H)
+        copies = self.mul_combine(self.gather_unsort(out, place, 1), weights.reshape((g, per, k, 1)))
+        return self.sum_copies(copies, 2).reshape((n, h))
 
 
 def set_token_groups(net: nn.Cell, groups: int) -> None:

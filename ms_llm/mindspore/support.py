@@ -88,10 +88,18 @@ def _moe(plan: ModelPlan, ascend: bool) -> list[str]:
         return []
     moe, s, zero = plan.model.moe, plan.strategy, plan.zero
     engine, problems = _engine(plan, ascend)[0], []
-    if ascend and moe.capacity_factor < 0:
+    if ascend and moe.capacity_factor < 0 and not moe.use_gmm:
         problems.append("model.moe.capacity_factor: -1 (dropless) gives every expert a slot for every token on "
-                        "Ascend (E / top_k times the expert work: moe.py's worst-case capacity; GroupedMatmul's "
-                        "dropless path is not lowered yet); set a capacity factor, e.g. 1.25")
+                        "Ascend (E / top_k times the expert work: moe.py's worst-case capacity); set use_gmm true "
+                        "(dropless with GroupedMatmul, MindFormers' MoEV3) or a capacity factor, e.g. 1.25")
+    if moe.use_gmm and not ascend:
+        problems.append("model.moe.use_gmm: GroupedMatmul has only an Ascend kernel (MindSpore refuses it on the "
+                        "CPU); set use_gmm false (dropless runs as the worst-case capacity), or run on Ascend")
+    elif moe.use_gmm and (s.dp > 1 or _auto_parallel_degrees(plan)):
+        split = ", ".join([f"dp={s.dp}"] * (s.dp > 1) + _auto_parallel_degrees(plan))
+        problems.append(f"model.moe.use_gmm: runs on one Ascend device; under semi_auto_parallel ({split}) MoEV3's "
+                        "expert stage (a Morph with AlltoAllV over ep around the GroupedMatmuls, on each rank's own "
+                        "token group) is not lowered yet; use one device, or use_gmm false with a capacity factor")
     if engine == SHARED and moe.expert_bias:
         problems.append("model.moe.expert_bias: MindSpore's shared ZeRO engine (PyNative) does not move the "
                         "expert biases (the compiled step does); use zero.stage 0 without engine 'shared', or "
