@@ -26,8 +26,8 @@ same way, as MindFormers 2.1's DeepSeek-V3 TopKRouter; the expert loads are summ
 every rank holds the same loads and moves its biases alike.
 
 With moe.use_gmm (dropless by sorting, moe.py) the sort, the gathers and the combine are
-token-parallel over the groups as MoEV3 shards them ((dp*mp, 1, ...), compared in
-test_ms_oracle.py for ep2 and ep4). Its expert stage, a Morph whose AlltoAllV over ep moves each
+token-parallel over the groups as MoEV3 shards them ((dp*mp, 1, ...); not yet compared with it in
+test_ms_oracle.py). Its expert stage, a Morph whose AlltoAllV over ep moves each
 rank's sorted copies to their experts' ranks, is not lowered: support.py runs use_gmm on one device.
 """
 from __future__ import annotations
