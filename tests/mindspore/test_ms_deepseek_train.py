@@ -19,7 +19,7 @@ from ms_llm.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "configs" / "train" / "tiny_deepseek_ms_dp2.yaml"
-STEPS = 7           # of the job's 30: the loss has fallen by over 1 by then (7.60 -> 6.20), and MindSpore's compile is most of a run
+STEPS = 10          # of the job's 30: the curve has fallen by then, and MindSpore's compile is most of a run
 CAPACITY_STEPS = 3  # within the job's 5 warm-up steps: the same rates as STEPS' first 3
 
 
@@ -30,7 +30,8 @@ def train(backend: str, run: Path, steps: int = STEPS, factor: float | None = No
                            "--steps", str(steps), "--run-dir", str(run), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"step {steps:5d}/{steps} | loss" in proc.stdout
+    if steps == STEPS:                # the job logs every 5 steps: the last of a 3-step run is not printed
+        assert f"step    {STEPS}/{STEPS} | loss" in proc.stdout
     return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
