@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,17 +59,50 @@ def _args(dump: Path) -> list[str]:
             "--debug.seed", str(SEED), "--dump_folder", str(dump)]
 
 
-def _probe(tmp: Path, name: str, args: list[str], batches: Path) -> dict:
-    if not (ORACLES / "torchtitan").is_dir():
-        pytest.fail(".oracles/ has no torchtitan: run `make oracles`")
-    spec = {"mode": name, "args": args, "model": TITAN_MODEL, "batches": str(batches), "out": str(tmp / f"{name}.json")}
-    (tmp / f"{name}_in.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ORACLES)}
-    proc = subprocess.run([sys.executable, str(PROBE), str(tmp / f"{name}_in.json")], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp / f"{name}.json").read_text())
-    return {k: {int(s): v for s, v in out[k].items()} if isinstance(out[k], dict) else out[k] for k in out}
+class Titan:
+    """One torchtitan process (torchtitan_run_probe.py) for the module: it trains, then waits while
+    ms_llm makes the export it resumes, so torch and torchtitan are imported once."""
+
+    def __init__(self, tmp: Path, args: list[str], batches: Path):
+        if not (ORACLES / "torchtitan").is_dir():
+            pytest.fail(".oracles/ has no torchtitan: run `make oracles`")
+        self.tmp, self.batches, self.next = tmp, batches, tmp / "resume_in.json"
+        self.log = open(tmp / "probe.log", "w")
+        (tmp / "train_in.json").write_text(json.dumps(self.spec("train", args)))
+        self.proc = subprocess.Popen([sys.executable, str(PROBE), str(tmp / "train_in.json")], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ORACLES)}, cwd=tmp)
+
+    def spec(self, mode: str, args: list[str]) -> dict:
+        return {"mode": mode, "args": args, "model": TITAN_MODEL, "batches": str(self.batches),
+                "out": str(self.tmp / f"{mode}.json"), "then": str(self.next) if mode == "train" else ""}
+
+    def result(self, mode: str) -> dict:
+        """The probe's out for `mode`, once written (bounded by the probe's own wait)."""
+        path, deadline = self.tmp / f"{mode}.json", time.monotonic() + 600
+        while not path.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"torchtitan probe ended (exit {self.proc.returncode}) without {path.name}:\n"
+                            + (self.tmp / "probe.log").read_text()[-3000:])
+            time.sleep(0.2)
+        out = json.loads(path.read_text())
+        return {k: {int(s): v for s, v in out[k].items()} if isinstance(out[k], dict) else out[k] for k in out}
+
+    def resume(self, args: list[str]) -> dict:
+        (self.tmp / "next.tmp").write_text(json.dumps(self.spec("resume", args)))
+        os.replace(self.tmp / "next.tmp", self.next)
+        return self.result("resume")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            if not self.next.exists():
+                self.next.write_text("{}")
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
 
 
 def _train(job: Path, run: Path, backend: str, tokens: Path) -> dict[int, float]:
@@ -86,7 +120,17 @@ def runs(tmp_path_factory):
     np.random.default_rng(0).integers(0, MODEL["vocab_size"], 64 * SEQ + 1).astype(np.uint16).tofile(tokens)
     sampler = GlobalBatchSampler(np.fromfile(tokens, dtype=np.uint16), SEQ, BATCH, SEED)
     np.save(tmp / "batches.npy", np.stack([sampler.local_batch(k) for k in range(STEPS)]))
-    titan = _probe(tmp, "train", _args(tmp / "titan"), tmp / "batches.npy")
+    peer = Titan(tmp, _args(tmp / "titan"), tmp / "batches.npy")
+    try:
+        yield _runs(tmp, tokens, peer)
+    finally:
+        peer.stop()
+
+
+def _runs(tmp: Path, tokens: Path, peer: Titan) -> dict:
+    """torchtitan's run, ms_llm's import of its step 3 continued on torch, and torchtitan resuming the
+    torch run's step 6."""
+    titan = peer.result("train")
     (tmp / "titan.args").write_text(" ".join(_args(tmp / "titan")) + "\n")
     (tmp / "model.yaml").write_text(yaml.safe_dump(MODEL))
     assert cli(["convert-strategy", str(tmp / "titan.args"), "--model", str(tmp / "model.yaml"), "--world-size", "1",
@@ -98,9 +142,9 @@ def runs(tmp_path_factory):
     torch_losses = _train(job, tmp / "run_torch", "torch", tokens)
     assert cli(["export-run", str(tmp / "run_torch" / "checkpoints" / "step_00000006"), "--to", "torchtitan",
                 "-o", str(tmp / "export"), "--job", str(tmp / "run_torch" / "config.yaml")]) == 0
-    resumed = _probe(tmp, "resume", _args(tmp / "titan") + [
+    resumed = peer.resume(_args(tmp / "titan") + [
         "--checkpoint.folder", str(tmp / "export"), "--checkpoint.exclude_from_loading", "dataloader",
-        "--checkpoint.load_only"], tmp / "batches.npy")
+        "--checkpoint.load_only"])
     return {"tmp": tmp, "titan": titan, "torch": torch_losses, "resumed": resumed, "step3": step3, "tokens": tokens}
 
 

@@ -17,11 +17,16 @@ n_heads, n_kv_heads, vocab_size, hidden_dim, max_seq_len, rope_theta, norm_eps},
   train: trains every batch, saving as CheckpointManager decides (checkpoint.interval, the last step).
   resume: loads the newest step of checkpoint.folder (the job's arguments name it) and trains from it.
 out: {"losses": {step: loss}, "lrs": {step: the lr it trained with}, "step": the step it began from}.
+With "then": a path, the process waits (at most WAIT_S) for that file: the next spec of the same kind
+(the resume of what the test made from this run meanwhile), or {} to stop. One start of torch and
+torchtitan serves both.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -36,6 +41,8 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+WAIT_S = 900            # for the next spec
 
 
 class Batches(IterableDataset):
@@ -121,10 +128,25 @@ def main(spec: dict) -> dict:
     return {"losses": losses, "lrs": lrs, "step": begin}
 
 
+def next_spec(path: str) -> dict:
+    """The spec the test writes to `path` once it has what it needs ({}: stop)."""
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.isfile(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {path} after {WAIT_S} s")
+        time.sleep(0.2)
+    with open(path) as f:
+        return json.load(f)
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    request = json.loads(open(sys.argv[1]).read())
-    result = main(request)
-    with open(request["out"], "w") as f:
-        json.dump(result, f)
+    with open(sys.argv[1]) as f:
+        request = json.load(f)
+    while request:
+        result = main(request)
+        with open(request["out"] + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(request["out"] + ".tmp", request["out"])
+        request = next_spec(request["then"]) if request.get("then") else {}
     dist.destroy_process_group()
