@@ -5,6 +5,8 @@ TrainCell, AdamW (nn.Optimizer) and clipping that semi_auto_parallel compiles on
 - a run started from its step-3 checkpoint repeats steps 4-5 exactly;
 - fp16 compute with dynamic loss scaling stays finite and close to fp32;
 - tiny_moe follows the torch backend, and its checkpoints cross backends and expert splits.
+
+Each of those starts a worker (a MindSpore compile): `make test` runs them, `make test-fast` does not.
 """
 import os
 import subprocess
@@ -60,6 +62,7 @@ def fp32_run(tokens, tmp_path_factory):
     return run, run_worker(run, job_dict(tokens))
 
 
+@pytest.mark.slow
 def test_world_1_follows_the_torch_reference_with_clipping(fp32_run, tokens):
     _, records = fp32_run
     losses = [r["loss"] for r in records]
@@ -70,6 +73,7 @@ def test_world_1_follows_the_torch_reference_with_clipping(fp32_run, tokens):
     assert records[-1]["memory_gb"] > 0
 
 
+@pytest.mark.slow
 def test_resume_from_step_3_repeats_steps_4_and_5(fp32_run, tokens, tmp_path):
     run, records = fp32_run
     job = job_dict(tokens)
@@ -94,6 +98,7 @@ def test_every_resume_agreement_gathers_one_row_shape():
         assert not row[0, len(values):].any()
     with pytest.raises(ValueError, match="holds 4"):
         agreement_row([0.0] * (AGREE_WIDTH + 1))
+@pytest.mark.slow
 def test_fp16_with_dynamic_loss_scaling_is_finite_and_close_to_fp32(fp32_run, tokens, tmp_path):
     _, records = fp32_run
     fp16 = {"param_dtype": "float32", "compute_dtype": "float16", "loss_scale": "dynamic"}
@@ -113,6 +118,7 @@ def _torch_train(job: dict, run: Path) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow
 def test_tiny_moe_follows_the_torch_backend_with_router_losses(tokens, tmp_path):
     """tiny_moe (load-balancing and z losses on) at world 1: the loss MindSpore reports and trains
     on (cross-entropy + router losses, their gradient through the loss) is torch's TrainStep's."""
@@ -126,6 +132,7 @@ def test_tiny_moe_follows_the_torch_backend_with_router_losses(tokens, tmp_path)
     assert np.abs(np.array([r["loss"] for r in ours]) - np.array(torch_losses)).max() <= 1e-4, (ours, torch_losses)
 
 
+@pytest.mark.slow
 def test_moe_checkpoints_cross_backends_and_expert_splits(tokens, tmp_path):
     """tiny_moe: torch under ep2 x dp2 (experts split over ep) saves; MindSpore at world 1 resumes
     from its step-2 checkpoint and trains steps 3-6 as torch did; torch ep2 resumes from
