@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,18 +87,51 @@ runner_wrapper: {{type: MFTrainOneStepCell, scale_sense: 1.0, use_clip_grad: Tru
 """
 
 
-def _probe(tmp: Path, mode: str, **paths: Path) -> dict:
-    if not (ORACLES / "mindformers").is_dir():
-        pytest.fail(".oracles/ has no mindformers: run `make oracles`")
-    spec = {"mode": mode, "yaml": str(tmp / "mf.yaml"), "batches": str(tmp / "batches.npy"),
-            "out": str(tmp / f"{mode}.json"), **{k: str(v) for k, v in paths.items()}}
-    (tmp / f"{mode}_in.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ORACLES), "GLOG_v": "3"}
-    proc = subprocess.run([sys.executable, str(PROBE), str(tmp / f"{mode}_in.json")], capture_output=True, text=True,
-                          env=env, timeout=900, cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp / f"{mode}.json").read_text())
-    return {**out, "losses": {int(s): v for s, v in out["losses"].items()}}
+class MindFormers:
+    """One MindFormers process (mindformers_run_probe.py) for the module: it trains, then waits while
+    ms_llm makes the exports it resumes, so MindSpore and MindFormers are imported once."""
+
+    def __init__(self, tmp: Path, **paths: Path):
+        if not (ORACLES / "mindformers").is_dir():
+            pytest.fail(".oracles/ has no mindformers: run `make oracles`")
+        self.tmp, self.next = tmp, tmp / "resume_in.json"
+        self.log = open(tmp / "probe.log", "w")
+        (tmp / "train_in.json").write_text(json.dumps(self.spec("train", then=str(self.next), **paths)))
+        self.proc = subprocess.Popen([sys.executable, str(PROBE), str(tmp / "train_in.json")], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ORACLES),
+                                                                    "GLOG_v": "3"}, cwd=tmp)
+
+    def spec(self, mode: str, then: str = "", **paths: Path) -> dict:
+        return {"mode": mode, "yaml": str(self.tmp / "mf.yaml"), "batches": str(self.tmp / "batches.npy"),
+                "out": str(self.tmp / f"{mode}.json"), "then": then, **{k: str(v) for k, v in paths.items()}}
+
+    def result(self, mode: str) -> dict:
+        """The probe's out for `mode`, once written (bounded by the probe's own wait)."""
+        path, deadline = self.tmp / f"{mode}.json", time.monotonic() + 900
+        while not path.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"MindFormers probe ended (exit {self.proc.returncode}) without {path.name}:\n"
+                            + (self.tmp / "probe.log").read_text()[-3000:])
+            time.sleep(0.2)
+        out = json.loads(path.read_text())
+        return {**out, "losses": {int(s): v for s, v in out["losses"].items()}}
+
+    def resume(self, **paths: Path) -> dict:
+        (self.tmp / "next.tmp").write_text(json.dumps(self.spec("resume", **paths)))
+        os.replace(self.tmp / "next.tmp", self.next)
+        return self.result("resume")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            if not self.next.exists():
+                self.next.write_text("{}")
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
 
 
 def _train(job: Path, run: Path, backend: str, tokens: Path) -> dict[int, float]:
@@ -128,7 +162,17 @@ def runs(tmp_path_factory):
     sampler = GlobalBatchSampler(np.fromfile(tokens, dtype=np.uint16), SEQ, BATCH, SEED)
     np.save(tmp / "batches.npy", np.stack([sampler.local_batch(k) for k in range(STEPS)]))
     (tmp / "mf.yaml").write_text(YAML)
-    peer = _probe(tmp, "train", save=tmp / "mf")
+    peer = MindFormers(tmp, save=tmp / "mf")
+    try:
+        yield _runs(tmp, tokens, peer)
+    finally:
+        peer.stop()
+
+
+def _runs(tmp: Path, tokens: Path, peer: MindFormers) -> dict:
+    """MindFormers' run, ms_llm's imports of its step 3 (both layouts) continued on torch, and
+    MindFormers resuming the torch run's step 6 in both export layouts."""
+    trained = peer.result("train")
     legacy = tmp / "mf" / "legacy" / "checkpoint" / "rank_0" / f"tiny_rank_0-1_{SAVED}.safetensors"
     v2 = tmp / "mf" / "v2" / f"iteration_{SAVED:08d}"
     for src, out in ((legacy, "imported"), (v2, "imported_v2")):
@@ -141,9 +185,8 @@ def runs(tmp_path_factory):
     assert cli(["export-run", str(step6.folder), "--to", "mindformers2", "-o", str(tmp / "export2"),
                 "--job", str(tmp / "run_torch" / "config.yaml")]) == 0
     save_file(_hf_named(step6), str(tmp / "hf.safetensors"))
-    resumed = _probe(tmp, "resume", load=tmp / "export", load_2x=tmp / "export2" / "mindformers2.yaml",
-                     hf=tmp / "hf.safetensors")
-    return {"tmp": tmp, "peer": peer, "torch": torch_losses, "resumed": resumed, "tokens": tokens, "legacy": legacy}
+    resumed = peer.resume(load=tmp / "export", load_2x=tmp / "export2" / "mindformers2.yaml", hf=tmp / "hf.safetensors")
+    return {"tmp": tmp, "peer": trained, "torch": torch_losses, "resumed": resumed, "tokens": tokens, "legacy": legacy}
 
 
 @pytest.fixture(scope="module")
