@@ -1,5 +1,6 @@
-"""What convert-strategy writes is read by the peers' own config code, one subprocess per peer
-(PYTHONPATH=.oracles: megatron-core 0.16.1, deepspeed 0.19.8, torchtitan 0.3.0, mindformers 2.1.0):
+"""What convert-strategy writes is read by the peers' own config code, in two subprocesses
+(PYTHONPATH=.oracles): megatron-core 0.16.1, deepspeed 0.19.8 and torchtitan 0.3.0 in one (they share
+torch), mindformers 2.1.0 under msrun:
 
 - Megatron-LM arguments -> megatron-core's TransformerConfig (its __post_init__ checks them);
 - DeepSpeed JSON -> DeepSpeedConfig with the job's data-parallel size (the batch triple, ZeRO);
@@ -148,10 +149,25 @@ def _probe(script: str, cases: dict, tmp: Path) -> dict:
 # ---- Megatron-LM: megatron-core's TransformerConfig -------------------------------------------------
 
 @pytest.fixture(scope="module")
-def megatron(tmp_path_factory) -> dict:
-    cases = {name: parse_args(launch_command(dump(conv, "megatron").text, "out.sh").args, "out.sh")
-             for name, conv in MEGATRON_JOBS.items()}
-    return _probe("megatron_config_probe.py", cases, tmp_path_factory.mktemp("megatron"))
+def torch_peers(tmp_path_factory) -> dict:
+    """megatron-core's, DeepSpeed's and torchtitan's answers, one process (torch_peers_config_probe.py)."""
+    megatron = {name: parse_args(launch_command(dump(conv, "megatron").text, "out.sh").args, "out.sh")
+                for name, conv in MEGATRON_JOBS.items()}
+    deepspeed = {name: {"config": json.loads(dump(conv, "deepspeed").text), "dp": conv.job.strategy.dp}
+                 for name, conv in JOBS.items()}
+    torchtitan = {name: launch_command(dump(conv, "torchtitan").text, "job.sh").args
+                  for name, conv in REGISTERED.items()}
+    torchtitan.update({f"flavor:{c}": ["--module", module, "--config", c]
+                       for c, (module, _, _) in flavors.REGISTERED.items()})
+    return _probe("torch_peers_config_probe.py", {"megatron": megatron, "deepspeed": deepspeed,
+                                                   "torchtitan": torchtitan}, tmp_path_factory.mktemp("torch_peers"))
+
+
+# ---- Megatron-LM: megatron-core's TransformerConfig -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron(torch_peers) -> dict:
+    return torch_peers["megatron"]
 
 
 @pytest.mark.parametrize("name", MEGATRON_JOBS)
@@ -210,10 +226,8 @@ def test_megatron_core_reads_our_arguments(name, megatron):
 # ---- DeepSpeed: DeepSpeedConfig with the job's data-parallel size ------------------------------------
 
 @pytest.fixture(scope="module")
-def deepspeed(tmp_path_factory) -> dict:
-    cases = {name: {"config": json.loads(dump(conv, "deepspeed").text), "dp": conv.job.strategy.dp}
-             for name, conv in JOBS.items()}
-    return _probe("deepspeed_config_probe.py", cases, tmp_path_factory.mktemp("deepspeed"))
+def deepspeed(torch_peers) -> dict:
+    return torch_peers["deepspeed"]
 
 
 @pytest.mark.parametrize("name", JOBS)
@@ -234,11 +248,9 @@ REGISTERED = {name: conv for name, conv in JOBS.items()
 
 
 @pytest.fixture(scope="module")
-def torchtitan(tmp_path_factory) -> dict:
+def torchtitan(torch_peers) -> dict:
     """Our jobs, and each DeepSeek-V3 / Qwen3-MoE config ms_llm knows the model args of, as registered."""
-    cases = {name: launch_command(dump(conv, "torchtitan").text, "job.sh").args for name, conv in REGISTERED.items()}
-    cases.update({f"flavor:{c}": ["--module", module, "--config", c] for c, (module, _, _) in flavors.REGISTERED.items()})
-    return _probe("torchtitan_config_probe.py", cases, tmp_path_factory.mktemp("torchtitan"))
+    return torch_peers["torchtitan"]
 
 
 def test_torchtitan_jobs_cover_registered_configs():
