@@ -25,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -69,19 +70,51 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _probe(tmp: Path, spec: dict, nproc: int) -> dict:
-    """megatron_run_probe.py under torchrun; returns rank 0's result.json."""
-    if not (ORACLES / "megatron").is_dir():
-        pytest.fail(".oracles/ is missing: run `make oracles` (installs the peers beside .venv)")
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "spec.json").write_text(json.dumps({**spec, "out": str(tmp)}))
-    env = {**os.environ, "PYTHONPATH": str(ORACLES), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--master-addr", "127.0.0.1", "--master-port", str(_port()), str(PROBE),
-                           str(tmp / "spec.json")], capture_output=True, text=True, env=env, timeout=600, cwd=tmp)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    result = json.loads((tmp / "result.json").read_text())
-    return {**result, **{key: {int(k): v for k, v in result[key].items()} for key in ("losses", "lrs")}}
+class Megatron:
+    """megatron_run_probe.py under torchrun (2 ranks, tp2) for the module: it trains, then rank 0 waits
+    while ms_llm makes the export it loads under tp1, so torch and megatron-core are imported once."""
+
+    def __init__(self, tmp: Path, spec: dict):
+        if not (ORACLES / "megatron").is_dir():
+            pytest.fail(".oracles/ is missing: run `make oracles`")
+        self.tmp, self.next = tmp, tmp / "load.json"
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "spec.json").write_text(json.dumps({**spec, "out": str(tmp), "then": str(self.next)}))
+        env = {**os.environ, "PYTHONPATH": str(ORACLES), "OMP_NUM_THREADS": "1"}
+        self.log = open(tmp / "probe.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                      "--master-addr", "127.0.0.1", "--master-port", str(_port()), str(PROBE),
+                                      str(tmp / "spec.json")], stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=tmp)
+
+    def result(self, out: Path) -> dict:
+        """Rank 0's result.json in `out`, once written (bounded by the probe's own wait)."""
+        path, deadline = out / "result.json", time.monotonic() + 600
+        while not path.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"megatron probe ended (exit {self.proc.returncode}) without {path}:\n"
+                            + (self.tmp / "probe.log").read_text()[-3000:])
+            time.sleep(0.2)
+        result = json.loads(path.read_text())
+        return {**result, **{key: {int(k): v for k, v in result[key].items()} for key in ("losses", "lrs")}}
+
+    def load(self, out: Path, spec: dict) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        (self.tmp / "load.tmp").write_text(json.dumps({**spec, "mode": "load", "out": str(out)}))
+        os.replace(self.tmp / "load.tmp", self.next)
+        return self.result(out)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            if not self.next.exists():
+                self.next.write_text("{}")
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
 
 
 def _train(job: dict, path: Path, backend: str) -> dict[int, float]:
@@ -103,9 +136,14 @@ def megatron_run(tmp_path_factory):
     np.save(tmp / "batches.npy", np.stack([sampler.local_batch(k) for k in range(STEPS)]))
     (tmp / "train.sh").write_text(SCRIPT)
     flags = parse_args(launch_command(SCRIPT, "train.sh").args, "train.sh")
-    ours = _probe(tmp / "megatron", {"mode": "train", "flags": flags, "batches": str(tmp / "batches.npy"),
-                                     "save_at": SAVED, "plain": True}, 2)
-    return {"tmp": tmp, "tokens": tokens, "flags": flags, "megatron": ours["losses"], "lrs": ours["lrs"]}
+    probe = Megatron(tmp / "megatron", {"mode": "train", "flags": flags, "batches": str(tmp / "batches.npy"),
+                                        "save_at": SAVED, "plain": True})
+    try:
+        ours = probe.result(tmp / "megatron")
+        yield {"tmp": tmp, "tokens": tokens, "flags": flags, "megatron": ours["losses"], "lrs": ours["lrs"],
+               "probe": probe}
+    finally:
+        probe.stop()
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +188,8 @@ def test_export_loads_in_megatron_with_the_same_next_loss(peer):
                 "--job", str(tmp / "torch.yaml")]) == 0
     assert (tmp / "export" / "latest_checkpointed_iteration.txt").read_text() == "5"
     flags = {**peer["flags"], "--tensor-model-parallel-size": "1"}
-    back = _probe(tmp / "reload", {"mode": "load", "flags": flags, "batches": str(tmp / "batches.npy"),
-                                   "load": str(tmp / "export")}, 1)
+    back = peer["probe"].load(tmp / "reload", {"flags": flags, "batches": str(tmp / "batches.npy"),
+                                               "load": str(tmp / "export")})
     assert back["start"] == 5 and back["consumed_samples"] == STEPS * BATCH
     assert back["losses"][6] == pytest.approx(peer["torch"][6], abs=1e-5)
     # ms_llm imports its own export back exactly (the fully_reshardable optimizer layout), without --config:

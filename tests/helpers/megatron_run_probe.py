@@ -28,6 +28,9 @@ argv[1]: JSON {"mode": "train" | "load", "flags": {Megatron-LM flag: value or tr
         batches from its iteration on.
 Rank 0 writes out/result.json: {"losses": {step: loss}, "lrs": {step: its learning rate}, "start": the
 iteration trained from, "consumed_samples"}.
+With "then": a path, the ranks leave their world once it is written and rank 0 waits (at most WAIT_S)
+for that file: a spec of the load mode with its own "out" ({} to stop), which it runs in a world of
+its own (tensor parallel 1, one process). One start of torch and megatron-core serves both.
 """
 from __future__ import annotations
 
@@ -38,12 +41,15 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+WAIT_S = 900            # for the next spec
 
 
 def cpu_shim() -> None:
@@ -238,10 +244,33 @@ class Run:
 
 
 def main(spec: dict) -> None:
-    from megatron.core import parallel_state
-
+    """Run `spec` in the torchrun world, then, on rank 0 alone, the load spec its "then" names."""
     cpu_shim()
     dist.init_process_group("gloo")
+    run_spec(spec)
+    if not spec.get("then") or os.environ["RANK"] != "0":
+        return
+    nxt = next_spec(spec["then"])
+    if nxt:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        run_spec(nxt)
+
+
+def next_spec(path: str) -> dict:
+    """The spec the test writes to `path` once it has what it needs ({}: stop)."""
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.isfile(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {path} after {WAIT_S} s")
+        time.sleep(0.2)
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_spec(spec: dict) -> None:
+    """One spec in the current world: its model parallel groups made, used and destroyed with it."""
+    from megatron.core import parallel_state
+
     parallel_state.initialize_model_parallel(int(spec["flags"].get("--tensor-model-parallel-size", 1)), 1)
     run = Run(spec)
     twin = Run(spec, distributed=False) if spec.get("plain") else None
@@ -263,9 +292,11 @@ def main(spec: dict) -> None:
                 twin.save(out / "plain_torch_dist")
                 twin.save_legacy(out / "plain_legacy")
     if dist.get_rank() == 0:
-        (out / "result.json").write_text(json.dumps({
+        (out / "result.json.tmp").write_text(json.dumps({
             "losses": losses, "lrs": lrs, "start": start, "consumed_samples": run.args.consumed_train_samples}))
+        os.replace(out / "result.json.tmp", out / "result.json")
     dist.barrier()
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
