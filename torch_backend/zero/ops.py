@@ -74,9 +74,10 @@ class TorchOps:
 
     @torch.no_grad()
     def pack(self, buf, start, segment, slot, value, accumulate):
-        cols, src = _columns(buf, start, segment, slot), _chunks(value.detach(), slot)
-        if src.data_ptr() == cols.data_ptr() and src.dtype == cols.dtype:
+        if (slot.parts == 1 and value.dtype == buf.dtype
+                and value.data_ptr() == buf.data_ptr() + (start + slot.offset) * buf.element_size()):
             return buf                                  # a bound gradient: already in place
+        cols, src = _columns(buf, start, segment, slot), _chunks(value.detach(), slot)
         if accumulate:
             cols.add_(src)
         else:
@@ -149,8 +150,12 @@ class TorchOps:
                 p[a:b].mul_(factor)
         m.lerp_(g, 1 - hp.beta1)
         v.mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(hp.eps)
+        # The bucket-sized denominator comes from the pool: a fresh one every step costs the
+        # allocator more than the update (on CPU, page faults on every multi-megabyte buffer).
+        denom, _ = self._take(v.numel(), v.dtype, v.device.type == "cpu" and self.device.type != "cpu")
+        denom = torch.sqrt(v, out=denom.view_as(v)).div_(bias_correction2_sqrt).add_(hp.eps)
         p.addcdiv_(m, denom, value=-step_size)
+        self.free(denom.view(-1))
         return p, m, v
 
     @torch.no_grad()
