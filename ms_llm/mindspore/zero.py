@@ -220,7 +220,8 @@ class MsZeroDataParallel:
     Stages 0-2: the gradient function is compiled once (ms.jit); the engine's bucketing,
     collectives and optimizer run on the gradients it returns. Stage 3: the gradient
     function runs in PyNative, where Cell hooks gather each unit before its forward and
-    backward and free it after (a compiled graph would keep the parameter storage)."""
+    backward and free it after (a compiled graph would keep the parameter storage).
+    On CPU it makes the process's PyNative ops blocking (see __init__)."""
 
     def __init__(self, loss_cell: nn.Cell, zplan: ZeroPlan, rank: int, config: EngineConfig,
                  net: Optional[nn.Cell] = None):
