@@ -2,10 +2,11 @@
 
 Same model (configs/models/tiny.yaml), batches, AdamW, gradient clipping and threads; fp32.
 The two alternate in one process (repeat r: K steps of one, then K of the other, order
-flipping each repeat); the median of the per-repeat time ratios is printed. The dp2 rows
-run the same comparison under torchrun on 2 ranks (plain loop: DistributedDataParallel),
-once with the trainer on torch's DDP (engine native) and once on ms_llm's ZeRO engine
-(engine shared, stage 0: the same all-reduce data parallelism).
+flipping each repeat); the median of the per-repeat time ratios is printed, of wall time and
+of rank 0's CPU time (all its threads', gloo's included: on a loaded machine the steadier of
+the two). The dp2 rows run the same comparison under torchrun on 2 ranks (plain loop:
+DistributedDataParallel), once with the trainer on torch's DDP (engine native) and once on
+ms_llm's ZeRO engine (engine shared, stage 0: the same all-reduce data parallelism).
 
     python bench/torch_overhead.py [--repeats 15] [--steps 2]
 """
@@ -71,20 +72,23 @@ def measure(repeats: int, steps: int, tokens_path: str, engine: str) -> dict:
     batches = [torch.from_numpy(sampler.local_batch(k, rank, world)) for k in range(steps)]
     runners = {"ms_llm": lambda k, b: ours(k, b)[0], "plain": plain}
     times: dict[str, list[float]] = {"ms_llm": [], "plain": []}
+    cpu: dict[str, list[float]] = {"ms_llm": [], "plain": []}
     for r in range(repeats + 1):                      # repeat 0 warms both up and is dropped
         order = ["ms_llm", "plain"] if r % 2 == 0 else ["plain", "ms_llm"]
         for name in order:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for k, batch in enumerate(batches):
                 runners[name](k, batch).item()
             if r:
                 times[name].append((time.perf_counter() - t0) / steps)
+                cpu[name].append((time.process_time() - c0) / steps)
     # Each repeat pairs adjacent blocks of the two, so load that drifts over the run cancels.
     ratios = [a / b for a, b in zip(times["ms_llm"], times["plain"])]
+    cpu_ratios = [a / b for a, b in zip(cpu["ms_llm"], cpu["plain"])]
     return {"world": world, "engine": ours.m.dp.name, "threads": torch.get_num_threads(),
             "ms_llm": statistics.median(times["ms_llm"]), "plain": statistics.median(times["plain"]),
-            "ratio": statistics.median(ratios)}
+            "ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios)}
 
 
 def worker(args) -> None:
@@ -123,12 +127,14 @@ def main() -> None:
         rows.append(json.loads(lines[0][len("RESULT "):]))
 
     print(f"torch_overhead: model tiny, seq {SEQ}, global batch {GLOBAL_BATCH}, AdamW + clip, fp32; "
-          f"{args.repeats} interleaved pairs of {args.steps}-step blocks: median step times, median paired ratio")
-    print(f"{'setting':<18} {'threads/rank':>12} {'ms_llm ms/step':>15} {'plain ms/step':>14} {'ratio':>7}")
+          f"{args.repeats} interleaved pairs of {args.steps}-step blocks: median step times, "
+          f"median paired ratio (wall; rank 0's CPU)")
+    print(f"{'setting':<18} {'threads/rank':>12} {'ms_llm ms/step':>15} {'plain ms/step':>14} {'ratio':>7} "
+          f"{'cpu ratio':>9}")
     for row in rows:
         name = "1 process" if row["world"] == 1 else f"dp{row['world']} ({row['engine']})"
         print(f"{name:<18} {row['threads']:>12} {1e3 * row['ms_llm']:>15.1f} {1e3 * row['plain']:>14.1f} "
-              f"{row['ratio']:>7.3f}")
+              f"{row['ratio']:>7.3f} {row['cpu_ratio']:>9.3f}")
 
 
 if __name__ == "__main__":
