@@ -27,17 +27,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # order, they keep the workers of `make test` (pytest-xdist, one file to a worker at a time) busy
 # until the end instead of leaving one long file to run alone.
 LONGEST_FIRST = (
-    "checkpoint/test_checkpoint_resume.py", "elastic/test_elastic_faults.py", "mindspore/test_zero_mindspore.py",
+    "checkpoint/test_checkpoint_resume.py", "elastic/test_elastic_faults.py", "mindspore/test_ms_deepseek_train.py",
     "torch/test_torch_matrix.py", "mindspore/test_ms_worker.py", "elastic/test_multinode.py",
-    "mindspore/test_ms_deepseek.py", "mindspore/test_ms_deepseek_train.py", "mindspore/test_ms_moe.py",
-    "mindspore/test_ms_compile_cache.py", "torch/test_torch_deepseek_matrix.py",
-    "checkpoint/test_import_megatron.py",
-    "checkpoint/test_import_deepspeed.py",
-    "torch/test_torch_fp16.py", "mindspore/test_ms_train.py", "cli/test_readme.py", "torch/test_torch_moe_matrix.py",
-    "torch/test_zero_torch.py", "convert/test_convert_peers.py", "data/test_data_train.py", "cli/test_boundary.py",
-    "cli/test_fuzz.py", "torch/test_torch_cp_long.py", "checkpoint/test_import_run.py",
-    "checkpoint/test_import_torchtitan.py",
-    "mindspore/test_import_mindformers.py",
+    "mindspore/test_ms_deepseek.py", "torch/test_torch_moe_matrix.py", "torch/test_torch_fp16.py",
+    "torch/test_torch_deepseek_matrix.py", "mindspore/test_ms_compile_cache.py", "cli/test_readme.py",
+    "checkpoint/test_import_deepspeed.py", "mindspore/test_ms_train.py", "checkpoint/test_import_megatron.py",
+    "data/test_data_train.py", "torch/test_zero_torch.py", "mindspore/test_import_mindformers.py",
+    "cli/test_fuzz.py", "cli/test_bench.py", "mindspore/test_ms_weight_decay.py",
+    "mindspore/test_zero_mindspore.py", "torch/test_torch_cp_long.py", "checkpoint/test_import_torchtitan.py",
+    "mindspore/test_ms_model.py", "convert/test_convert_peers.py", "cli/test_boundary.py",
+    "checkpoint/test_import_run.py",
 )
 
 
