@@ -24,7 +24,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,7 @@ from ms_llm.checkpoint import Checkpoint, optim_name
 from ms_llm.cli import main as cli
 from ms_llm.run.metrics import read_metrics
 from torch_backend.interop import deepspeed
+from peer_probe import ProbeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "helpers" / "deepspeed_run_probe.py"
@@ -58,52 +58,33 @@ def ds_config(stage: int, dtype: str = "") -> dict:
                                                          "warmup_num_steps": 2, "warmup_type": "linear"}}}
 
 
-class Peer:
+class Peer(ProbeProcess):
     """The one DeepSpeed run of this module (two ranks of deepspeed_run_probe.py): it trains and
     saves, then waits for the exports ms_llm writes meanwhile (ask), so DeepSpeed starts once."""
 
     def __init__(self, tmp: Path, spec: dict):
         if not (ROOT / ".oracles" / "deepspeed").is_dir():
             pytest.fail(".oracles/ is missing: run `make oracles` (installs the peers beside .venv)")
-        self.tmp, self.next = tmp, tmp / "next_0.json"
-        (tmp / "spec.json").write_text(json.dumps({"world": 2, "model": HF_MODEL, "then": str(self.next), **spec}))
+        (tmp / "spec.json").write_text(json.dumps({"world": 2, "model": HF_MODEL, "then": str(tmp / "next_0.json"),
+                                                   **spec}))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / ".oracles"), str(ROOT)])}
-        self.log = open(tmp / "probe.log", "w")
-        self.proc = subprocess.Popen([sys.executable, str(PROBE), str(tmp / "spec.json"), str(tmp / "out_0.json")],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        super().__init__("DeepSpeed", [sys.executable, str(PROBE), str(tmp / "spec.json"), str(tmp / "out_0.json")],
+                         tmp, env, tmp / "next_0.json", timeout_s=900, log_tail=5000)
         self.asked = 0
 
     def result(self, path: Path) -> dict:
         """{kind: {run: {step: value}}} once the probe writes `path` (bounded by the probe's own timeouts)."""
-        deadline = time.monotonic() + 900
-        while not path.is_file():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"DeepSpeed probe ended (exit {self.proc.returncode}) without {path.name}:\n"
-                            + (self.tmp / "probe.log").read_text()[-5000:])
-            time.sleep(0.2)
-        out = json.loads(path.read_text())
+        out = self.read(path)
         return {k: {run: {int(s): v for s, v in steps.items()} for run, steps in by_run.items()}
                 for k, by_run in out.items()}
 
     def ask(self, spec: dict) -> dict:
         """More work for the waiting ranks (resume, fp32), and its result."""
         self.asked += 1
-        out, nxt = self.tmp / f"out_{self.asked}.json", self.next
+        out, waiting = self.tmp / f"out_{self.asked}.json", self.next
         self.next = self.tmp / f"next_{self.asked}.json"
-        (self.tmp / "next.tmp").write_text(json.dumps({**spec, "out": str(out), "then": str(self.next)}))
-        os.replace(self.tmp / "next.tmp", nxt)
+        self.send({**spec, "out": str(out), "then": str(self.next)}, to=waiting)
         return self.result(out)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.next.write_text("{}")
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def train(job: Path, run: Path, backend: str, *sets: str) -> dict[int, float]:

@@ -25,7 +25,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from ms_llm.run.metrics import read_metrics
 from torch_backend.interop import megatron
 from torch_backend.interop.megatron_buckets import place
 from torch_backend.interop.megatron_files import PeerValue, unpickle
+from peer_probe import ProbeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -70,51 +70,29 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-class Megatron:
+class Megatron(ProbeProcess):
     """megatron_run_probe.py under torchrun (2 ranks, tp2) for the module: it trains, then rank 0 waits
     while ms_llm makes the export it loads under tp1, so torch and megatron-core are imported once."""
 
     def __init__(self, tmp: Path, spec: dict):
         if not (ORACLES / "megatron").is_dir():
             pytest.fail(".oracles/ is missing: run `make oracles`")
-        self.tmp, self.next = tmp, tmp / "load.json"
         tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "spec.json").write_text(json.dumps({**spec, "out": str(tmp), "then": str(self.next)}))
+        (tmp / "spec.json").write_text(json.dumps({**spec, "out": str(tmp), "then": str(tmp / "load.json")}))
         env = {**os.environ, "PYTHONPATH": str(ORACLES), "OMP_NUM_THREADS": "1"}
-        self.log = open(tmp / "probe.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        super().__init__("megatron", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                       "--master-addr", "127.0.0.1", "--master-port", str(_port()), str(PROBE),
-                                      str(tmp / "spec.json")], stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=tmp)
+                                      str(tmp / "spec.json")], tmp, env, tmp / "load.json")
 
     def result(self, out: Path) -> dict:
         """Rank 0's result.json in `out`, once written (bounded by the probe's own wait)."""
-        path, deadline = out / "result.json", time.monotonic() + 600
-        while not path.is_file():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"megatron probe ended (exit {self.proc.returncode}) without {path}:\n"
-                            + (self.tmp / "probe.log").read_text()[-3000:])
-            time.sleep(0.2)
-        result = json.loads(path.read_text())
+        result = self.read(out / "result.json")
         return {**result, **{key: {int(k): v for k, v in result[key].items()} for key in ("losses", "lrs")}}
 
     def load(self, out: Path, spec: dict) -> dict:
         out.mkdir(parents=True, exist_ok=True)
-        (self.tmp / "load.tmp").write_text(json.dumps({**spec, "mode": "load", "out": str(out)}))
-        os.replace(self.tmp / "load.tmp", self.next)
+        self.send({**spec, "mode": "load", "out": str(out)})
         return self.result(out)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            if not self.next.exists():
-                self.next.write_text("{}")
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def _train(job: dict, path: Path, backend: str) -> dict[int, float]:

@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ from ms_llm.errors import CheckpointError
 from ms_llm.run.metrics import read_metrics
 from torch_backend.dcp import DcpEntries
 from torch_backend.interop import torchtitan
+from peer_probe import ProbeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -59,7 +59,7 @@ def _args(dump: Path) -> list[str]:
             "--debug.seed", str(SEED), "--dump_folder", str(dump)]
 
 
-class Titan:
+class Titan(ProbeProcess):
     """One torchtitan process (torchtitan_run_probe.py) for the module: it trains, then waits while
     ms_llm makes the export it resumes, so torch and torchtitan are imported once."""
 
@@ -67,10 +67,9 @@ class Titan:
         if not (ORACLES / "torchtitan").is_dir():
             pytest.fail(".oracles/ has no torchtitan: run `make oracles`")
         self.tmp, self.batches, self.next = tmp, batches, tmp / "resume_in.json"
-        self.log = open(tmp / "probe.log", "w")
         (tmp / "train_in.json").write_text(json.dumps(self.spec("train", args)))
-        self.proc = subprocess.Popen([sys.executable, str(PROBE), str(tmp / "train_in.json")], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ORACLES)}, cwd=tmp)
+        super().__init__("torchtitan", [sys.executable, str(PROBE), str(tmp / "train_in.json")], tmp,
+                         {**os.environ, "PYTHONPATH": str(ORACLES)}, self.next)
 
     def spec(self, mode: str, args: list[str]) -> dict:
         return {"mode": mode, "args": args, "model": TITAN_MODEL, "batches": str(self.batches),
@@ -78,31 +77,12 @@ class Titan:
 
     def result(self, mode: str) -> dict:
         """The probe's out for `mode`, once written (bounded by the probe's own wait)."""
-        path, deadline = self.tmp / f"{mode}.json", time.monotonic() + 600
-        while not path.is_file():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"torchtitan probe ended (exit {self.proc.returncode}) without {path.name}:\n"
-                            + (self.tmp / "probe.log").read_text()[-3000:])
-            time.sleep(0.2)
-        out = json.loads(path.read_text())
+        out = self.read(self.tmp / f"{mode}.json")
         return {k: {int(s): v for s, v in out[k].items()} if isinstance(out[k], dict) else out[k] for k in out}
 
     def resume(self, args: list[str]) -> dict:
-        (self.tmp / "next.tmp").write_text(json.dumps(self.spec("resume", args)))
-        os.replace(self.tmp / "next.tmp", self.next)
+        self.send(self.spec("resume", args))
         return self.result("resume")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            if not self.next.exists():
-                self.next.write_text("{}")
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def _train(job: Path, run: Path, backend: str, tokens: Path) -> dict[int, float]:

@@ -16,7 +16,7 @@ DS_ACCELERATOR=cpu); they share every engine in turn:
         rank 0 then runs ds_to_universal on the save `latest` names (into <tag>_universal) and
         zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint (into dir/zero_to_fp32.safetensors)
 out: {"losses": {name: {step: loss}}, "lr": {name: {step: lr}}}
-With "then", the ranks wait (at most WAIT_S) for that file to appear: a spec of more work of the
+With "then", the ranks wait (at most peer_probe.WAIT_S) for that file to appear: a spec of more work of the
 same kinds with its own "out" path (and "then"), or {} to stop. So a test module pays for one
 start of DeepSpeed (most of its cost: the imports) while ms_llm's runs make what it resumes from.
 Step k trains on ms_llm's global batch k (GlobalBatchSampler over the same token file, dp rank r
@@ -36,9 +36,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from peer_probe import next_spec
 
 TIMEOUT_S = 1800        # the whole probe, waits included
-WAIT_S = 900            # for the next spec
 
 
 def batch(data: dict, step: int, rank: int, world: int):
@@ -98,12 +98,7 @@ def worker(spec: dict, out_path: str) -> None:
 
 def wait_for(path: Path, spec: dict) -> tuple[str, dict]:
     """The next spec (its out path and its work, with this run's model and data), once it appears."""
-    deadline = time.monotonic() + WAIT_S
-    while not path.is_file():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no {path} after {WAIT_S} s")
-        time.sleep(0.2)
-    nxt = json.loads(path.read_text())
+    nxt = next_spec(path)
     if not nxt:
         return "", {}
     return nxt["out"], {**{k: spec[k] for k in ("world", "model", "seed", "data") if k in spec}, **nxt}

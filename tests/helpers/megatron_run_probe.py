@@ -28,7 +28,7 @@ argv[1]: JSON {"mode": "train" | "load", "flags": {Megatron-LM flag: value or tr
         batches from its iteration on.
 Rank 0 writes out/result.json: {"losses": {step: loss}, "lrs": {step: its learning rate}, "start": the
 iteration trained from, "consumed_samples"}.
-With "then": a path, the ranks leave their world once it is written and rank 0 waits (at most WAIT_S)
+With "then": a path, the ranks leave their world once it is written and rank 0 waits (at most peer_probe.WAIT_S)
 for that file: a spec of the load mode with its own "out" ({} to stop), which it runs in a world of
 its own (tensor parallel 1, one process). One start of torch and megatron-core serves both.
 """
@@ -41,15 +41,14 @@ import json
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from peer_probe import next_spec
 
-WAIT_S = 900            # for the next spec
 
 
 def cpu_shim() -> None:
@@ -254,17 +253,6 @@ def main(spec: dict) -> None:
     if nxt:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         run_spec(nxt)
-
-
-def next_spec(path: str) -> dict:
-    """The spec the test writes to `path` once it has what it needs ({}: stop)."""
-    deadline = time.monotonic() + WAIT_S
-    while not os.path.isfile(path):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no {path} after {WAIT_S} s")
-        time.sleep(0.2)
-    with open(path) as f:
-        return json.load(f)
 
 
 def run_spec(spec: dict) -> None:

@@ -19,7 +19,7 @@ seq + 1) of token ids, "out": JSON file, "save": folder (train), "load": an expo
   resume: finds and loads the checkpoint as MindFormers' resume does (get_resume_checkpoint,
           load_resume_checkpoint, ms.load_checkpoint + load_param_into_net) and trains from its step_num.
 out: {"losses": {step: loss}, "step": the step it began from, "global_step": the optimizer's count then}.
-With "then": a path, the process waits (at most WAIT_S) for that file: the next spec (the resume of what
+With "then": a path, the process waits (at most peer_probe.WAIT_S) for that file: the next spec (the resume of what
 the test exported from this run meanwhile), or {} to stop. One start of MindSpore and MindFormers serves
 both.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import mindspore as ms
 import mindspore.dataset as ds
@@ -41,8 +40,8 @@ from mindformers.core.context import build_context
 from mindformers.trainer.optimizer_grouped_parameters import get_optimizer_grouped_parameters
 from mindformers.utils.resume_ckpt_utils import get_resume_checkpoint, load_resume_checkpoint
 from mindformers.wrapper import MFTrainOneStepCell
+from peer_probe import next_spec
 
-WAIT_S = 900            # for the next spec
 
 
 class CpuTrainOneStepCell(MFTrainOneStepCell):
@@ -141,17 +140,6 @@ def run(request: dict) -> dict:
     if request.get("load_2x"):
         result["v2"] = load_2x(request["load_2x"], request["hf"])
     return result
-
-
-def next_spec(path: str) -> dict:
-    """The spec the test writes to `path` once it has what it needs ({}: stop)."""
-    deadline = time.monotonic() + WAIT_S
-    while not os.path.isfile(path):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no {path} after {WAIT_S} s")
-        time.sleep(0.2)
-    with open(path) as f:
-        return json.load(f)
 
 
 if __name__ == "__main__":

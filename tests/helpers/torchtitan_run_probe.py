@@ -17,7 +17,7 @@ n_heads, n_kv_heads, vocab_size, hidden_dim, max_seq_len, rope_theta, norm_eps},
   train: trains every batch, saving as CheckpointManager decides (checkpoint.interval, the last step).
   resume: loads the newest step of checkpoint.folder (the job's arguments name it) and trains from it.
 out: {"losses": {step: loss}, "lrs": {step: the lr it trained with}, "step": the step it began from}.
-With "then": a path, the process waits (at most WAIT_S) for that file: the next spec of the same kind
+With "then": a path, the process waits (at most peer_probe.WAIT_S) for that file: the next spec of the same kind
 (the resume of what the test made from this run meanwhile), or {} to stop. One start of torch and
 torchtitan serves both.
 """
@@ -26,14 +26,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config.manager import ConfigManager
@@ -41,8 +39,8 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+from peer_probe import next_spec
 
-WAIT_S = 900            # for the next spec
 
 
 class Batches(IterableDataset):
@@ -126,17 +124,6 @@ def main(spec: dict) -> dict:
         checkpointer.save(state.step, last_step=state.step == cfg.training.steps)
     checkpointer.close()
     return {"losses": losses, "lrs": lrs, "step": begin}
-
-
-def next_spec(path: str) -> dict:
-    """The spec the test writes to `path` once it has what it needs ({}: stop)."""
-    deadline = time.monotonic() + WAIT_S
-    while not os.path.isfile(path):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no {path} after {WAIT_S} s")
-        time.sleep(0.2)
-    with open(path) as f:
-        return json.load(f)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +41,7 @@ from ms_llm.strategy.ir import ParallelStrategy
 ms = pytest.importorskip("mindspore")
 from ms_llm.mindspore.interop import mindformers, mindformers_names  # noqa: E402  (needs MindSpore)
 from ms_llm.mindspore.strategy_file import MsParamLayout, write_strategy_file  # noqa: E402
+from peer_probe import ProbeProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -87,7 +87,7 @@ runner_wrapper: {{type: MFTrainOneStepCell, scale_sense: 1.0, use_clip_grad: Tru
 """
 
 
-class MindFormers:
+class MindFormers(ProbeProcess):
     """One MindFormers process (mindformers_run_probe.py) for the module: it trains, then waits while
     ms_llm makes the exports it resumes, so MindSpore and MindFormers are imported once."""
 
@@ -95,11 +95,9 @@ class MindFormers:
         if not (ORACLES / "mindformers").is_dir():
             pytest.fail(".oracles/ has no mindformers: run `make oracles`")
         self.tmp, self.next = tmp, tmp / "resume_in.json"
-        self.log = open(tmp / "probe.log", "w")
         (tmp / "train_in.json").write_text(json.dumps(self.spec("train", then=str(self.next), **paths)))
-        self.proc = subprocess.Popen([sys.executable, str(PROBE), str(tmp / "train_in.json")], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ORACLES),
-                                                                    "GLOG_v": "3"}, cwd=tmp)
+        super().__init__("MindFormers", [sys.executable, str(PROBE), str(tmp / "train_in.json")], tmp,
+                         {**os.environ, "PYTHONPATH": str(ORACLES), "GLOG_v": "3"}, self.next, timeout_s=900)
 
     def spec(self, mode: str, then: str = "", **paths: Path) -> dict:
         return {"mode": mode, "yaml": str(self.tmp / "mf.yaml"), "batches": str(self.tmp / "batches.npy"),
@@ -107,31 +105,12 @@ class MindFormers:
 
     def result(self, mode: str) -> dict:
         """The probe's out for `mode`, once written (bounded by the probe's own wait)."""
-        path, deadline = self.tmp / f"{mode}.json", time.monotonic() + 900
-        while not path.is_file():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"MindFormers probe ended (exit {self.proc.returncode}) without {path.name}:\n"
-                            + (self.tmp / "probe.log").read_text()[-3000:])
-            time.sleep(0.2)
-        out = json.loads(path.read_text())
+        out = self.read(self.tmp / f"{mode}.json")
         return {**out, "losses": {int(s): v for s, v in out["losses"].items()}}
 
     def resume(self, **paths: Path) -> dict:
-        (self.tmp / "next.tmp").write_text(json.dumps(self.spec("resume", **paths)))
-        os.replace(self.tmp / "next.tmp", self.next)
+        self.send(self.spec("resume", **paths))
         return self.result("resume")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            if not self.next.exists():
-                self.next.write_text("{}")
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def _train(job: Path, run: Path, backend: str, tokens: Path) -> dict[int, float]:
