@@ -100,11 +100,18 @@ def unscale_and_clip(params: list[nn.Parameter], grad_clip: float, loss_scale: f
     in one multiply (grad_clip 0 = off)."""
     norm = clip_grad_norm(params, 0.0, pp_group, uncounted) / loss_scale
     if torch.isfinite(norm):
-        coef = min(1.0, grad_clip / (norm.item() + 1e-6)) if grad_clip > 0 else 1.0
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef / loss_scale)
+        to_true_clipped(params, norm, grad_clip, loss_scale)
     return norm
+
+
+@torch.no_grad()
+def to_true_clipped(params: list[nn.Parameter], norm: torch.Tensor, grad_clip: float, loss_scale: float) -> None:
+    """Gradients that are `loss_scale` times the true ones, whose true global norm is `norm`,
+    become the true ones clipped to `grad_clip` (0 = off), in one multiply."""
+    coef = min(1.0, grad_clip / (norm.item() + 1e-6)) if grad_clip > 0 else 1.0
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef / loss_scale)
 
 
 class DDP(DataParallel):
@@ -210,10 +217,7 @@ class FSDP(DataParallel):
             group["lr"] = lr
         norm = self._grad_norm(params, pp_group) / (loss_scale or 1.0)
         if torch.isfinite(norm):
-            coef = min(1.0, grad_clip / (norm.item() + 1e-6)) if grad_clip > 0 else 1.0
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef / (loss_scale or 1.0))
+            to_true_clipped(params, norm, grad_clip, loss_scale or 1.0)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm
