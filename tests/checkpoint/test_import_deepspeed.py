@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,9 +33,9 @@ from safetensors.numpy import load_file
 
 from ms_llm.checkpoint import Checkpoint, optim_name
 from ms_llm.cli import main as cli
-from ms_llm.run.metrics import read_metrics
 from torch_backend.interop import deepspeed
 from peer_probe import ProbeProcess
+from train_run import train_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "helpers" / "deepspeed_run_probe.py"
@@ -88,13 +87,8 @@ class Peer(ProbeProcess):
 
 
 def train(job: Path, run: Path, backend: str, *sets: str) -> dict[int, float]:
-    args = [sys.executable, "-m", "ms_llm", "train", str(job), "--run-dir", str(run), "--backend", backend,
-            "--steps", str(STEPS + 3)]
-    for s in RUN_SETS + sets:
-        args += ["--set", s]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+    return train_losses(job, run, backend, "--steps", str(STEPS + 3),
+                        *(arg for s in RUN_SETS + sets for arg in ("--set", s)))
 
 
 @pytest.fixture(scope="module")

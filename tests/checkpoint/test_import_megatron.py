@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -40,11 +39,11 @@ from ms_llm.convert.shell import launch_command
 from ms_llm.data import GlobalBatchSampler, load_tokens
 from ms_llm.errors import CheckpointError
 from ms_llm.job import load_job
-from ms_llm.run.metrics import read_metrics
 from torch_backend.interop import megatron
 from torch_backend.interop.megatron_buckets import place
 from torch_backend.interop.megatron_files import PeerValue, unpickle
 from peer_probe import ProbeProcess
+from train_run import train_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -97,11 +96,7 @@ class Megatron(ProbeProcess):
 
 def _train(job: dict, path: Path, backend: str) -> dict[int, float]:
     path.write_text(yaml.safe_dump(job))
-    run = path.parent / f"run_{backend}"
-    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(path), "--run-dir", str(run),
-                           "--backend", backend], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+    return train_losses(path, path.parent / f"run_{backend}", backend)
 
 
 @pytest.fixture(scope="module")

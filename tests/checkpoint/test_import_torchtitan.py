@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,10 +31,10 @@ from ms_llm.cli import main as cli
 from ms_llm.convert.common import ConversionError
 from ms_llm.data import GlobalBatchSampler
 from ms_llm.errors import CheckpointError
-from ms_llm.run.metrics import read_metrics
 from torch_backend.dcp import DcpEntries
 from torch_backend.interop import torchtitan
 from peer_probe import ProbeProcess
+from train_run import train_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -86,11 +85,7 @@ class Titan(ProbeProcess):
 
 
 def _train(job: Path, run: Path, backend: str, tokens: Path) -> dict[int, float]:
-    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(job), "--run-dir", str(run), "--backend",
-                           backend, "--set", "device=cpu", "--set", f"train.data.source={tokens}"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+    return train_losses(job, run, backend, "--set", "device=cpu", "--set", f"train.data.source={tokens}")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,13 +34,13 @@ from ms_llm.config.model import ModelConfig, MoEConfig
 from ms_llm.config.schema import from_dict
 from ms_llm.data import GlobalBatchSampler
 from ms_llm.errors import CheckpointError
-from ms_llm.run.metrics import read_metrics
 from ms_llm.strategy.ir import ParallelStrategy
 
 ms = pytest.importorskip("mindspore")
 from ms_llm.mindspore.interop import mindformers, mindformers_names  # noqa: E402  (needs MindSpore)
 from ms_llm.mindspore.strategy_file import MsParamLayout, write_strategy_file  # noqa: E402
 from peer_probe import ProbeProcess  # noqa: E402
+from train_run import train_losses  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLES = ROOT / ".oracles"
@@ -114,11 +113,8 @@ class MindFormers(ProbeProcess):
 
 
 def _train(job: Path, run: Path, backend: str, tokens: Path) -> dict[int, float]:
-    proc = subprocess.run([sys.executable, "-m", "ms_llm", "train", str(job), "--run-dir", str(run), "--backend",
-                           backend, "--set", "device=cpu", "--set", f"train.data.source={tokens}"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+    return train_losses(job, run, backend, "--set", "device=cpu", "--set", f"train.data.source={tokens}",
+                        timeout_s=900)
 
 
 def _hf_named(ckpt: Checkpoint) -> dict[str, np.ndarray]:
